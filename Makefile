@@ -1,0 +1,27 @@
+# meshplan developer entry points. Works on a fresh clone with nothing installed:
+# `make test` builds $(VENV) first (about two minutes), later runs reuse it.
+
+VENV ?= .venv
+PY = $(VENV)/bin/python
+# Installed BEFORE the project so pip never resolves a bare `torch` (a CUDA build of several GB).
+TORCH ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[mpi,kernels,k8s,test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/meshplan demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info build/ dist/
+	find . -path './.venv*' -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

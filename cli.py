@@ -1,0 +1,170 @@
+"""The ``meshplan`` command line. Subcommands grow with the pipeline; each prints one clear
+error line (what, where, how to fix) and exits non-zero instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from ._errors import MeshplanError, TraceError
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def load_target(spec: str) -> tuple[Callable[..., Any], tuple]:
+    """``path/to/file.py:NAME`` -> (the step function, its example inputs).
+
+    Example inputs come from ``NAME.example_inputs`` or the file's module-level
+    ``example_inputs`` (a tuple, or a zero-argument callable returning one).
+    """
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise TraceError(f"target {spec!r} is not of the form FILE.py:NAME "
+                         "(e.g. examples/gpt.py:train_step)")
+    if not os.path.isfile(path):
+        raise TraceError(f"target file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
+    mod_name = f"_meshplan_user_{abs(hash(os.path.abspath(path)))}"
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, folder)
+    try:
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise TraceError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.remove(folder)
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        raise TraceError(f"{path} has no function {name!r}")
+    ex = getattr(fn, "example_inputs", None)
+    if ex is None:
+        ex = getattr(module, "example_inputs", None)
+    if callable(ex):
+        ex = ex()
+    if ex is None:
+        raise TraceError(f"{path}:{name} has no example inputs; set `{name}.example_inputs = "
+                         "(x, y)` or a module-level `example_inputs` tuple")
+    return fn, tuple(ex) if isinstance(ex, (tuple, list)) else (ex,)
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import meshplan
+
+    fn, example = load_target(args.target)
+    traced = meshplan.trace(fn, *example)
+    traced.graph.save(args.out)
+    g = traced.graph
+    _console().print(f"traced {g.info.name}: {len(g.nodes)} nodes, {g.num_params():,} parameters "
+                     f"-> {args.out}")
+    return 0
+
+
+def cmd_ir_show(args: argparse.Namespace) -> int:
+    from .ir import Graph, summarize
+
+    graph = Graph.load(args.graph)
+    s = summarize(graph, top=args.top)
+    if args.json:
+        print(json.dumps(_summary_dict(s), indent=2))
+        return 0
+    print_summary(s)
+    return 0
+
+
+def _summary_dict(s: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(s)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def print_summary(s: Any, console: Any = None) -> None:
+    from rich.table import Table
+
+    console = console or _console()
+    console.print(f"[bold]{s.name}[/bold]: {sum(c for _, c in s.nodes_by_kind)} nodes "
+                  f"({', '.join(f'{c} {k}' for k, c in s.nodes_by_kind)}), "
+                  f"{s.num_params:,} parameters, {_fmt_count(s.flops)}FLOP per step "
+                  f"({', '.join(f'{p} {_fmt_count(f)}' for p, f in s.flops_by_phase)}), "
+                  f"{_fmt_count(s.bytes_moved)}B moved")
+    roles = Table(title="inputs by role")
+    for col in ("role", "tensors", "bytes"):
+        roles.add_column(col, justify="right" if col != "role" else "left")
+    for role, count, nbytes in s.inputs_by_role:
+        roles.add_row(role, str(count), _fmt_count(nbytes))
+    console.print(roles)
+    ops = Table(title="ops")
+    ops.add_column("op")
+    ops.add_column("count", justify="right")
+    for op, count in s.ops[:15]:
+        ops.add_row(op, str(count))
+    if len(s.ops) > 15:
+        ops.add_row(f"... {len(s.ops) - 15} more", str(sum(c for _, c in s.ops[15:])))
+    console.print(ops)
+    acts = Table(title="largest activations")
+    for col in ("node", "op", "shape", "bytes", "source"):
+        acts.add_column(col)
+    for v in s.largest_activations:
+        acts.add_row(v.node, v.target, f"{v.dtype}{list(v.shape)}", _fmt_count(v.nbytes), v.where)
+    console.print(acts)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .examples.demo import run_demo
+
+    return run_demo(steps=args.steps, console=_console())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("trace", help="trace FILE.py:STEP into an IR graph (JSON)")
+    t.add_argument("target", help="FILE.py:NAME of the training step")
+    t.add_argument("--out", "-o", required=True, help="where to write the graph JSON")
+    t.set_defaults(func=cmd_trace)
+
+    ir = sub.add_parser("ir", help="inspect IR graphs")
+    ir_sub = ir.add_subparsers(dest="ir_command", required=True)
+    show = ir_sub.add_parser("show", help="summarise a graph: nodes, parameters, FLOPs")
+    show.add_argument("graph")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    show.add_argument("--top", type=int, default=8, help="how many largest activations to list")
+    show.set_defaults(func=cmd_ir_show)
+
+    d = sub.add_parser("demo", help="trace the example GPT step and replay it against eager")
+    d.add_argument("--steps", type=int, default=5)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MeshplanError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

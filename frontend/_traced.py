@@ -1,0 +1,372 @@
+"""``meshplan.trace``: a training step as an IR graph, and a drop-in replacement for the step."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from .._errors import MeshplanError, TraceError
+from ..ir import (
+    Graph,
+    GraphInfo,
+    NodeKind,
+    Output,
+    OutputKind,
+    Ref,
+    ResultSpec,
+    Role,
+    TensorMeta,
+    eliminate_dead_code,
+    interpret,
+    remove_identity_ops,
+    run_passes,
+    verify,
+)
+from ._capture import (
+    NoOptimizerStep,
+    StateSpec,
+    UserValueRead,
+    _BadResult,
+    current_spec,
+    functionalize_stage_one,
+    trace_stage_one,
+)
+from ._convert import convert
+from ._discover import Inventory, discover, step_location
+from ._source import describe, exception_user_location
+
+logger = logging.getLogger(__name__)
+
+_DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException,
+                   DynamicOutputShapeException)
+
+
+def trace(step_fn: Callable[..., Any], *example_args: Any) -> TracedStep:
+    """Capture ``step_fn`` (forward, ``loss.backward()``, optimizer step) into one IR graph.
+
+    ``step_fn`` is an ordinary training step that closes over its model and optimizer. Tracing
+    runs on fake tensors and changes no state; it works before the first step, after eager
+    steps, and for models on the meta device. The returned :class:`TracedStep` is callable like
+    the step itself and runs through the IR's reference interpreter.
+    """
+    traced = TracedStep(step_fn)
+    traced._prepare(example_args)
+    return traced
+
+
+@dataclasses.dataclass(frozen=True)
+class _Args:
+    """The step's positional arguments split into tensor leaves (graph data) and the rest."""
+
+    leaves: list[Any]
+    spec: Any
+    tensor_at: tuple[int, ...]
+
+    @staticmethod
+    def of(args: tuple) -> _Args:
+        leaves, spec = pytree.tree_flatten(list(args))
+        at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        return _Args(leaves, spec, at)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.leaves[i] for i in self.tensor_at]
+
+    def signature(self) -> tuple:
+        sig = []
+        for x in self.leaves:
+            if isinstance(x, torch.Tensor):
+                sig.append(("T", tuple(x.shape), x.dtype))
+            else:
+                try:
+                    hash(x)
+                    sig.append(("V", x))
+                except TypeError:
+                    sig.append(("R", repr(x)))
+        return (str(self.spec), tuple(sig))
+
+    def rebuild(self, data: list[torch.Tensor]) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, data):
+            leaves[i] = t
+        return tuple(pytree.tree_unflatten(leaves, self.spec)), {}
+
+    def names(self, fn: Callable[..., Any]) -> list[str]:
+        try:
+            params = [p.name for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            params = []
+        paths, _ = pytree.tree_flatten_with_path(list(self.leaves_tree()))
+        out = []
+        for path, _leaf in (paths[i] for i in self.tensor_at):
+            head, rest = path[0], path[1:]
+            idx = getattr(head, "idx", 0)
+            base = params[idx] if idx < len(params) else f"arg{idx}"
+            out.append(base + pytree.keystr(rest))
+        return out
+
+    def leaves_tree(self) -> Any:
+        return pytree.tree_unflatten(self.leaves, self.spec)
+
+
+class TracedStep:
+    """A training step captured as IR graphs, callable like the original step.
+
+    ``graph`` is the steady-state step (all optimizer state as inputs). A step traced before its
+    optimizer holds state also keeps the first-step graph, which creates that state. Graphs are
+    specialised on argument shapes, optimizer hyperparameters and the state's structure; a call
+    that differs in any of them is traced again automatically.
+    """
+
+    def __init__(self, step_fn: Callable[..., Any]) -> None:
+        if not callable(step_fn):
+            raise TraceError(f"meshplan.trace expects a function, got {type(step_fn).__name__}")
+        self.step_fn = step_fn
+        self.inventory: Inventory = discover(step_fn)
+        self._graphs: dict[tuple, Graph] = {}
+        self._steady: Graph | None = None
+        self._first: Graph | None = None
+
+    # ---- public ---------------------------------------------------------------------------
+    @property
+    def graph(self) -> Graph:
+        assert self._steady is not None
+        return self._steady
+
+    @property
+    def first_step_graph(self) -> Graph | None:
+        """The graph for a step whose optimizer holds no state yet (None if traced later)."""
+        return self._first
+
+    def __call__(self, *args: Any) -> Any:
+        a = _Args.of(args)
+        spec = current_spec(self.inventory)
+        key = self._key(spec, a)
+        graph = self._graphs.get(key)
+        if graph is None:
+            logger.info("meshplan: re-tracing %s (new shapes, hyperparameters or state)",
+                        self._name)
+            graph, _ = self._trace(spec, a)
+            self._graphs[key] = graph
+        return self._run(graph, a)
+
+    def __repr__(self) -> str:
+        return f"TracedStep({self._name}, {len(self.graph.nodes)} nodes)"
+
+    # ---- tracing --------------------------------------------------------------------------
+    @property
+    def _name(self) -> str:
+        return getattr(self.step_fn, "__qualname__", type(self.step_fn).__name__)
+
+    def _key(self, spec: StateSpec, a: _Args) -> tuple:
+        hyper = []
+        for _, opt in self.inventory.optimizers:
+            for g in opt.param_groups:
+                hyper.append(tuple(sorted(
+                    (k, v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
+                    for k, v in g.items() if k != "params")))
+        modes = tuple(m.training for slot in self.inventory.params for m, _ in slot.homes)
+        return (spec, tuple(hyper), a.signature(), modes)
+
+    def _prepare(self, example_args: tuple) -> None:
+        a = _Args.of(example_args)
+        spec0 = current_spec(self.inventory)
+        g0, exit0 = self._trace(spec0, a)
+        self._graphs[self._key(spec0, a)] = g0
+        if exit0 == spec0:
+            self._steady = g0
+            return
+        g1, exit1 = self._trace(exit0, a)
+        if exit1 != exit0:
+            raise TraceError(
+                f"the optimizer state of {self._name} changes structure at every step "
+                f"({len(exit0.opt)} then {len(exit1.opt)} tensors); meshplan needs a steady "
+                "state: keep the optimizer's state shapes fixed between steps"
+            )
+        self._graphs[self._key(exit0, a)] = g1
+        self._first, self._steady = g0, g1
+
+    def _trace(self, spec: StateSpec, a: _Args) -> tuple[Graph, StateSpec]:
+        fn = self.step_fn
+        try:
+            one = trace_stage_one(fn, self.inventory, spec, a.tensors, a.rebuild, a.names(fn))
+            gm = functionalize_stage_one(one)
+        except _BadResult as e:
+            raise TraceError(
+                f"{self._name} returns a {e}; a step must return a tensor (the loss), a tuple "
+                f"or list of tensors, a dict of tensors, or None\n{describe(step_location(fn))}"
+            ) from None
+        except NoOptimizerStep:
+            names = ", ".join(n for n, _ in self.inventory.optimizers)
+            raise TraceError(
+                f"{self._name} never calls step() on its optimizer ({names})\n"
+                f"{describe(step_location(fn))}\na training step runs forward, "
+                "loss.backward() and opt.step(); add the opt.step() call"
+            ) from None
+        except (UserValueRead, *_DATA_DEPENDENT) as e:
+            loc = e.loc if isinstance(e, UserValueRead) else exception_user_location(e)
+            raise TraceError(
+                f"{self._name} reads a tensor's value in Python\n{describe(loc)}\n"
+                "meshplan traces the step once and replays it, so Python control flow and "
+                "`.item()`/`float()`/`print` must not depend on tensor values inside the step; "
+                "use tensor ops (torch.where, masks) instead, or return the value and read it "
+                "after the call"
+            ) from None
+        except MeshplanError:
+            raise
+        except Exception as e:  # the user's code failed while being traced
+            loc = exception_user_location(e)
+            raise TraceError(
+                f"tracing {self._name} failed: {type(e).__name__}: {e}\n{describe(loc)}\n"
+                "the step must run as ordinary PyTorch on tensors of the example inputs' shapes"
+            ) from e
+        info = GraphInfo(
+            name=self._name,
+            source=step_location(fn),
+            result=ResultSpec(one.result_kind, one.result_keys),
+            torch_version=torch.__version__,
+        )
+        graph, mutated, marks = convert(gm, one.input_names, one.output_names, one.n_results,
+                                        info.result, one.n_marks, info)
+        for name, role in mutated:
+            if role is Role.DATA:
+                raise TraceError(
+                    f"{self._name} modifies its input {name!r} in place\n"
+                    f"{describe(step_location(fn))}\nclone it first (x = x.clone()) or use an "
+                    "out-of-place op"
+                )
+        return _finish(graph, marks), one.exit_spec
+
+    # ---- running --------------------------------------------------------------------------
+    def _inputs(self, graph: Graph, a: _Args) -> dict[str, torch.Tensor]:
+        inv = self.inventory
+        vals: dict[str, torch.Tensor] = {}
+        for s in inv.params:
+            vals[s.name] = s.tensor.detach()
+            if s.tensor.grad is not None:
+                vals[f"{s.name}.grad"] = s.tensor.grad
+        for s in inv.buffers:
+            vals[s.name] = s.tensor
+        for oname, opt in inv.optimizers:
+            for p, st in opt.state.items():
+                pname = inv.param_name(p)
+                for k, v in st.items():
+                    vals[f"{oname}.state.{pname}.{k}"] = v
+        for node, t in zip(graph.inputs_with_role(Role.DATA), a.tensors):
+            vals[node.target] = t
+        return vals
+
+    def _run(self, graph: Graph, a: _Args) -> Any:
+        inputs = self._inputs(graph, a)
+        if any(t.is_meta for t in inputs.values()):
+            raise TraceError(
+                f"{self._name}: the model or inputs live on the meta device, so the traced "
+                "step can be planned but not run; materialise the model (module.to_empty("
+                "device='cpu') and initialise it) to run it"
+            )
+        outs = interpret(graph, inputs, device=_device_of(inputs))
+        results = []
+        written: set[str] = set()
+        for o, value in zip(graph.outputs, outs):
+            if o.kind is OutputKind.RESULT:
+                results.append(value)
+            else:
+                self._write(o.name, o.role, value, inputs)
+                written.add(o.name)
+        for s in self.inventory.params:
+            if f"{s.name}.grad" not in written:
+                s.tensor.grad = None
+        return _pack(graph.info.result, results)
+
+    def _write(self, name: str, role: Role | None, value: torch.Tensor,
+               inputs: dict[str, torch.Tensor]) -> None:
+        inv = self.inventory
+        old = inputs.get(name)
+        if old is value:
+            return
+        if old is not None and role is not Role.GRAD:
+            with torch.no_grad():
+                old.copy_(value)
+            return
+        if _aliases_any(value, inputs.values()):
+            value = value.clone()
+        if role is Role.GRAD:
+            inv.params[_index_of(inv, name.removesuffix(".grad"))].tensor.grad = value
+            return
+        if role is Role.OPT_STATE:
+            for oname, opt in inv.optimizers:
+                prefix = f"{oname}.state."
+                if name.startswith(prefix):
+                    pname, _, key = name[len(prefix):].rpartition(".")
+                    opt.state[inv.params[_index_of(inv, pname)].tensor][key] = value
+                    return
+        raise TraceError(f"internal: cannot write back state {name!r}")
+
+
+def _index_of(inv: Inventory, pname: str) -> int:
+    for i, s in enumerate(inv.params):
+        if s.name == pname:
+            return i
+    raise TraceError(f"internal: unknown parameter {pname!r}")
+
+
+def _aliases_any(t: torch.Tensor, others: Any) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+def _device_of(inputs: dict[str, torch.Tensor]) -> torch.device | None:
+    for t in inputs.values():
+        return t.device
+    return None
+
+
+def _pack(spec: ResultSpec, results: list[Any]) -> Any:
+    if spec.kind == "none":
+        return None
+    if spec.kind == "tensor":
+        return results[0]
+    if spec.kind == "dict":
+        return dict(zip(spec.keys, results))
+    return tuple(results) if spec.kind == "tuple" else list(results)
+
+
+def _finish(graph: Graph, marks: list[Ref]) -> Graph:
+    """Passes after conversion: drop identities, give gradients their role, drop dead code.
+
+    ``marks`` are clones of each gradient taken when backward produced it; they ride along as
+    trailing outputs so the identity pass rewires them like everything else, then the value
+    each one cloned gets the GRAD role and the marks go away.
+    """
+    n_marks = len(marks)
+    with_marks = Graph(graph.nodes, graph.outputs + tuple(
+        Output(r, OutputKind.RESULT, "mark") for r in marks), graph.info)
+
+    def mark_grads(g: Graph) -> Graph:
+        body, marked = g.outputs[:len(g.outputs) - n_marks], g.outputs[len(g.outputs) - n_marks:]
+        grads: dict[str, set[int]] = {}
+        for o in marked:
+            clone = g.node(o.ref.node)
+            src = clone.args[0] if clone.args and isinstance(clone.args[0], Ref) else o.ref
+            grads.setdefault(src.node, set()).add(src.index)
+        nodes = []
+        for n in g.nodes:
+            hit = grads.get(n.name)
+            if hit and n.kind is NodeKind.OP:
+                outs = tuple(m.with_role(Role.GRAD) if i in hit and isinstance(m, TensorMeta)
+                             else m for i, m in enumerate(n.outputs))
+                n = dataclasses.replace(n, outputs=outs)
+            nodes.append(n)
+        return Graph(tuple(nodes), body, g.info)
+
+    mark_grads.__name__ = "mark_grads"
+    graph = run_passes(with_marks, (remove_identity_ops, mark_grads, eliminate_dead_code))
+    return verify(graph)

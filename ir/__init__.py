@@ -1,0 +1,58 @@
+"""meshplan's intermediate representation: a pure dataflow graph of aten ops.
+
+Small closed set of node kinds, frozen typed metadata, a verifier, versioned JSON, a reference
+interpreter (the oracle for every distributed run) and a networkx view. Imports nothing of
+meshplan's but the shared error hierarchy.
+"""
+
+from .._errors import IRError
+from ._graph import ConstantValue, Graph, GraphInfo, Node, Output, ResultSpec
+from ._interpret import interpret
+from ._ops import node_bytes, node_flops, op_name, resolve_op
+from ._passes import eliminate_dead_code, remove_identity_ops, run_passes, substitute
+from ._serialize import FORMAT, VERSION, atomic_write_text
+from ._summary import GraphSummary, summarize
+from ._types import (
+    NodeKind,
+    OutputKind,
+    Phase,
+    Ref,
+    Role,
+    ScalarMeta,
+    SourceLocation,
+    TensorMeta,
+)
+from ._verify import verify
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "ConstantValue",
+    "Graph",
+    "GraphInfo",
+    "GraphSummary",
+    "IRError",
+    "Node",
+    "NodeKind",
+    "Output",
+    "OutputKind",
+    "Phase",
+    "Ref",
+    "ResultSpec",
+    "Role",
+    "ScalarMeta",
+    "SourceLocation",
+    "TensorMeta",
+    "atomic_write_text",
+    "eliminate_dead_code",
+    "interpret",
+    "node_bytes",
+    "node_flops",
+    "op_name",
+    "remove_identity_ops",
+    "resolve_op",
+    "run_passes",
+    "substitute",
+    "summarize",
+    "verify",
+]

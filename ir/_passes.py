@@ -1,0 +1,78 @@
+"""Pure graph passes: ``Graph -> Graph``. Each keeps ``verify`` true."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from ._graph import Graph, Node, Output
+from ._types import NodeKind, Ref
+
+Pass = Callable[[Graph], Graph]
+
+# Ops that return their input unchanged in a pure graph (no autograd, no mutation).
+IDENTITY_OPS = frozenset({"aten.detach.default", "aten.alias.default"})
+
+
+def _rewrite(a: Any, subst: dict[Ref, Ref]) -> Any:
+    if isinstance(a, Ref):
+        return subst.get(a, a)
+    if isinstance(a, tuple):
+        return tuple(_rewrite(x, subst) for x in a)
+    return a
+
+
+def substitute(graph: Graph, subst: dict[Ref, Ref], drop: set[str]) -> Graph:
+    """Replace every read of a key of ``subst`` by its value and drop the nodes in ``drop``."""
+    nodes = []
+    for n in graph.nodes:
+        if n.name in drop:
+            continue
+        if subst:
+            n = dataclasses.replace(
+                n,
+                args=_rewrite(n.args, subst),
+                kwargs=tuple((k, _rewrite(v, subst)) for k, v in n.kwargs),
+            )
+        nodes.append(n)
+    outputs = tuple(dataclasses.replace(o, ref=subst.get(o.ref, o.ref)) for o in graph.outputs)
+    return Graph(tuple(nodes), outputs, graph.info)
+
+
+def remove_identity_ops(graph: Graph) -> Graph:
+    """Forward reads of ``detach``/``alias`` to their input; tracing leaves many behind."""
+    subst: dict[Ref, Ref] = {}
+    drop: set[str] = set()
+    for n in graph.nodes:
+        if n.kind is NodeKind.OP and n.target in IDENTITY_OPS and isinstance(n.args[0], Ref):
+            src = subst.get(n.args[0], n.args[0])
+            subst[Ref(n.name, 0)] = src
+            drop.add(n.name)
+    return substitute(graph, subst, drop)
+
+
+def eliminate_dead_code(graph: Graph) -> Graph:
+    """Drop op, host and constant nodes whose values never reach an output. Inputs stay: they
+    are the calling convention."""
+    live = {o.ref.node for o in graph.outputs}
+    keep: list[Node] = []
+    for n in reversed(graph.nodes):
+        if n.kind is NodeKind.INPUT or n.name in live:
+            keep.append(n)
+            live.update(r.node for r in n.refs())
+    return Graph(tuple(reversed(keep)), graph.outputs, graph.info)
+
+
+def run_passes(graph: Graph, passes: tuple[Pass, ...], *, check: bool = False) -> Graph:
+    """Apply ``passes`` in order; with ``check`` verify the graph after each one."""
+    from ._verify import verify
+
+    for p in passes:
+        graph = p(graph)
+        if check:
+            verify(graph)
+    return graph
+
+
+def outputs_replaced(graph: Graph, outputs: tuple[Output, ...]) -> Graph:
+    return Graph(graph.nodes, outputs, graph.info)

@@ -1,0 +1,35 @@
+"""Suite-wide pytest hooks: folder markers and the GPU skip.
+
+Tests under ``tests/gpu/`` are marked ``gpu`` and tests under ``tests/dist/`` are marked ``dist``
+automatically. Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_TESTS = Path(__file__).resolve().parent
+_FOLDER_MARKERS = {"gpu": "gpu", "dist": "dist"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            folder = Path(item.path).resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            folder = ""
+        if folder in _FOLDER_MARKERS:
+            item.add_marker(_FOLDER_MARKERS[folder])
+
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch  # only paid for when a GPU test was collected
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU: torch.cuda.is_available() is false")
+    for item in gpu_items:
+        item.add_marker(skip)
