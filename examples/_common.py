@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,11 +51,17 @@ def make_optimizer(
     name: OptimizerName,
     *,
     foreach: bool,
-    lr: float,
+    lrs: Mapping[str, float],
     momentum: float = 0.0,
     weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """``torch.optim.SGD`` or ``torch.optim.AdamW`` with an explicit ``foreach`` choice."""
+    """``torch.optim.SGD`` or ``torch.optim.AdamW`` with an explicit ``foreach`` choice.
+
+    ``lrs`` maps each optimizer name to the example's learning rate for it.
+    """
+    if name not in lrs:
+        raise ValueError(f"unknown optimizer {name!r}; use one of {sorted(lrs)}")
+    lr = lrs[name]
     if name == "sgd":
         return torch.optim.SGD(
             params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=foreach

@@ -38,7 +38,9 @@ class CNNConfig:
 
     def __post_init__(self) -> None:
         if self.image_size % 2:
-            raise ValueError(f"CNNConfig.image_size must be even (one 2x2 max-pool), got {self.image_size}")
+            raise ValueError(
+                f"CNNConfig.image_size must be even (one 2x2 max-pool), got {self.image_size}"
+            )
         if min(self.in_channels, *self.channels, self.n_classes, self.batch_size) <= 0:
             raise ValueError(f"CNNConfig sizes must be positive: {self}")
 
@@ -80,7 +82,7 @@ def build(
     with seeded(seed):
         model = CNN(config)
     opt = make_optimizer(
-        model.parameters(), optimizer, foreach=foreach, lr=_LR[optimizer],
+        model.parameters(), optimizer, foreach=foreach, lrs=_LR,
         momentum=0.9 if optimizer == "sgd" else 0.0, weight_decay=1e-4,
     )
 

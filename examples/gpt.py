@@ -50,9 +50,13 @@ class GPTConfig:
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"GPTConfig.norm must be 'layer' or 'rms', got {self.norm!r}")
         if self.activation not in ("gelu", "silu"):
-            raise ValueError(f"GPTConfig.activation must be 'gelu' or 'silu', got {self.activation!r}")
+            raise ValueError(
+                f"GPTConfig.activation must be 'gelu' or 'silu', got {self.activation!r}"
+            )
         if self.d_model % self.n_head:
-            raise ValueError(f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}")
+            raise ValueError(
+                f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -175,7 +179,7 @@ def build(
     """
     with seeded(seed):
         model = GPT(config)
-    opt = make_optimizer(_param_groups(model, 0.1), optimizer, foreach=foreach, lr=_LR[optimizer])
+    opt = make_optimizer(_param_groups(model, 0.1), optimizer, foreach=foreach, lrs=_LR)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         logits = model(x)
@@ -189,7 +193,8 @@ def build(
 
     def batch(i: int) -> tuple[Tensor, Tensor]:
         shape = (config.batch_size, config.seq_len + 1)
-        tokens = torch.randint(0, config.vocab_size, shape, generator=batch_generator(seed, i), device="cpu")
+        g = batch_generator(seed, i)
+        tokens = torch.randint(0, config.vocab_size, shape, generator=g, device="cpu")
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     return Example(model=model, opt=opt, step=step, batch=batch)

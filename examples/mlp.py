@@ -69,7 +69,7 @@ def build(
     """
     with seeded(seed):
         model = MLP(config)
-    opt = make_optimizer(model.parameters(), optimizer, foreach=foreach, lr=_LR[optimizer])
+    opt = make_optimizer(model.parameters(), optimizer, foreach=foreach, lrs=_LR)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         loss = F.mse_loss(model(x), y)
@@ -84,7 +84,8 @@ def build(
         teacher = torch.randn(
             config.d_in, config.d_out, generator=batch_generator(_TEACHER_SEED, 0), device="cpu"
         )
-        x = torch.randn(config.batch_size, config.d_in, generator=batch_generator(seed, i), device="cpu")
+        g = batch_generator(seed, i)
+        x = torch.randn(config.batch_size, config.d_in, generator=g, device="cpu")
         return x, torch.sin(x @ teacher)
 
     return Example(model=model, opt=opt, step=step, batch=batch)

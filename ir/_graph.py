@@ -51,8 +51,10 @@ class Node:
     value: ConstantValue | None = None
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "a").isalnum():
+        if not isinstance(self.name, str) or not self.name.isidentifier():
             raise IRError(f"node name must be a non-empty identifier, got {self.name!r}")
+        if not isinstance(self.target, str):
+            raise IRError(f"node {self.name}: target must be a string, got {self.target!r}")
         if not isinstance(self.kind, NodeKind):
             raise IRError(f"node {self.name}: kind must be a NodeKind, got {self.kind!r}")
         if (self.kind is NodeKind.CONSTANT) != (self.value is not None):

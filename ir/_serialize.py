@@ -18,10 +18,9 @@ from ._types import NodeKind, OutputKind, Phase, Ref, Role, ScalarMeta, SourceLo
 FORMAT = "meshplan.ir"
 VERSION = 1
 
-_LAYOUTS = {str(v).split(".")[-1]: v for v in (torch.strided, torch.sparse_coo)}
+_LAYOUTS = {name: v for name in dir(torch) if isinstance(v := getattr(torch, name), torch.layout)}
 _MEMORY_FORMATS = {
-    str(v).split(".")[-1]: v
-    for v in (torch.contiguous_format, torch.preserve_format, torch.channels_last)
+    name: v for name in dir(torch) if isinstance(v := getattr(torch, name), torch.memory_format)
 }
 
 
@@ -61,10 +60,13 @@ def decode_arg(a: Any) -> Any:
         if tag == "$dtype":
             return _torch_attr(v, torch.dtype)
         if tag == "$device":
-            return torch.device(v)
-        if tag == "$layout":
+            try:
+                return torch.device(v)
+            except (RuntimeError, TypeError):
+                raise IRError(f"unknown device {v!r}") from None
+        if tag == "$layout" and v in _LAYOUTS:
             return _LAYOUTS[v]
-        if tag == "$memory_format":
+        if tag == "$memory_format" and v in _MEMORY_FORMATS:
             return _MEMORY_FORMATS[v]
     raise IRError(f"cannot decode argument {a!r}")
 
@@ -193,7 +195,7 @@ def graph_from_dict(d: dict[str, Any]) -> Graph:
                    None if o["role"] is None else Role(o["role"]))
             for o in d["outputs"]
         )
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         raise IRError(f"corrupt meshplan graph: {type(e).__name__}: {e}") from None
     return Graph(nodes, outputs, info)
 
