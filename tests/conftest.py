@@ -14,7 +14,22 @@ _TESTS = Path(__file__).resolve().parent
 _FOLDER_MARKERS = {"gpu": "gpu", "dist": "dist"}
 
 
+_REPO = _TESTS.parent
+
+
+def _skip_root_package_setup(items: list[pytest.Item]) -> None:
+    """The repository root IS the package ``meshplan`` (it has an ``__init__.py``), so pytest
+    collects it as a ``Package`` whose setup imports that ``__init__.py`` under the folder's own
+    name (``main``; an ImportError for a folder like ``ci-clone``): a second copy of meshplan.
+    The tests import the installed ``meshplan``; the root package needs no setup."""
+    for item in items:
+        for node in item.listchain():
+            if isinstance(node, pytest.Package) and Path(node.path).resolve() == _REPO:
+                node.setup = lambda: None  # type: ignore[method-assign]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _skip_root_package_setup(items)
     for item in items:
         try:
             folder = Path(item.path).resolve().relative_to(_TESTS).parts[0]

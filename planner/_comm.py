@@ -1,0 +1,62 @@
+"""Alpha-beta cost of collectives on one mesh axis, and of changing a tensor's layout.
+
+Ring algorithms on ``n`` ranks; ``nbytes`` is the size of the full (unsharded along this axis)
+buffer the collective produces or consumes. An all-reduce is a reduce-scatter plus an
+all-gather. These are the textbook bus-bandwidth formulas NCCL's own performance notes use.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .._errors import PlanError
+from ._mesh import Link
+from ._placement import Partial, Placement, Replicate, Shard
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"
+
+
+def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> float:
+    """Seconds for one collective over ``n`` ranks moving a ``nbytes`` buffer."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    a, b = link.latency, link.bandwidth
+    frac = (n - 1) / n
+    if kind is Collective.ALL_REDUCE:
+        return 2 * (n - 1) * a + 2 * frac * nbytes / b
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        return (n - 1) * a + frac * nbytes / b
+    if kind is Collective.SEND_RECV:
+        return a + nbytes / b
+    if kind is Collective.BROADCAST:
+        return (n - 1) * a + nbytes / b      # pipelined ring
+    raise PlanError(f"unknown collective {kind}")
+
+
+def transition(src: Placement, dst: Placement) -> Collective | None | bool:
+    """The collective that turns ``src`` into ``dst`` along one axis: a Collective, None when
+    it is free (a local slice, or keeping a value as one rank's partial), or False when the
+    change is not allowed."""
+    if src == dst:
+        return None
+    if isinstance(src, Replicate):
+        return None                               # R -> S: local slice; R -> P: keep on rank 0
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return Collective.ALL_GATHER
+        if isinstance(dst, Shard):
+            return Collective.ALL_TO_ALL
+        return False                              # S -> P is never useful
+    assert isinstance(src, Partial)
+    if isinstance(dst, Replicate):
+        return Collective.ALL_REDUCE
+    if isinstance(dst, Shard):
+        return Collective.REDUCE_SCATTER
+    return False                                  # P(sum) <-> P(avg): not modelled

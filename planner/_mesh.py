@@ -1,0 +1,194 @@
+"""Abstract device meshes and the topology they sit on.
+
+A ``Mesh`` is named axes with sizes, ranks laid out row-major (the last axis is innermost: its
+ranks are consecutive, as in ``torch.distributed.DeviceMesh``). A ``Topology`` says what the
+devices can do: FLOP/s, memory bandwidth and capacity, and the links inside a node and between
+nodes. An axis whose rank group stays within one node uses the node's link; an axis that spans
+nodes gets the slower link.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from .._errors import PlanError
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One direction of a link as a collective sees it: ``alpha`` seconds per message step,
+    ``bandwidth`` bytes per second per device."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and self.latency >= 0):
+            raise PlanError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Topology:
+    """What one device and its links can do. Numbers are achievable, not peak, where the
+    preset says so."""
+
+    name: str
+    flops: Mapping[str, float]            # dtype -> FLOP/s per device ("float32", "bfloat16")
+    memory_bandwidth: float               # bytes/s per device
+    memory_bytes: int                     # per device
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    compute_efficiency: float = 0.7       # fraction of peak a good kernel reaches
+    kernel_floor_s: float = 5e-6          # no op takes less (launch/dispatch overhead)
+
+    def __post_init__(self) -> None:
+        if not self.flops or any(v <= 0 for v in self.flops.values()):
+            raise PlanError(f"topology {self.name!r}: flops must map dtypes to positive FLOP/s")
+        if self.memory_bytes <= 0 or self.memory_bandwidth <= 0 or self.devices_per_node < 1:
+            raise PlanError(f"topology {self.name!r}: memory and devices_per_node must be > 0")
+        if not 0 < self.compute_efficiency <= 1:
+            raise PlanError(f"topology {self.name!r}: compute_efficiency must be in (0, 1]")
+
+    def flops_for(self, dtype: str) -> float:
+        if dtype in self.flops:
+            return self.flops[dtype]
+        return min(self.flops.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["flops"] = dict(self.flops)
+        return d
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Topology:
+        try:
+            return Topology(
+                name=d["name"], flops=dict(d["flops"]), memory_bandwidth=float(d["memory_bandwidth"]),
+                memory_bytes=int(d["memory_bytes"]), devices_per_node=int(d["devices_per_node"]),
+                intra_node=Link(**d["intra_node"]), inter_node=Link(**d["inter_node"]),
+                compute_efficiency=float(d.get("compute_efficiency", 0.7)),
+                kernel_floor_s=float(d.get("kernel_floor_s", 5e-6)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"bad topology description ({type(e).__name__}: {e})") from None
+
+    def save(self, path: str) -> None:
+        from ..ir import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))
+
+
+GB = 1e9
+GiB = 1 << 30
+
+PRESETS: dict[str, Topology] = {
+    # This kind of machine: CPU processes on one host, gloo over TCP loopback. Measured here
+    # (ANCHORS.md: gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks); `meshplan calibrate`
+    # replaces these with the local machine's numbers.
+    "cpu": Topology(
+        name="cpu", flops={"float32": 50e9, "float64": 25e9, "bfloat16": 10e9, "float16": 10e9},
+        memory_bandwidth=10 * GB, memory_bytes=8 * GiB, devices_per_node=64,
+        intra_node=Link(bandwidth=1.0 * GB, latency=50e-6),
+        inter_node=Link(bandwidth=1.0 * GB, latency=50e-6),
+        compute_efficiency=0.5, kernel_floor_s=10e-6,
+    ),
+    # H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM, 80 GB; NVLink 450 GB/s per direction
+    # inside a node of 8; 400 Gb/s NIC per GPU between nodes (~48 GB/s achieved).
+    "h100": Topology(
+        name="h100", flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+        memory_bandwidth=3.35e12, memory_bytes=80 * 10**9, devices_per_node=8,
+        intra_node=Link(bandwidth=450 * GB, latency=3e-6),
+        inter_node=Link(bandwidth=48 * GB, latency=10e-6),
+        compute_efficiency=0.7, kernel_floor_s=7e-6,
+    ),
+}
+
+
+def get_topology(topology: str | Topology | None) -> Topology:
+    """A preset name, a path to a topology JSON file (``meshplan calibrate``), or a Topology."""
+    if isinstance(topology, Topology):
+        return topology
+    name = topology or "cpu"
+    if name in PRESETS:
+        return PRESETS[name]
+    if os.path.isfile(name):
+        try:
+            with open(name, encoding="utf-8") as f:
+                return Topology.from_dict(json.load(f))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"topology file {name!r} is not JSON ({e})") from None
+    raise PlanError(f"unknown topology {name!r}; use one of {sorted(PRESETS)} or the path of a "
+                    "file written by `meshplan calibrate`")
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Mesh:
+    """Named mesh axes over a topology. ``Mesh({"dp": 2, "tp": 2}, "h100")``."""
+
+    axes: tuple[tuple[str, int], ...]
+    topology: Topology
+
+    def __init__(self, axes: Mapping[str, int] | tuple[tuple[str, int], ...],
+                 topology: str | Topology | None = None) -> None:
+        items = tuple(axes.items()) if isinstance(axes, Mapping) else tuple(axes)
+        if not items:
+            raise PlanError("a mesh needs at least one axis, e.g. {'dp': 2}")
+        names = [a for a, _ in items]
+        if len(set(names)) != len(names):
+            raise PlanError(f"mesh axis names must be unique, got {names}")
+        for a, n in items:
+            if not isinstance(a, str) or not a.isidentifier():
+                raise PlanError(f"mesh axis name {a!r} must be an identifier like 'dp'")
+            if not isinstance(n, int) or n < 1:
+                raise PlanError(f"mesh axis {a!r} must have a positive integer size, got {n!r}")
+        object.__setattr__(self, "axes", items)
+        object.__setattr__(self, "topology", get_topology(topology))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a for a, _ in self.axes)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.sizes)
+
+    def index(self, axis: str) -> int:
+        try:
+            return self.names.index(axis)
+        except ValueError:
+            raise PlanError(f"mesh has no axis {axis!r}; its axes are {list(self.names)}") from None
+
+    def stride(self, axis: int) -> int:
+        """Rank distance between neighbours on ``axis`` (row-major: the last axis is 1)."""
+        return math.prod(self.sizes[axis + 1:])
+
+    def link(self, axis: int) -> Link:
+        """The link a collective on ``axis`` runs over: inside a node or between nodes."""
+        span = self.stride(axis) * self.sizes[axis]
+        per_node = self.topology.devices_per_node
+        return self.topology.intra_node if span <= per_node else self.topology.inter_node
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.axes) + f" ({self.topology.name})"
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}`` (the CLI's mesh syntax)."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit():
+            raise PlanError(f"mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE...] such as dp=2,tp=2")
+        out[name.strip()] = int(size)
+    if not out:
+        raise PlanError(f"mesh {text!r} names no axis")
+    return out
