@@ -18,7 +18,7 @@ def test_no_second_copy_of_the_package_is_loaded() -> None:
     ours = Path(meshplan.__file__).resolve().parent
     for name, mod in list(sys.modules.items()):
         path = getattr(mod, "__file__", None)
-        if not path or not Path(path).resolve().is_relative_to(ours):
+        if not path or not Path(path).is_absolute() or not Path(path).resolve().is_relative_to(ours):
             continue
         first = Path(path).resolve().relative_to(ours).parts[0]
         if first.startswith(".") or first in ("tests", "benchmarks"):  # .venv, tests
