@@ -15,13 +15,18 @@ from ._errors import (
     TelemetryError,
     TraceError,
 )
+from ._compile import compile
 from .frontend import TracedStep, trace
 from .ir import Graph
+from .planner import Mesh, Plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Graph",
+    "Mesh",
+    "Plan",
+    "compile",
     "IRError",
     "LoweringError",
     "MeshplanError",

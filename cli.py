@@ -134,6 +134,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, console=_console())
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ._errors import PlanError
+    from .planner._calibrate import QUICK_SIZES, calibration_tables, measure
+
+    folder = os.path.dirname(os.path.abspath(args.out or "."))
+    if not os.path.isdir(folder):                     # say so before measuring, not after
+        raise PlanError(f"--out {args.out}: folder {folder} does not exist; create it first")
+    console = _console()
+    quick = {"sizes": QUICK_SIZES, "repeats": 2} if args.quick else {}
+    console.print(f"measuring this machine with {args.world_size} gloo processes over loopback ...")
+    cal = measure(args.world_size, timeout_s=args.timeout, **quick)
+    for table in calibration_tables(cal):
+        console.print(table)
+    if args.out:
+        cal.topology.save(args.out)
+        console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -150,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="machine-readable output")
     show.add_argument("--top", type=int, default=8, help="how many largest activations to list")
     show.set_defaults(func=cmd_ir_show)
+
+    c = sub.add_parser("calibrate", help="measure this machine (compute, memory, gloo links) "
+                       "and write it as a topology JSON")
+    c.add_argument("--world-size", type=int, default=2, help="local processes to measure with")
+    c.add_argument("--out", "-o", help="where to write the topology JSON (atomically)")
+    c.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 2 repeats")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    c.set_defaults(func=cmd_calibrate)
 
     d = sub.add_parser("demo", help="trace the example GPT step and replay it against eager")
     d.add_argument("--steps", type=int, default=5)

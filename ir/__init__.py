@@ -6,6 +6,7 @@ meshplan's but the shared error hierarchy.
 """
 
 from .._errors import IRError
+from ._foreach import split_foreach
 from ._graph import ConstantValue, Graph, GraphInfo, Node, Output, ResultSpec
 from ._interpret import interpret
 from ._ops import node_bytes, node_flops, op_name, resolve_op
@@ -52,6 +53,7 @@ __all__ = [
     "remove_identity_ops",
     "resolve_op",
     "run_passes",
+    "split_foreach",
     "substitute",
     "summarize",
     "verify",

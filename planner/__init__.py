@@ -1,11 +1,40 @@
-"""Planning: from an `ir.Graph` to a `Plan`.
+"""Planning: how every value of a traced step is laid out across a device mesh.
 
-Owns meshes (abstract: axis names and sizes plus a topology), placements (Replicate, Shard(dim),
-Partial(sum) per mesh axis), the sharding-rule registry, the cost model (roofline compute,
-alpha-beta communication, resharding), the per-rank memory model, the ILP solver (HiGHS) and the
-`Plan` itself. Imports only `meshplan.ir` (and `meshplan._errors`, `meshplan.telemetry`).
-
-Built in a later issue; this package is a placeholder so the layout and import direction hold.
+Meshes and topologies, placements (Replicate / Shard / Partial), one registry of sharding
+rules, an alpha-beta and roofline cost model, a per-rank memory model, and a global ILP (HiGHS)
+whose outcomes include data parallel, ZeRO/FSDP, Megatron tensor parallel and sequence
+parallel. Imports nothing of meshplan's but ``ir``.
 """
 
-__all__: list[str] = []
+from .._errors import PlanError
+from ._calibrate import calibrate
+from ._comm import Collective, collective_time
+from ._hand import HAND_STRATEGIES
+from ._mesh import PRESETS, Link, Mesh, Topology, get_topology, parse_mesh
+from ._placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
+from ._plan import NodePlacement, Plan, Redistribution
+from ._planning import plan_graph
+
+__all__ = [
+    "HAND_STRATEGIES",
+    "PRESETS",
+    "Collective",
+    "Layout",
+    "Link",
+    "Mesh",
+    "NodePlacement",
+    "Partial",
+    "Placement",
+    "Plan",
+    "PlanError",
+    "Redistribution",
+    "ReduceOp",
+    "Replicate",
+    "Shard",
+    "Topology",
+    "calibrate",
+    "collective_time",
+    "get_topology",
+    "parse_mesh",
+    "plan_graph",
+]

@@ -37,7 +37,7 @@ class Topology:
     preset says so."""
 
     name: str
-    flops: Mapping[str, float]            # dtype -> FLOP/s per device ("float32", "bfloat16")
+    flops: tuple[tuple[str, float], ...]  # dtype -> FLOP/s per device; a Mapping is accepted
     memory_bandwidth: float               # bytes/s per device
     memory_bytes: int                     # per device
     devices_per_node: int
@@ -47,7 +47,9 @@ class Topology:
     kernel_floor_s: float = 5e-6          # no op takes less (launch/dispatch overhead)
 
     def __post_init__(self) -> None:
-        if not self.flops or any(v <= 0 for v in self.flops.values()):
+        if isinstance(self.flops, Mapping):
+            object.__setattr__(self, "flops", tuple(sorted(self.flops.items())))
+        if not self.flops or any(v <= 0 for _, v in self.flops):
             raise PlanError(f"topology {self.name!r}: flops must map dtypes to positive FLOP/s")
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0 or self.devices_per_node < 1:
             raise PlanError(f"topology {self.name!r}: memory and devices_per_node must be > 0")
@@ -55,9 +57,8 @@ class Topology:
             raise PlanError(f"topology {self.name!r}: compute_efficiency must be in (0, 1]")
 
     def flops_for(self, dtype: str) -> float:
-        if dtype in self.flops:
-            return self.flops[dtype]
-        return min(self.flops.values())
+        table = dict(self.flops)
+        return table[dtype] if dtype in table else min(table.values())
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -132,6 +133,8 @@ class Mesh:
 
     axes: tuple[tuple[str, int], ...]
     topology: Topology
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
 
     def __init__(self, axes: Mapping[str, int] | tuple[tuple[str, int], ...],
                  topology: str | Topology | None = None) -> None:
@@ -144,18 +147,12 @@ class Mesh:
         for a, n in items:
             if not isinstance(a, str) or not a.isidentifier():
                 raise PlanError(f"mesh axis name {a!r} must be an identifier like 'dp'")
-            if not isinstance(n, int) or n < 1:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise PlanError(f"mesh axis {a!r} must have a positive integer size, got {n!r}")
         object.__setattr__(self, "axes", items)
         object.__setattr__(self, "topology", get_topology(topology))
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(a for a, _ in self.axes)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(n for _, n in self.axes)
+        object.__setattr__(self, "names", tuple(a for a, _ in items))
+        object.__setattr__(self, "sizes", tuple(n for _, n in items))
 
     @property
     def size(self) -> int:
@@ -172,10 +169,16 @@ class Mesh:
         return math.prod(self.sizes[axis + 1:])
 
     def link(self, axis: int) -> Link:
-        """The link a collective on ``axis`` runs over: inside a node or between nodes."""
-        span = self.stride(axis) * self.sizes[axis]
+        """The link a collective on ``axis`` runs over: the node's own link if every rank group
+        of the axis lies inside one node, else the slower link between nodes."""
+        stride, n = self.stride(axis), self.sizes[axis]
         per_node = self.topology.devices_per_node
-        return self.topology.intra_node if span <= per_node else self.topology.inter_node
+        for base in range(self.size):
+            if (base // stride) % n:
+                continue                      # not the first rank of its group
+            if base // per_node != (base + (n - 1) * stride) // per_node:
+                return self.topology.inter_node
+        return self.topology.intra_node
 
     def __str__(self) -> str:
         return ",".join(f"{a}={n}" for a, n in self.axes) + f" ({self.topology.name})"
@@ -186,8 +189,10 @@ def parse_mesh(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, size = part.partition("=")
-        if not eq or not size.strip().isdigit():
+        if not eq or not size.strip().isdecimal() or not size.strip().isascii():
             raise PlanError(f"mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE...] such as dp=2,tp=2")
+        if name.strip() in out:
+            raise PlanError(f"mesh {text!r} names axis {name.strip()!r} twice")
         out[name.strip()] = int(size)
     if not out:
         raise PlanError(f"mesh {text!r} names no axis")

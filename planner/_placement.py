@@ -9,6 +9,7 @@ never communicates. A ``Layout`` is one placement per mesh axis.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Union
 
@@ -95,6 +96,7 @@ def local_shape(shape: tuple[int, ...], layout: Layout, sizes: tuple[int, ...]) 
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def divides(shape: tuple[int, ...], layout: Layout, sizes: tuple[int, ...]) -> bool:
     if any(isinstance(p, Shard) and p.dim >= len(shape) for p in layout):
         return False

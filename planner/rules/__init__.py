@@ -1,6 +1,19 @@
 """Sharding rules, one module per op family; importing this package registers them all."""
 
-from . import matmul  # noqa: F401  (registers on import)
+from . import (  # noqa: F401  (each module registers its rules on import)
+    attention,
+    conv,
+    creation,
+    embedding,
+    loss,
+    matmul,
+    norm,
+    pointwise,
+    pool,
+    reduction,
+    softmax,
+    view,
+)
 from ._registry import (
     OpInfo,
     OpStrategy,

@@ -70,6 +70,14 @@ class Rule:
     localize: Localize | None = None
     family: str = ""
 
+    def local_args(self, node: Node, ins: Sequence[Shape | None],
+                   outs: Sequence[Shape | None]) -> tuple[tuple, tuple]:
+        """The literal arguments of the per-rank op: the rule's ``localize``, or the node's own
+        arguments unchanged (ops whose literals are shapes opt in to ``default_localize``)."""
+        if self.localize is None:
+            return node.args, node.kwargs
+        return self.localize(node, ins, outs)
+
 
 _REGISTRY: dict[str, Rule] = {}
 
@@ -130,7 +138,8 @@ def strategies_for(node: Node, graph: Graph) -> tuple[list[OpStrategy], bool]:
 def default_localize(node: Node, ins: Sequence[Shape | None],
                      outs: Sequence[Shape | None]) -> tuple[tuple, tuple]:
     """Rewrite literal shapes for local execution: an int-tuple argument equal to an output's
-    global shape becomes that output's local shape (``view``, ``expand``, ``zeros``...)."""
+    global shape becomes that output's local shape (``zeros``, ``full``...). Opt-in only: for
+    an op whose tuples are dims or sizes (``sum(x, [2, 3])``) a match would be a coincidence."""
     global_outs = [m.shape if isinstance(m, TensorMeta) else None for m in node.outputs]
     swap = {g: l for g, l in zip(global_outs, outs) if g is not None and l is not None}
 

@@ -1,0 +1,482 @@
+"""Measure THIS machine and describe it as a ``Topology`` (``meshplan calibrate``).
+
+``world_size`` worker processes are started on this host, joined into a torch.distributed gloo
+group over TCP loopback, and measured while they run side by side, as the devices of a local mesh
+would: a float32 (and float64, bfloat16) matmul, a large tensor copy, the cost of one tiny op, and
+all-reduce / all-gather for message sizes from 1 KiB to 64 MiB. The collective times are fitted to
+the ring alpha-beta formulas of ``_comm.collective_time`` by least squares, so the fitted link is in
+exactly the terms the cost model uses.
+
+Workers import only torch (not meshplan): they run the source of this module's worker functions
+as a script, which keeps their start-up to one torch import and leaves them unaffected by the rest
+of the package.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .._errors import PlanError, RuntimeFailure
+from ._comm import Collective, collective_time
+from ._mesh import Link, Topology
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_SIZES: tuple[int, ...] = tuple(1 << k for k in range(10, 27, 2))   # 1 KiB .. 64 MiB
+QUICK_SIZES: tuple[int, ...] = tuple(1 << k for k in range(10, 23, 2))     # 1 KiB .. 4 MiB
+DTYPES: tuple[str, ...] = ("float32", "float64", "bfloat16")
+COLLECTIVES: tuple[Collective, ...] = (Collective.ALL_REDUCE, Collective.ALL_GATHER)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One measured collective: the slowest rank's median seconds for a ``nbytes`` buffer (the
+    full buffer, as ``collective_time`` counts it) over ``world_size`` ranks."""
+
+    collective: Collective
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """Everything one run measured; ``topology`` is what the planner uses."""
+
+    topology: Topology
+    world_size: int
+    threads: int                                  # torch threads per worker process
+    samples: tuple[Sample, ...]
+    fits: Mapping[Collective, Link] = field(default_factory=dict)   # per collective
+    matmul_sizes: Mapping[str, int] = field(default_factory=dict)   # dtype -> n of the n^3 matmul
+    phase_s: Mapping[str, float] = field(default_factory=dict)      # slowest rank, per phase
+    wall_s: float = 0.0
+
+
+def calibrate(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3,
+              timeout_s: float = 120.0, threads: int | None = None) -> Topology:
+    """Measure this machine and return a ``Topology`` named ``"calibrated"``.
+
+    One "device" is one of ``world_size`` local processes, so every number is per process while
+    all of them run at once. Compute and memory take the best of ``repeats`` trials (what the
+    hardware does when nothing else interferes), collectives the median (their waiting is part
+    of their cost):
+
+    - ``flops``: FLOP/s of an n^3 matmul per dtype (n doubled from 128 until one matmul
+      takes ~6 ms, at most 1024), with
+      ``threads`` torch threads per process (default: usable CPUs // ``world_size``, at least 1);
+      the slowest rank counts.
+    - ``memory_bandwidth``: bytes read + written per second by a 64 MiB tensor copy.
+    - ``memory_bytes``: total RAM (``os.sysconf``) divided by ``world_size``, i.e. an even share of
+      the host's memory; nothing is allocated to check it.
+    - ``intra_node`` = ``inter_node``: the gloo link over TCP loopback, fitted jointly to
+      all-reduce and all-gather times with the ring formulas of ``collective_time``.
+    - ``devices_per_node``: at least 64 and at least ``os.cpu_count()`` (every process is local).
+    - ``kernel_floor_s``: time of a tiny elementwise op (dispatch overhead).
+    - ``compute_efficiency`` is 1.0: the numbers are already achieved ones, not peaks.
+
+    ``sizes`` are message sizes in bytes, ``repeats`` the timed trials per measurement,
+    ``timeout_s`` bounds the whole run: on expiry the workers are killed and
+    ``RuntimeFailure`` is raised. Defaults take ~10-20 s on a 2-core machine.
+    """
+    return measure(world_size, sizes, repeats, timeout_s, threads).topology
+
+
+def measure(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 3,
+            timeout_s: float = 120.0, threads: int | None = None) -> Calibration:
+    """``calibrate`` with the raw samples and per-collective fits kept (for the CLI's table)."""
+    _check_args(world_size, sizes, repeats, timeout_s, threads)
+    threads = threads or max(1, _usable_cpus() // world_size)
+    cfg = {"world_size": world_size, "sizes": sorted({int(s) for s in sizes}),
+           "repeats": repeats, "timeout_s": timeout_s, "threads": threads,
+           "dtypes": list(DTYPES), "copy_bytes": 64 * MiB, "matmul_target_s": 0.05,
+           "collectives": [c.value for c in COLLECTIVES]}
+    start = time.perf_counter()
+    ranks = _run_workers(cfg)
+    return _combine(ranks, cfg, time.perf_counter() - start)
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))          # what this process may run on (containers)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _check_args(world_size: int, sizes: Sequence[int], repeats: int, timeout_s: float,
+                threads: int | None) -> None:
+    if not isinstance(world_size, int) or world_size < 2:
+        raise PlanError(f"calibrate needs world_size >= 2 to time collectives, got {world_size!r}")
+    if not sizes or any(not isinstance(s, int) or s < 4 * world_size for s in sizes):
+        raise PlanError(f"calibrate sizes must be byte counts >= {4 * world_size}, got "
+                        f"{list(sizes)!r}")
+    if len(set(sizes)) < 2:
+        raise PlanError("calibrate needs at least two different message sizes to separate "
+                        "latency from bandwidth, e.g. sizes=(1024, 1 << 20)")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise PlanError(f"calibrate repeats must be a positive integer, got {repeats!r}")
+    if not timeout_s > 0:
+        raise PlanError(f"calibrate timeout_s must be positive, got {timeout_s!r}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise PlanError(f"calibrate threads must be a positive integer, got {threads!r}")
+
+
+# ---- the parent: start, watch and collect the workers ---------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (AttributeError, OSError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _worker_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+               WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    lo = _loopback_interface()
+    if lo:
+        env["GLOO_SOCKET_IFNAME"] = lo           # keep gloo on loopback whatever the hostname is
+    return env
+
+
+def _run_workers(cfg: dict) -> list[dict]:
+    """Start the workers, wait for them, return each rank's JSON; retries once if the chosen port
+    was taken between choosing and binding it."""
+    for _ in range(2):
+        with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
+            try:
+                return _run_workers_once(cfg, tmp)
+            except _PortTaken:
+                logger.info("calibrate: port taken before rank 0 bound it")
+    raise RuntimeFailure("calibrate: two free loopback ports were taken before the workers bound "
+                         "them; run it again")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _worker_source() -> str:
+    """The helpers' and ``_worker``'s source, then a call of ``_worker``."""
+    parts = [textwrap.dedent(inspect.getsource(fn)) for fn in (*_WORKER_SCRIPT, _worker)]
+    return "\n\n".join(parts) + f"\n\n{_worker.__name__}()\n"
+
+
+def _run_workers_once(cfg: dict, tmp: str) -> list[dict]:
+    script = os.path.join(tmp, "calibrate_worker.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(_worker_source())
+    port, n = _free_port(), cfg["world_size"]
+    procs, logs = [], []
+    try:
+        for rank in range(n):
+            out = os.path.join(tmp, f"rank{rank}.json")
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+", encoding="utf-8")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, script, json.dumps(cfg), out], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT,
+                env=_worker_env(rank, n, port, cfg["threads"])))
+        _wait(procs, logs, cfg["timeout_s"])
+        results = []
+        for rank in range(n):
+            with open(os.path.join(tmp, f"rank{rank}.json"), encoding="utf-8") as f:
+                results.append(json.load(f))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+
+
+def _wait(procs: list[subprocess.Popen], logs: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank = failed[0]
+            text = _tail(logs[rank])
+            if "EADDRINUSE" in text or "ddress already in use" in text:
+                raise _PortTaken()
+            raise RuntimeFailure(f"calibrate: worker rank {rank} exited with code "
+                                 f"{codes[rank]}; its output ends with:\n{text}")
+        if all(c == 0 for c in codes):
+            return
+        if time.monotonic() > deadline:
+            waiting = [r for r, c in enumerate(codes) if c is None]
+            raise RuntimeFailure(
+                f"calibrate: ranks {waiting} did not finish within {timeout_s:g} s and were "
+                f"killed; pass a larger timeout_s (--timeout) or fewer/smaller sizes. Rank "
+                f"{waiting[0]}'s output ends with:\n{_tail(logs[waiting[0]]) or '(nothing)'}")
+        time.sleep(0.02)
+
+
+def _tail(log, limit: int = 2000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-limit:].strip()
+
+
+# ---- combining and fitting ------------------------------------------------------------------
+
+def _combine(ranks: list[dict], cfg: dict, wall_s: float) -> Calibration:
+    """The slowest rank counts: min of rates, max of times."""
+    flops = {dt: min(r["flops"][dt] for r in ranks) for dt in cfg["dtypes"]}
+    samples = tuple(
+        Sample(Collective(kind), int(ranks[0]["collectives"][i][1]),
+               max(r["collectives"][i][2] for r in ranks))
+        for i, (kind, _, _) in enumerate(ranks[0]["collectives"]))
+    n = cfg["world_size"]
+    link = fit_link(samples, n)
+    fits = {c: fit_link([s for s in samples if s.collective is c], n) for c in COLLECTIVES}
+    topo = Topology(
+        name="calibrated", flops=flops,
+        memory_bandwidth=min(r["memory_bandwidth"] for r in ranks),
+        memory_bytes=_total_ram() // n, devices_per_node=max(64, os.cpu_count() or 1),
+        intra_node=link, inter_node=link, compute_efficiency=1.0,
+        kernel_floor_s=max(r["kernel_floor_s"] for r in ranks))
+    return Calibration(topology=topo, world_size=n, threads=cfg["threads"], samples=samples,
+                       fits=fits, matmul_sizes=ranks[0]["matmul_sizes"], wall_s=wall_s,
+                       phase_s={k: max(r["phases"][k] for r in ranks) for k in ranks[0]["phases"]})
+
+
+def _total_ram() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        logger.warning("calibrate: cannot read the total RAM; assuming 8 GiB")
+        return 8 << 30
+
+
+def fit_link(samples: Sequence[Sample], world_size: int) -> Link:
+    """Least-squares latency and bandwidth such that ``collective_time(kind, nbytes, n, link)``
+    matches the measured seconds, in relative terms (each sample weighs by 1/time, so small
+    messages pin latency and large ones bandwidth). Latency is clamped at 0."""
+    if len({s.nbytes for s in samples}) < 2:
+        raise PlanError("fitting a link needs samples of at least two message sizes")
+    per_alpha, per_inv_bw = Link(bandwidth=math.inf, latency=1.0), Link(bandwidth=1.0, latency=0.0)
+    a = np.array([collective_time(s.collective, s.nbytes, world_size, per_alpha) for s in samples])
+    b = np.array([collective_time(s.collective, s.nbytes, world_size, per_inv_bw) for s in samples])
+    t = np.array([s.seconds for s in samples])
+    if not np.all(t > 0):
+        raise RuntimeFailure(f"calibrate measured non-positive times: {t.tolist()}")
+    w = 1.0 / t
+    (alpha, inv_bw), *_ = np.linalg.lstsq(np.stack([a * w, b * w], axis=1), t * w, rcond=None)
+    if alpha < 0:                                # refit bandwidth alone through the origin
+        alpha = 0.0
+        inv_bw = float(np.sum(b * w * t * w) / np.sum((b * w) ** 2))
+    if not inv_bw > 0:
+        raise RuntimeFailure("calibrate: collective times do not grow with message size, so no "
+                             f"bandwidth can be fitted (samples: {list(samples)})")
+    return Link(bandwidth=float(1.0 / inv_bw), latency=float(alpha))
+
+
+# ---- reading it -----------------------------------------------------------------------------
+
+def _si(x: float, unit: str) -> str:
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n:g} B"
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def calibration_tables(cal: Calibration) -> list:
+    """Two rich tables: the topology's numbers, and every sample beside the fitted model."""
+    from rich.table import Table
+
+    topo, link = cal.topology, cal.topology.intra_node
+    per = f"per process, {cal.world_size} running, {cal.threads} torch thread(s) each"
+    main = Table(title=f"this machine as a topology ({per})")
+    for col in ("quantity", "value", "how"):
+        main.add_column(col, justify="right" if col == "value" else "left")
+    for dtype, rate in dict(topo.flops).items():
+        n = cal.matmul_sizes.get(dtype, 0)
+        main.add_row(f"{dtype} matmul", _si(rate, "FLOP/s"), f"best {n}^3 matmul")
+    main.add_row("memory bandwidth", _si(topo.memory_bandwidth, "B/s"), "copy, read + write")
+    main.add_row("memory", f"{topo.memory_bytes / 2**30:.2f} GiB",
+                 f"total RAM / {cal.world_size}")
+    main.add_row("link bandwidth", _si(link.bandwidth, "B/s"),
+                 "gloo, loopback; ring fit to both")
+    main.add_row("link latency", _time(link.latency), "per ring step, same fit")
+    for kind, fit in cal.fits.items():
+        main.add_row(f"  {kind.value} alone", f"{_si(fit.bandwidth, 'B/s')}, {_time(fit.latency)}",
+                     "fit to that collective only")
+    main.add_row("op floor", _time(topo.kernel_floor_s), "a tiny elementwise op")
+    main.add_row("wall time", f"{cal.wall_s:.1f} s", ", ".join(
+        f"{k} {v:.1f} s" for k, v in cal.phase_s.items()))
+    kinds = list(dict.fromkeys(s.collective for s in cal.samples))
+    fit = Table(title=f"collectives on {cal.world_size} ranks: measured / fitted model")
+    fit.add_column("bytes", justify="right")
+    for kind in kinds:
+        fit.add_column(kind.value, justify="right")
+    by_size: dict[int, dict[Collective, Sample]] = {}
+    n = cal.world_size
+    for smp in cal.samples:
+        by_size.setdefault(smp.nbytes, {})[smp.collective] = smp
+    for nbytes, row in sorted(by_size.items()):
+        cells = [f"{_time(row[k].seconds)} / {_time(collective_time(k, nbytes, n, link))}"
+                 if k in row else "" for k in kinds]
+        fit.add_row(_bytes(nbytes), *cells)
+    return [main, fit]
+
+
+# ---- the worker: these functions' sources are a script each spawned process runs -------------
+# They import only torch and the standard library, each for itself, so none may use this
+# module's globals.
+
+def _timings(fn, repeats, iters=1):
+    """Seconds per ``fn()`` in each of ``repeats`` trials of ``iters`` calls, after one warm-up
+    call."""
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) / iters)
+    return times
+
+
+def _matmul_flops(dtype_name, target_s, repeats):
+    """Best FLOP/s of an n^3 matmul, n doubled from 128 (up to 1024) until one takes
+    target_s / 8."""
+    import time
+
+    import torch
+
+    dtype, n = getattr(torch, dtype_name), 128
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t0 = time.perf_counter()
+        a @ b
+        if n >= 1024 or time.perf_counter() - t0 >= target_s / 8:
+            return 2 * n ** 3 / min(_timings(lambda: a @ b, repeats)), n
+        n *= 2
+
+
+def _copy_bandwidth(nbytes, repeats):
+    """Best bytes read + written per second by a tensor copy of ``nbytes``."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / min(_timings(lambda: dst.copy_(src), repeats))
+
+
+def _op_floor(repeats):
+    """Seconds of one tiny elementwise op (best of ``repeats`` x 1000): dispatch overhead."""
+    import torch
+
+    x, y = torch.ones(256), torch.empty(256)
+    return min(_timings(lambda: torch.add(x, x, out=y), repeats, iters=1000))
+
+
+def _collective_times(kinds, sizes, world, repeats):
+    """[[kind, nbytes of the full buffer, median seconds], ...]; every rank runs the same loop."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13+
+    biggest = max(sizes) // 4
+    buf, gathered = torch.zeros(biggest), torch.empty(biggest)   # zeros stay finite when summed
+    samples = []
+    for kind in kinds:
+        for size in sizes:
+            numel = size // 4 // world * world       # all-gather needs `world` equal pieces
+            if kind == "all_reduce":
+                def op(t=buf[:numel]):
+                    dist.all_reduce(t)
+            else:
+                def op(inp=buf[:numel // world], out=gathered[:numel]):
+                    gather(out, inp)
+            dist.barrier()
+            iters = max(1, min(20, (4 << 20) // size))
+            samples.append([kind, numel * 4, statistics.median(_timings(op, repeats, iters))])
+    return samples
+
+
+def _worker():
+    """One rank: argv = [script, config JSON, output path]; the environment carries RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Writes the rank's measurements as JSON."""
+    import time
+
+    t_start = time.perf_counter()
+    import json
+    import os
+    import sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    cfg, out_path = json.loads(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method="env://",
+                            timeout=timedelta(seconds=cfg["timeout_s"]))
+    r, phases, last = cfg["repeats"], {}, [t_start]
+
+    def phase_done(name):                            # seconds since the previous phase ended
+        now = time.perf_counter()
+        phases[name], last[0] = now - last[0], now
+
+    phase_done("start")
+    dist.barrier()                                   # all ranks compute at once, as devices do
+    mm = {dt: _matmul_flops(dt, cfg["matmul_target_s"], r) for dt in cfg["dtypes"]}
+    phase_done("compute")
+    result = {"flops": {dt: f for dt, (f, _) in mm.items()},
+              "matmul_sizes": {dt: n for dt, (_, n) in mm.items()},
+              "memory_bandwidth": _copy_bandwidth(cfg["copy_bytes"], r),
+              "kernel_floor_s": _op_floor(r), "phases": phases}
+    phase_done("memory")
+    result["collectives"] = _collective_times(cfg["collectives"], cfg["sizes"],
+                                              cfg["world_size"], r)
+    phase_done("collectives")
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out_path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(out_path + ".tmp", out_path)
+
+
+_WORKER_SCRIPT = (_timings, _matmul_flops, _copy_bandwidth, _op_floor, _collective_times)

@@ -1,0 +1,125 @@
+"""The hand-written plan families, expressed as pins on the same ILP and cost model.
+
+``dp``: every parameter, gradient, optimizer-state tensor and buffer replicated; the batch
+(dim 0 of each data input) split over all axes. ``fsdp``: the same, with every state tensor
+sharded on its first dimension that divides the mesh (ZeRO-3 / FSDP2's dim-0 sharding).
+``megatron_tp``: Megatron-LM's column/row split of linear layers on the ``tp`` axis (named the
+way torchtitan's and Megatron's plans name them), data parallel on the other axes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+from .._errors import PlanError
+from ..ir import Graph, Role, TensorMeta
+from ._mesh import Mesh
+from ._placement import Layout, R, Shard, divides
+
+HAND_STRATEGIES = ("dp", "fsdp", "megatron_tp")
+
+# Linear weights are (out_features, in_features): column-parallel splits dim 0, row dim 1.
+_COLUMN = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|wq|wk|wv|"
+                     r"gate_proj|up_proj|w1|w3|c_fc|fc1|lm_head|output)\.(weight|bias)$")
+_ROW = re.compile(r"(^|\.)(o_proj|out_proj|c_proj|wo|down_proj|w2|fc2|dense)\.weight$")
+_VOCAB = re.compile(r"(^|\.)(wte|embed_tokens|tok_embeddings|embedding)\.weight$")
+
+
+def _batch(meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
+    layout = tuple(Shard(0) if i in axes else R for i in range(len(mesh.sizes)))
+    if not meta.shape or not divides(meta.shape, layout, mesh.sizes):
+        raise PlanError(
+            f"data input of shape {list(meta.shape)}: batch dim does not divide over mesh "
+            f"axes {[mesh.names[i] for i in axes]} ({math.prod(mesh.sizes[i] for i in axes)} "
+            "ranks); use a batch that is a multiple of the data-parallel size")
+    return layout
+
+
+def _fsdp_layout(meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
+    rep = tuple(R for _ in mesh.sizes)
+    for d in range(len(meta.shape)):
+        layout = tuple(Shard(d) if i in axes else R for i in range(len(mesh.sizes)))
+        if divides(meta.shape, layout, mesh.sizes):
+            return layout
+    return rep
+
+
+def _param_of(name: str, params: dict[str, TensorMeta]) -> str | None:
+    """``opt.state.model.fc.weight.exp_avg`` -> ``model.fc.weight``; ``x.grad`` -> ``x``."""
+    if name.endswith(".grad") and name[:-5] in params:
+        return name[:-5]
+    best = None
+    for p in params:
+        if f".state.{p}." in f".{name}" and (best is None or len(p) > len(best)):
+            best = p
+    return best
+
+
+def hand_reads(graph: Graph, mesh: Mesh, strategy: str,
+               pins: dict[str, set[Layout]]) -> dict[str, Layout]:
+    """How the family's forward and backward read each parameter: DP and FSDP read whole
+    (FSDP all-gathers its shards first), Megatron reads its tensor-parallel shard on ``tp``
+    and whole on the other axes. Without this the solver would turn 'FSDP' state layouts
+    into tensor parallelism of its own invention, and the comparison would be meaningless."""
+    reads: dict[str, Layout] = {}
+    tp = mesh.index("tp") if strategy == "megatron_tp" else None
+    for n in graph.inputs_with_role(Role.PARAM):
+        (layout,) = pins[n.target]
+        reads[n.target] = tuple(p if i == tp else R for i, p in enumerate(layout))
+    return reads
+
+
+def hand_pins(graph: Graph, mesh: Mesh, strategy: str) -> dict[str, set[Layout]]:
+    """Input layouts the hand-written family ``strategy`` fixes (one layout per input)."""
+    if strategy not in HAND_STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {HAND_STRATEGIES}")
+    all_axes = list(range(len(mesh.sizes)))
+    dp_axes = all_axes
+    if strategy == "megatron_tp":
+        tp = mesh.index("tp") if "tp" in mesh.names else None
+        if tp is None:
+            raise PlanError(f"strategy 'megatron_tp' needs a mesh axis named 'tp'; the mesh has "
+                            f"{list(mesh.names)}")
+        dp_axes = [i for i in all_axes if i != tp]
+    params = {n.target: n.meta for n in graph.inputs_with_role(Role.PARAM)}
+    pins: dict[str, Layout] = {}
+    for n in graph.inputs_with_role(Role.PARAM):
+        pins[n.target] = _state_layout(n.target, n.meta, mesh, strategy, dp_axes)
+    for n in graph.inputs:
+        role = n.meta.role
+        if role is Role.DATA:
+            pins[n.target] = _batch(n.meta, mesh, dp_axes)
+        elif role in (Role.OPT_STATE, Role.GRAD, Role.BUFFER):
+            owner = _param_of(n.target, params)
+            if owner is not None and params[owner].shape == n.meta.shape:
+                pins[n.target] = pins[owner]
+            else:
+                pins[n.target] = _state_layout(n.target, n.meta, mesh, strategy, dp_axes)
+    return {k: {v} for k, v in pins.items()}
+
+
+def _state_layout(name: str, meta: TensorMeta, mesh: Mesh, strategy: str,
+                  dp_axes: list[int]) -> Layout:
+    rep = tuple(R for _ in mesh.sizes)
+    if strategy == "dp":
+        return rep
+    if strategy == "fsdp":
+        return _fsdp_layout(meta, mesh, dp_axes)
+    tp = mesh.index("tp")
+    want = None
+    if _COLUMN.search(name) or _VOCAB.search(name):
+        want = Shard(0)
+    elif _ROW.search(name):
+        want = Shard(1)
+    if want is None or want.dim >= len(meta.shape):
+        return rep
+    layout = tuple(want if i == tp else R for i in range(len(mesh.sizes)))
+    return layout if divides(meta.shape, layout, mesh.sizes) else rep
+
+
+def product_layouts(meta: TensorMeta, mesh: Mesh) -> list[Layout]:
+    per_axis = [R] + [Shard(d) for d in range(len(meta.shape))]
+    return [tuple(l) for l in itertools.product(per_axis, repeat=len(mesh.sizes))
+            if divides(meta.shape, tuple(l), mesh.sizes)]

@@ -1,0 +1,186 @@
+"""The Plan: where every value lives on the mesh, what moves between layouts, what it costs.
+
+Saved as versioned JSON with a content hash that ``load`` checks; the traced graph travels
+inside the plan, so a saved plan runs without re-tracing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import IRError, PlanError
+from ..ir import Graph, atomic_write_text
+from ..ir._serialize import graph_from_dict, graph_to_dict
+from ._mesh import Mesh, Topology
+from ._placement import Layout, format_layout, parse_placement
+
+FORMAT = "meshplan.plan"
+VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlacement:
+    node: str
+    target: str
+    inputs: tuple[Layout | None, ...]     # per Ref read (node.refs() order)
+    outputs: tuple[Layout | None, ...]    # per output
+    compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Redistribution:
+    """A value changing layout on its way to a consumer (``"<result>"``: back to the user)."""
+
+    value: str                 # "node" or "node[i]"
+    consumer: str
+    src: Layout
+    dst: Layout
+    collectives: tuple[tuple[str, str, int], ...]   # (collective, mesh axis, bytes)
+    time_s: float
+    count: int = 1             # identical instances (repeated layers)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: Mesh
+    strategy: str
+    graph: Graph
+    placements: tuple[NodePlacement, ...]
+    redistributions: tuple[Redistribution, ...]
+    estimated_step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    peak_memory_bytes: int
+    memory_limit_bytes: int
+    fallbacks: tuple[str, ...]
+    solver: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_limit_bytes
+
+    def placement(self, node: str) -> NodePlacement:
+        for p in self.placements:
+            if p.node == node:
+                return p
+        raise PlanError(f"plan has no node {node!r}")
+
+    # ---- persistence --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        body = {
+            "mesh": {"axes": [[a, n] for a, n in self.mesh.axes],
+                     "topology": self.mesh.topology.to_dict()},
+            "strategy": self.strategy,
+            "graph": graph_to_dict(self.graph),
+            "placements": [
+                {"node": p.node, "target": p.target, "inputs": [_enc(l) for l in p.inputs],
+                 "outputs": [_enc(l) for l in p.outputs], "compute_s": p.compute_s}
+                for p in self.placements
+            ],
+            "redistributions": [
+                {"value": r.value, "consumer": r.consumer, "src": _enc(r.src), "dst": _enc(r.dst),
+                 "collectives": [list(c) for c in r.collectives], "time_s": r.time_s,
+                 "count": r.count}
+                for r in self.redistributions
+            ],
+            "estimated_step_time_s": self.estimated_step_time_s,
+            "compute_time_s": self.compute_time_s,
+            "comm_time_s": self.comm_time_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "fallbacks": list(self.fallbacks),
+            "solver": self.solver,
+        }
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return {"format": FORMAT, "version": VERSION,
+                "sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        atomic_write_text(path, self.to_json())
+
+    @staticmethod
+    def from_json(text: str, where: str = "plan") -> Plan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{where} is not a meshplan plan (not JSON: {e})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise PlanError(f"{where} is not a meshplan plan; make one with `meshplan compile "
+                            "FILE.py:STEP --mesh dp=2 -o step.plan`")
+        if d.get("version") != VERSION:
+            raise PlanError(f"{where} has plan format version {d.get('version')!r}; this "
+                            f"meshplan reads version {VERSION}: compile the plan again")
+        body = d.get("body")
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        if hashlib.sha256(text.encode()).hexdigest() != d.get("sha256"):
+            raise PlanError(f"{where} does not match its content hash: the file was modified "
+                            "or damaged; compile the plan again")
+        try:
+            return _plan_from_body(body)
+        except (KeyError, TypeError, ValueError, IRError) as e:
+            raise PlanError(f"{where} is corrupt ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> Plan:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise PlanError(f"cannot read plan {os.fspath(path)!r}: {e.strerror}") from None
+        return Plan.from_json(text, where=os.fspath(path))
+
+    def summary(self, width: int = 100) -> str:
+        from ._summary import render_summary
+
+        return render_summary(self, width)
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.strategy}, mesh {self.mesh}, {self.estimated_step_time_s * 1e3:.3f} "
+                f"ms/step, peak {self.peak_memory_bytes / 2**30:.2f} GiB, fits={self.fits})")
+
+
+def _enc(layout: Layout | None) -> list[str] | None:
+    return None if layout is None else [str(p) for p in layout]
+
+
+def _dec(v: list[str] | None) -> Layout | None:
+    return None if v is None else tuple(parse_placement(p) for p in v)
+
+
+def _plan_from_body(b: dict[str, Any]) -> Plan:
+    mesh = Mesh(tuple((a, int(n)) for a, n in b["mesh"]["axes"]),
+                Topology.from_dict(b["mesh"]["topology"]))
+    return Plan(
+        mesh=mesh,
+        strategy=b["strategy"],
+        graph=graph_from_dict(b["graph"]),
+        placements=tuple(
+            NodePlacement(p["node"], p["target"], tuple(_dec(l) for l in p["inputs"]),
+                          tuple(_dec(l) for l in p["outputs"]), float(p["compute_s"]))
+            for p in b["placements"]
+        ),
+        redistributions=tuple(
+            Redistribution(r["value"], r["consumer"], _dec(r["src"]), _dec(r["dst"]),
+                           tuple((c[0], c[1], int(c[2])) for c in r["collectives"]),
+                           float(r["time_s"]), int(r["count"]))
+            for r in b["redistributions"]
+        ),
+        estimated_step_time_s=float(b["estimated_step_time_s"]),
+        compute_time_s=float(b["compute_time_s"]),
+        comm_time_s=float(b["comm_time_s"]),
+        peak_memory_bytes=int(b["peak_memory_bytes"]),
+        memory_limit_bytes=int(b["memory_limit_bytes"]),
+        fallbacks=tuple(b["fallbacks"]),
+        solver=dict(b["solver"]),
+    )
+
+
+def layout_str(layout: Layout | None) -> str:
+    return "-" if layout is None else format_layout(layout)

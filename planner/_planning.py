@@ -1,0 +1,148 @@
+"""``plan_graph``: from a traced graph and a mesh to a Plan."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from .._errors import PlanError
+from ..ir import Graph, Ref
+from ._hand import HAND_STRATEGIES, hand_pins, hand_reads
+from ._mesh import Mesh, Topology
+from ._placement import Layout, R, format_layout, parse_placement
+from ._plan import NodePlacement, Plan, Redistribution
+from ._problem import STATE_POS, Problem, build_problem, reshard_steps, result_refs
+from ._solve import Solution, min_peak_memory, solve
+
+logger = logging.getLogger(__name__)
+
+Pins = Mapping[str, Layout | tuple[str, ...] | list[str] | str]
+
+
+def plan_graph(
+    graph: Graph,
+    mesh: Mesh | Mapping[str, int],
+    *,
+    topology: str | Topology | None = None,
+    strategy: str = "auto",
+    memory_limit_bytes: int | None = None,
+    pins: Pins | None = None,
+    time_limit_s: float = 60.0,
+) -> Plan:
+    """Plan ``graph`` on ``mesh``.
+
+    ``strategy="auto"`` searches all layouts under the memory limit (default: the topology's
+    device memory). ``"dp"``, ``"fsdp"`` and ``"megatron_tp"`` fix the hand-written families'
+    state and batch layouts and let the same solver place the rest, under the same cost model;
+    their plans report ``fits`` rather than failing. ``pins`` fixes input layouts by state name,
+    e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(mesh, Mesh):
+        mesh = Mesh(mesh, topology)
+    elif topology is not None:
+        mesh = Mesh(mesh.axes, topology)
+    graph = _prepare(graph)
+    reads: dict[str, Layout] = {}
+    if strategy == "auto":
+        fixed = _user_pins(graph, mesh, pins or {})
+    elif strategy in HAND_STRATEGIES:
+        fixed = hand_pins(graph, mesh, strategy)
+        reads = hand_reads(graph, mesh, strategy, fixed)
+        fixed.update(_user_pins(graph, mesh, pins or {}))
+    else:
+        raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {HAND_STRATEGIES}")
+    limit = int(memory_limit_bytes if memory_limit_bytes is not None
+                else mesh.topology.memory_bytes)
+    if limit <= 0:
+        raise PlanError(f"memory_limit_bytes must be positive, got {limit}")
+    problem = build_problem(graph, mesh, fixed, reads)
+    t_problem = time.perf_counter() - t0
+    if strategy == "auto":
+        try:
+            sol = solve(problem, limit, time_limit=time_limit_s)
+        except PlanError as e:
+            if "no plan fits" not in str(e):
+                raise
+            best = min_peak_memory(problem, time_limit=time_limit_s)
+            raise PlanError(
+                f"no plan of {graph.info.name} fits {limit / 2**30:.2f} GiB per device on mesh "
+                f"{mesh}: the best plan needs {best / 2**30:.2f} GiB (misses by "
+                f"{(best - limit) / 2**30:.2f} GiB); use a larger mesh, a smaller batch, or "
+                "raise memory_limit_bytes") from None
+    else:
+        sol = solve(problem, float("inf"), time_limit=time_limit_s)
+    sol.solver["problem_s"] = t_problem
+    sol.solver["plan_s"] = time.perf_counter() - t0
+    return _make_plan(problem, sol, strategy, limit)
+
+
+def _prepare(graph: Graph) -> Graph:
+    from .. import ir
+
+    split = getattr(ir, "split_foreach", None)
+    return split(graph) if split is not None else graph
+
+
+def _user_pins(graph: Graph, mesh: Mesh, pins: Pins) -> dict[str, set[Layout]]:
+    names = {n.target for n in graph.inputs}
+    out: dict[str, set[Layout]] = {}
+    for name, spec in pins.items():
+        if name not in names:
+            raise PlanError(f"pin names unknown input {name!r}; inputs are e.g. "
+                            f"{sorted(names)[:6]}")
+        if isinstance(spec, str):
+            spec = tuple(spec.split(","))
+        layout = tuple(parse_placement(p) if isinstance(p, str) else p for p in spec)
+        if len(layout) != len(mesh.sizes):
+            raise PlanError(f"pin for {name!r} gives {len(layout)} placements; mesh {mesh} has "
+                            f"{len(mesh.sizes)} axes ({', '.join(mesh.names)})")
+        out[name] = {layout}
+    return out
+
+
+def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Plan:
+    graph, mesh, dec = problem.graph, problem.mesh, problem.decisions
+    placements = []
+    for node in graph.nodes:
+        if node.name in dec:
+            c = dec[node.name].choices[sol.choice[node.name]]
+            placements.append(NodePlacement(node.name, node.target, c.inputs, c.outputs,
+                                            c.compute_s))
+    chosen = {p.node: p for p in placements}
+    redistributions = []
+    for e in problem.all_edges() + problem.folded:
+        src = chosen[e.src].outputs[e.index]
+        dst = chosen[e.dst].outputs[0] if e.pos == STATE_POS else chosen[e.dst].inputs[e.pos]
+        if src != dst:
+            consumer = f"<state {graph.node(e.dst).target}>" if e.pos == STATE_POS else e.dst
+            redistributions.append(_redistribution(problem, Ref(e.src, e.index), consumer,
+                                                   src, dst))
+    rep = tuple(R for _ in mesh.sizes)
+    for ref in result_refs(graph):
+        if ref.node in chosen and chosen[ref.node].outputs[ref.index] != rep:
+            redistributions.append(_redistribution(problem, ref, "<result>",
+                                                   chosen[ref.node].outputs[ref.index], rep))
+    comm = float(sum(r.time_s for r in redistributions))
+    return Plan(
+        mesh=mesh, strategy=strategy, graph=graph, placements=tuple(placements),
+        redistributions=tuple(redistributions),
+        estimated_step_time_s=sol.compute_s + comm, compute_time_s=sol.compute_s,
+        comm_time_s=comm, peak_memory_bytes=sol.peak_memory_bytes, memory_limit_bytes=limit,
+        fallbacks=tuple(problem.fallbacks), solver=dict(sol.solver),
+    )
+
+
+def _redistribution(problem: Problem, ref: Ref, consumer: str, src: Layout,
+                    dst: Layout) -> Redistribution:
+    meta = problem.graph.meta(ref)
+    steps = reshard_steps(meta, src, dst, problem.mesh)
+    if steps is None:
+        raise PlanError(f"internal: impossible layout change {format_layout(src)} -> "
+                        f"{format_layout(dst)} chosen for {ref}")
+    value = ref.node if ref.index == 0 else f"{ref.node}[{ref.index}]"
+    return Redistribution(
+        value, consumer, src, dst,
+        tuple((k.value, problem.mesh.names[axis], int(nbytes)) for k, axis, nbytes, _ in steps),
+        float(sum(s[3] for s in steps)))

@@ -1,0 +1,423 @@
+"""The planning problem: for every node, the N-axis strategies it may run with and what each
+costs; for every edge, what changing layouts costs; which nodes repeat (layers) and so share
+one decision.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import re
+from dataclasses import dataclass, field
+
+from .._errors import PlanError
+from ..ir import (
+    Graph, Node, NodeKind, OutputKind, Phase, Ref, Role, TensorMeta, node_bytes, node_flops,
+)
+from ._comm import Collective, collective_time, transition
+from ._mesh import Mesh
+from ._placement import (
+    Layout, Partial, Placement, R, Shard, divides, format_layout, layout_fraction,
+)
+from .rules import OpStrategy, strategies_for
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One way to run a node on the whole mesh: a layout per input Ref and per output."""
+
+    inputs: tuple[Layout | None, ...]
+    outputs: tuple[Layout | None, ...]
+    compute_s: float
+    comm_s: float = 0.0        # a layout change folded into this choice (see _fold_followers)
+
+    def required(self, pos: int) -> Layout | None:
+        """The layout this choice needs for its ``pos``-th Ref; ``STATE_POS`` names the layout
+        of the input node itself (what a state's new value must be written back as)."""
+        return self.outputs[0] if pos == STATE_POS else self.inputs[pos]
+
+
+@dataclass
+class Decision:
+    """The choices of one node. ``cls``: nodes of one class are the same computation (other
+    layers); ``group``: the variables the choice is read from. A group's members have aligned
+    choice lists: choice ``i`` of every member is taken together."""
+
+    node: str
+    choices: list[Choice]
+    cls: int = -1
+    group: int = -1
+
+
+STATE_POS = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Consumer ``dst`` reads output ``index`` of ``src`` as its ``pos``-th Ref. A state edge
+    (``pos == STATE_POS``) carries a state's new value back to its input node ``dst``: the next
+    step reads it in the input's layout."""
+
+    src: str
+    index: int
+    dst: str
+    pos: int
+
+
+@dataclass
+class Problem:
+    graph: Graph
+    mesh: Mesh
+    decisions: dict[str, Decision]
+    edges: list[Edge]
+    fallbacks: list[str]                 # op targets without a sharding rule (run replicated)
+    groups: list[list[str]] = field(default_factory=list)
+    folded: list[Edge] = field(default_factory=list)   # edges into followers (no variables)
+
+    @functools.cached_property
+    def order(self) -> dict[str, int]:
+        return {n.name: i for i, n in enumerate(self.graph.nodes)}
+
+    def is_follower(self, name: str) -> bool:
+        """A free op (a view: no FLOPs, no bytes) reading exactly one tensor."""
+        node = self.graph.node(name)
+        if node.kind is not NodeKind.OP:
+            return False
+        tensors = [r for r in node.refs() if isinstance(self.graph.meta(r), TensorMeta)]
+        return len(tensors) == 1 and node_bytes(self.graph, node) == 0
+
+    def state_edges(self) -> list[Edge]:
+        return [Edge(ref.node, ref.index, inp, STATE_POS) for inp, ref in state_pairs(self.graph)
+                if ref.node != inp and ref.node in self.decisions]
+
+    def all_edges(self) -> list[Edge]:
+        return self.edges + self.state_edges()
+
+
+# ---- strategies -------------------------------------------------------------------------------
+
+def _input_layouts(meta: TensorMeta, mesh: Mesh) -> list[Layout]:
+    per_axis: list[Placement] = [R] + [Shard(d) for d in range(len(meta.shape)) if meta.shape[d] > 1]
+    out = []
+    for layout in itertools.product(per_axis, repeat=len(mesh.sizes)):
+        if divides(meta.shape, layout, mesh.sizes):
+            out.append(tuple(layout))
+    return out
+
+
+def _fits(metas: tuple[TensorMeta | None, ...], layouts: tuple[Layout | None, ...],
+          sizes: tuple[int, ...]) -> bool:
+    return all(m is None or divides(m.shape, l, sizes) for m, l in zip(metas, layouts))
+
+
+def _op_choices(graph: Graph, node: Node, mesh: Mesh) -> tuple[list[Choice], bool]:
+    one_axis, has_rule = strategies_for(node, graph)
+    ins = [graph.meta(r) for r in node.refs()]
+    in_metas = tuple(m if isinstance(m, TensorMeta) else None for m in ins)
+    out_metas = tuple(m if isinstance(m, TensorMeta) else None for m in node.outputs)
+    flops, nbytes = node_flops(graph, node), node_bytes(graph, node)
+    topo = mesh.topology
+    dtype = next((m.dtype for m in out_metas if m is not None), "float32")
+    base = one_axis[0]
+    choices: list[Choice] = []
+    for combo in itertools.product(one_axis, repeat=len(mesh.sizes)):
+        inputs = _zip_layouts([s.inputs for s in combo])
+        outputs = _zip_layouts([s.outputs for s in combo])
+        if not (_fits(in_metas, inputs, mesh.sizes) and _fits(out_metas, outputs, mesh.sizes)):
+            continue
+        split = 1
+        for s, n in zip(combo, mesh.sizes):
+            if s != base:
+                split *= n
+        choices.append(Choice(inputs, outputs, _compute_time(flops, nbytes, split, dtype, topo)))
+    return choices, has_rule
+
+
+def _zip_layouts(per_axis: list[tuple[Placement | None, ...]]) -> tuple[Layout | None, ...]:
+    return tuple(None if ps[0] is None else tuple(ps) for ps in zip(*per_axis))
+
+
+def _compute_time(flops: float, nbytes: float, split: int, dtype: str, topo) -> float:  # noqa: ANN001
+    if flops == 0 and nbytes == 0:
+        return 0.0
+    eff = topo.compute_efficiency
+    t = max(flops / split / (topo.flops_for(dtype) * eff),
+            nbytes / split / (topo.memory_bandwidth * eff))
+    return max(t, topo.kernel_floor_s)
+
+
+# ---- communication ---------------------------------------------------------------------------
+
+def reshard_steps(meta: TensorMeta, src: Layout, dst: Layout,
+                  mesh: Mesh) -> list[tuple[Collective, int, float, float]] | None:
+    """The collectives (kind, mesh axis, bytes, seconds) that turn ``src`` into ``dst``, axis by
+    axis; None if the change is impossible (e.g. Shard -> Partial)."""
+    steps = []
+    cur = list(src)
+    for axis, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        kind = transition(a, b)
+        if kind is False:
+            return None
+        if kind is not None:
+            others = tuple(p if i != axis else R for i, p in enumerate(cur))
+            nbytes = meta.nbytes / layout_fraction(others, mesh.sizes)
+            t = collective_time(kind, nbytes, mesh.sizes[axis], mesh.link(axis))
+            steps.append((kind, axis, nbytes, t))
+        cur[axis] = b
+    return steps
+
+
+def reshard_time(meta: TensorMeta, src: Layout, dst: Layout, mesh: Mesh) -> float:
+    """Seconds to turn a value laid out ``src`` into ``dst``; INF if impossible."""
+    if src == dst:
+        return 0.0
+    steps = reshard_steps(meta, src, dst, mesh)
+    return INF if steps is None else sum(s[3] for s in steps)
+
+
+# ---- building ----------------------------------------------------------------------------------
+
+def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None = None,
+                  reads: dict[str, Layout] | None = None) -> Problem:
+    """All decisions and edges of ``graph`` on ``mesh``. ``pins`` restricts the layouts of the
+    named input nodes (state names, e.g. ``"x"`` or ``"model.fc.weight"``); ``reads`` fixes the
+    layout in which forward and backward ops read a named input (a hand-written family's
+    compute pattern: FSDP gathers every weight before it is used)."""
+    pins = pins or {}
+    decisions: dict[str, Decision] = {}
+    fallbacks: list[str] = []
+    for node in graph.nodes:
+        if node.kind is NodeKind.INPUT:
+            layouts = _input_layouts(node.meta, mesh)
+            if node.target in pins:
+                layouts = [l for l in layouts if l in pins[node.target]]
+                if not layouts:
+                    raise PlanError(f"no allowed layout of input {node.target!r} "
+                                    f"{node.meta.dtype}{list(node.meta.shape)} divides on mesh "
+                                    f"{mesh}; pick a layout whose sharded dims divide evenly")
+            decisions[node.name] = Decision(node.name, [Choice((), (l,), 0.0) for l in layouts])
+        elif node.kind is NodeKind.CONSTANT:
+            rep = tuple(R for _ in mesh.sizes)
+            decisions[node.name] = Decision(node.name, [Choice((), (rep,), 0.0)])
+        elif node.kind is NodeKind.OP:
+            choices, has_rule = _op_choices(graph, node, mesh)
+            if not has_rule:
+                fallbacks.append(node.target)
+            if not choices:
+                raise PlanError(f"node {node.name} ({node.target}) has no layout that divides "
+                                f"on mesh {mesh}")
+            decisions[node.name] = Decision(node.name, choices)
+    forced = _apply_reads(graph, decisions, reads or {})
+    _prune_partial_inputs(graph, decisions)
+    edges = []
+    for node in graph.nodes:
+        if node.name not in decisions:
+            continue
+        for pos, r in enumerate(node.refs()):
+            if r.node in decisions and isinstance(graph.meta(r), TensorMeta):
+                edges.append(Edge(r.node, r.index, node.name, pos))
+    problem = Problem(graph, mesh, decisions, edges, sorted(set(fallbacks)))
+    problem.groups = _share(graph, decisions)
+    _fold_followers(problem, forced)
+    return problem
+
+
+def _apply_reads(graph: Graph, decisions: dict[str, Decision],
+                 reads: dict[str, Layout]) -> dict[str, Layout]:
+    """Restrict forward/backward readers of the inputs named in ``reads`` to that layout.
+    Returns the followers (views) that must read it, which ``_fold_followers`` honours."""
+    if not reads:
+        return {}
+    names = {n.name: reads[n.target] for n in graph.inputs if n.target in reads}
+    forced: dict[str, Layout] = {}
+    for node in graph.nodes:
+        if node.kind is not NodeKind.OP or node.phase is Phase.UPDATE:
+            continue
+        for pos, r in enumerate(node.refs()):
+            want = names.get(r.node)
+            if want is None:
+                continue
+            tensors = [x for x in node.refs() if isinstance(graph.meta(x), TensorMeta)]
+            if len(tensors) == 1 and node_bytes(graph, node) == 0:
+                forced[node.name] = want
+                continue
+            d = decisions[node.name]
+            kept = [c for c in d.choices if c.inputs[pos] == want]
+            if not kept:  # no rule reads that shard (e.g. vocab-parallel embedding): gather
+                rep = tuple(R for _ in want)
+                kept = [c for c in d.choices if c.inputs[pos] == rep]
+            if not kept:
+                raise PlanError(f"{node.target} at {node.source or node.name} cannot read "
+                                f"{graph.node(r.node).target} as {format_layout(want)}")
+            d.choices = kept
+    return forced
+
+
+def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -> None:
+    """A free op reading one tensor (a view, a transpose) follows its producer: its choice is
+    the one that reads the producer's layout unchanged, or, if it cannot, its all-Replicate
+    choice after gathering (cost folded into the choice). It then shares its producer's
+    variables and its input edge disappears from the ILP."""
+    graph, mesh, dec = problem.graph, problem.mesh, problem.decisions
+    rep = tuple(R for _ in mesh.sizes)
+    readers: dict[str, int] = {}
+    for e in problem.edges:
+        readers[e.src] = readers.get(e.src, 0) + 1
+    for o in graph.outputs:
+        readers[o.ref.node] = readers.get(o.ref.node, 0) + 2
+    folded: set[tuple[str, int]] = set()
+    for node in graph.nodes:
+        if node.name not in dec or not problem.is_follower(node.name):
+            continue
+        if readers.get(node.name, 0) != 1:
+            # a view read twice keeps its own decision: gathering once at the view can beat
+            # gathering at each reader, and only its own variables can express that
+            want = (forced or {}).get(node.name)
+            if want is not None:
+                pos = next(i for i, r in enumerate(node.refs())
+                           if isinstance(graph.meta(r), TensorMeta))
+                dec[node.name].choices = [c for c in dec[node.name].choices
+                                          if c.inputs[pos] == want]
+            continue
+        refs = list(node.refs())
+        pos, ref = next((i, r) for i, r in enumerate(refs)
+                        if isinstance(graph.meta(r), TensorMeta))
+        if ref.node not in dec:
+            continue
+        f, p = dec[node.name], dec[ref.node]
+        by_input: dict[Layout, Choice] = {}
+        for c in f.choices:
+            by_input.setdefault(c.inputs[pos], c)
+        base = next(c for c in f.choices if all(l is None or l == rep for l in c.inputs))
+        meta = graph.meta(ref)
+        want = (forced or {}).get(node.name)
+        if want is not None and want in by_input:
+            base = by_input[want]
+        aligned = []
+        for c in p.choices:
+            layout = c.outputs[ref.index]
+            if layout in by_input and (want is None or layout == want):
+                aligned.append(by_input[layout])
+            else:
+                target = base.inputs[pos]
+                aligned.append(Choice(base.inputs, base.outputs, base.compute_s,
+                                      reshard_time(meta, layout, target, mesh)))
+        f.choices = aligned
+        f.group = p.group
+        folded.add((node.name, pos))
+    problem.folded = [e for e in problem.edges if (e.dst, e.pos) in folded]
+    problem.edges = [e for e in problem.edges if (e.dst, e.pos) not in folded]
+
+
+def _prune_partial_inputs(graph: Graph, decisions: dict[str, Decision]) -> None:
+    """Drop choices that make a Partial value out of nothing.
+
+    Turning R into P is free (one rank keeps the value, the others hold zeros) and needed when
+    a partial operand meets a replicated one (a row-parallel matmul's bias, a residual add of a
+    partial sum). But a choice whose Partial inputs on an axis all come from producers that
+    cannot yield Partial there, and whose other inputs are all Replicate on that axis, only
+    fabricates a partial sum that must be reduced later: it is dominated by reading R. Walking
+    in topological order lets the pruning cascade (most activations are never Partial). The
+    all-Replicate choice always survives.
+    """
+    partial_axes: dict[tuple[str, int], set[int]] = {}
+    for node in graph.nodes:
+        d = decisions.get(node.name)
+        if d is None:
+            continue
+        if node.kind is NodeKind.OP:
+            capable = [partial_axes.get((r.node, r.index), set()) for r in node.refs()]
+            d.choices = [c for c in d.choices if not _fabricates_partial(c, capable)]
+        for k in range(len(node.outputs)):
+            axes: set[int] = set()
+            for c in d.choices:
+                layout = c.outputs[k] if k < len(c.outputs) else None
+                if layout is not None:
+                    axes |= {a for a, p in enumerate(layout) if isinstance(p, Partial)}
+            partial_axes[(node.name, k)] = axes
+
+
+def _fabricates_partial(c: Choice, capable: list[set[int]]) -> bool:
+    n_axes = next((len(l) for l in c.inputs if l is not None), 0)
+    for a in range(n_axes):
+        wants = [i for i, l in enumerate(c.inputs) if l is not None and isinstance(l[a], Partial)]
+        if not wants or any(a in capable[i] for i in wants):
+            continue
+        others = [l[a] for i, l in enumerate(c.inputs) if l is not None and i not in wants]
+        if all(p == R for p in others):
+            return True
+    return False
+
+
+# ---- sharing repeated layers --------------------------------------------------------------------
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _normalize(path: str) -> str:
+    """``model.h.3.attn`` -> ``model.h.#.attn``: layers of a ModuleList look alike."""
+    return _INDEX.sub("#", path)
+
+
+def _label(node: Node) -> str:
+    outs = ";".join(f"{m.dtype}{m.shape}" if isinstance(m, TensorMeta) else str(m)
+                    for m in node.outputs)
+    if node.kind is NodeKind.INPUT:
+        return f"in|{node.meta.role.value}|{_normalize(node.target)}|{outs}"
+    if node.kind is NodeKind.CONSTANT:
+        v = node.value
+        digest = hashlib.sha1(v.data or b"").hexdigest() if v else ""
+        return f"const|{outs}|{digest}"
+    lits = repr(tuple(a for a in node.args if not isinstance(a, (Ref, tuple))))
+    return f"{node.kind.value}|{node.target}|{_normalize(node.module_path)}|{node.phase.value}|{outs}|{lits}"
+
+
+def _share(graph: Graph, decisions: dict[str, Decision], rounds: int = 4) -> list[list[str]]:
+    """Group nodes that are the same computation in different layers (Weisfeiler-Lehman hashes
+    over ``rounds`` hops of inputs, with layer indices removed from names). Nodes of a group
+    must have the same choices; the group gets one decision."""
+    h = {n.name: _label(n) for n in graph.nodes}
+    for _ in range(rounds):
+        nh = {}
+        for n in graph.nodes:
+            ins = ",".join(f"{h[r.node]}@{r.index}" for r in n.refs())
+            nh[n.name] = hashlib.sha1(f"{h[n.name]}<-{ins}".encode()).hexdigest()
+        h = nh
+    by_hash: dict[tuple, list[str]] = {}
+    for name, d in decisions.items():
+        key = (h[name], tuple(d.choices))
+        by_hash.setdefault(key, []).append(name)
+    groups = list(by_hash.values())
+    for gi, members in enumerate(groups):
+        for m in members:
+            decisions[m].cls = decisions[m].group = gi
+    return groups
+
+
+def state_pairs(graph: Graph) -> list[tuple[str, Ref]]:
+    """(input node name, ref of its new value) for every state the step updates."""
+    inputs = {n.target: n.name for n in graph.inputs}
+    out = []
+    for o in graph.outputs:
+        if o.kind is OutputKind.STATE and o.name in inputs:
+            out.append((inputs[o.name], o.ref))
+    return out
+
+
+def result_refs(graph: Graph) -> list[Ref]:
+    return [o.ref for o in graph.outputs if o.kind is OutputKind.RESULT]
+
+
+def persistent(node: Node) -> bool:
+    return node.kind is NodeKind.INPUT and node.meta.role in (
+        Role.PARAM, Role.OPT_STATE, Role.BUFFER, Role.GRAD)
+
+
+__all__ = ["Choice", "Decision", "Edge", "Problem", "build_problem", "reshard_time",
+           "reshard_steps",
+           "state_pairs", "result_refs", "persistent", "OpStrategy"]

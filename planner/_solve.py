@@ -1,0 +1,424 @@
+"""The global ILP: one strategy per decision (shared by repeated layers), layout changes on
+edges priced by the alpha-beta model, a per-rank memory limit, solved with HiGHS.
+
+Edges use the transport form: for an edge whose producer offers output layouts L and whose
+consumer asks for layouts R, continuous ``y[l, r] >= 0`` with row sums equal to the producer's
+layout indicator and column sums equal to the consumer's. With one-hot indicators the only
+solution is their product, so the LP relaxation is much tighter than ``y >= a + b - 1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+from .._errors import PlanError
+from ..ir import NodeKind, Ref, TensorMeta
+from ._placement import Layout, Partial, R, Shard, layout_fraction
+from ._problem import INF, STATE_POS, Edge, Problem, persistent, reshard_time, result_refs, state_pairs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Solution:
+    choice: dict[str, int]                # node -> index into its decision's choices
+    objective_s: float
+    compute_s: float
+    comm_s: float
+    peak_memory_bytes: int
+    memory_profile_points: int
+    solver: dict[str, float | int | str] = field(default_factory=dict)
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.cost: list[float] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+        self.integer: list[bool] = []
+        self.rows: list[tuple[float, float, list[int], list[float]]] = []
+
+    def var(self, cost: float, integer: bool) -> int:
+        self.cost.append(cost)
+        self.lb.append(0.0)
+        self.ub.append(1.0)
+        self.integer.append(integer)
+        return len(self.cost) - 1
+
+    def row(self, lo: float, hi: float, terms: dict[int, float]) -> None:
+        idx = [i for i, v in terms.items() if v != 0.0]
+        self.rows.append((lo, hi, idx, [terms[i] for i in idx]))
+
+    def solve(self, time_limit: float, gap: float) -> tuple[list[float], dict]:
+        """Solve the LP relaxation first: the transport form makes it integral on most plans,
+        which proves optimality at LP cost. Only a fractional LP goes on to branch and bound."""
+        t0 = time.perf_counter()
+        h = self._highs(time_limit, gap)
+        h.run()
+        values, stats = self._result(h, integer=False)
+        ints = [i for i, b in enumerate(self.integer) if b]
+        if values and all(min(values[i], 1 - values[i]) < 1e-6 for i in ints):
+            stats.update(solve_s=time.perf_counter() - t0, method="lp-integral", mip_gap=0.0)
+            return values, stats
+        if ints:
+            idx = np.array(ints, dtype=np.int32)
+            h.changeColsIntegrality(len(idx), idx,
+                                    np.array([highspy.HighsVarType.kInteger] * len(idx)))
+            h.run()
+            values, stats = self._result(h, integer=True)
+        stats.update(solve_s=time.perf_counter() - t0, method="mip")
+        return values, stats
+
+    def _highs(self, time_limit: float, gap: float) -> highspy.Highs:
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", float(time_limit))
+        h.setOptionValue("mip_rel_gap", float(gap))
+        n = len(self.cost)
+        h.addVars(n, np.array(self.lb), np.array(self.ub))
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(self.cost))
+        starts, index, value, lo, hi = [], [], [], [], []
+        for rlo, rhi, idx, val in self.rows:
+            starts.append(len(index))
+            index += idx
+            value += val
+            lo.append(rlo)
+            hi.append(rhi)
+        h.addRows(len(lo), np.array(lo), np.array(hi), len(index),
+                  np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
+                  np.array(value, dtype=np.float64))
+        return h
+
+    def _result(self, h: highspy.Highs, integer: bool) -> tuple[list[float], dict]:
+        status = h.getModelStatus()
+        info = h.getInfo()
+        stats = {"status": h.modelStatusToString(status), "variables": len(self.cost),
+                 "constraints": len(self.rows),
+                 "mip_gap": float(info.mip_gap) if integer else 0.0,
+                 "objective": float(info.objective_function_value)}
+        ok = status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit)
+        if not ok or info.primal_solution_status != 2:
+            return [], stats
+        return list(h.getSolution().col_value), stats
+
+
+def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
+          gap: float = 1e-4, memory_points: int = 6, max_rounds: int = 6) -> Solution:
+    """Choose a strategy per node; raise PlanError if no choice fits ``memory_limit``.
+
+    Memory is constrained at the peaks of the unsharded liveness profile; if the solution's
+    exact peak lands elsewhere and exceeds the limit, that point is added and the ILP re-solved.
+    """
+    points = _memory_points(problem, memory_points)
+    t_build = t_solve = 0.0
+    for rounds in range(1, max_rounds + 1):
+        t0 = time.perf_counter()
+        model, xvar, members, _ = _build(problem, memory_limit, points)
+        t_build += time.perf_counter() - t0
+        values, stats = model.solve(time_limit, gap)
+        t_solve += stats["solve_s"]
+        if not values:
+            raise PlanError(
+                "no plan fits: the solver found no assignment within the memory limit of "
+                f"{memory_limit / 2**30:.2f} GiB per device ({stats['status']})")
+        choice: dict[str, int] = {}
+        for g, names in members.items():
+            best = int(np.argmax([values[v] for v in xvar[g]]))
+            for name in names:
+                choice[name] = best
+        peak, at = peak_memory(problem, choice)
+        if peak <= memory_limit * (1 + 1e-9) or at in points:
+            break
+        points.append(at)
+    dec = problem.decisions
+    compute = sum(dec[n].choices[i].compute_s for n, i in choice.items())
+    objective = float(stats["objective"])
+    stats.update(build_s=t_build, solve_s=t_solve, rounds=rounds,
+                 decisions=len(dec), groups=len(members))
+    return Solution(choice, objective, compute, max(0.0, objective - compute), peak,
+                    len(points), stats)
+
+
+def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: int = 6) -> int:
+    """The smallest per-rank peak any plan reaches: minimise the largest memory over the
+    constrained liveness points, add the exact peak's point, repeat (as ``solve`` does)."""
+    points = _memory_points(problem, 6)
+    live = live_ranges(problem)
+    best = None
+    for _ in range(max_rounds):
+        model, xvar, members, transients = _build(problem, INF, [])
+        model.cost = [0.0] * len(model.cost)
+        m = model.var(1.0, False)
+        model.ub[m] = INF
+        for t in points:
+            terms = _memory_terms(problem, xvar, t, live, transients)
+            terms[m] = -1.0
+            model.row(-INF, 0.0, terms)
+        values, stats = model.solve(time_limit, 1e-3)
+        if not values:
+            raise PlanError(f"could not compute the smallest memory of any plan "
+                            f"({stats['status']})")
+        choice = {}
+        for g, names in members.items():
+            pick = int(np.argmax([values[v] for v in xvar[g]]))
+            for name in names:
+                choice[name] = pick
+        peak, at = peak_memory(problem, choice)
+        best = peak if best is None else min(best, peak)
+        if at in points:
+            break
+        points.append(at)
+    assert best is not None
+    return best
+
+
+def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
+        _Model, dict[int, list[int]], dict[int, list[str]], dict[int, dict[int, float]]]:
+    graph, mesh = problem.graph, problem.mesh
+    dec = problem.decisions
+    model = _Model()
+    members: dict[int, list[str]] = defaultdict(list)
+    for name, d in dec.items():
+        members[d.group].append(name)
+    xvar: dict[int, list[int]] = {}
+    for g, names in members.items():
+        n = len(dec[names[0]].choices)
+        cost = [0.0] * n
+        for name in names:
+            choices = dec[name].choices
+            assert len(choices) == n, f"unaligned choices in group {g}: {name}"
+            for i, c in enumerate(choices):
+                cost[i] += c.compute_s + c.comm_s
+        xvar[g] = [model.var(c, True) for c in cost]
+        model.row(1.0, 1.0, {v: 1.0 for v in xvar[g]})
+    transients = _edge_rows(problem, model, xvar, members)
+    _result_costs(problem, model, xvar)
+    live = live_ranges(problem)
+    for t in points:
+        model.row(-INF, memory_limit, _memory_terms(problem, xvar, t, live, transients))
+    return model, xvar, members, transients
+
+
+def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
+               members: dict[int, list[str]]) -> dict[int, dict[int, float]]:
+    """Edges grouped by (producer group, output, consumer group, position): one transport
+    block per group, its cost times the number of edges it stands for. Returns the memory a
+    layout change holds while its consumer runs: liveness point -> {variable: bytes}."""
+    transients: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    graph, mesh, dec = problem.graph, problem.mesh, problem.decisions
+    cache: dict[tuple[int, Layout, Layout], float] = {}
+
+    def cost(nbytes: int, l: Layout, r: Layout) -> float:
+        key = (nbytes, l, r)
+        if key not in cache:
+            cache[key] = reshard_time(TensorMeta((nbytes,), "uint8"), l, r, mesh)
+        return cache[key]
+
+    edge_count: dict[tuple[int, ...], int] = defaultdict(int)
+    sample: dict[tuple[int, ...], Edge] = {}
+    at: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for e in problem.all_edges():
+        s, d = dec[e.src], dec[e.dst]
+        key = (s.group, s.cls, e.index, d.group, d.cls, e.pos)
+        edge_count[key] += 1
+        sample.setdefault(key, e)
+        at[key].append(_edge_time(problem, e))
+    for key, count in edge_count.items():
+        e = sample[key]
+        gs, gd, k, pos = key[0], key[3], e.index, e.pos
+        meta = graph.meta(Ref(e.src, e.index))
+        by_out: dict[Layout, list[int]] = defaultdict(list)
+        for i, c in enumerate(dec[e.src].choices):
+            by_out[c.outputs[k]].append(xvar[gs][i])
+        by_in: dict[Layout, list[int]] = defaultdict(list)
+        for i, c in enumerate(dec[e.dst].choices):
+            by_in[c.required(pos)].append(xvar[gd][i])
+        ys: dict[tuple[Layout, Layout], int] = {}
+        follower = problem.is_follower(e.dst)
+        for l, r in candidate_pairs(tuple(by_out), tuple(by_in), follower):
+            t = cost(meta.nbytes, l, r)
+            if t < INF:
+                ys[(l, r)] = model.var(count * t, False)
+                if l != r:
+                    held = meta.nbytes / layout_fraction(r, mesh.sizes)
+                    for when in at[key]:
+                        transients[when][ys[(l, r)]] += held
+        rows_out: dict[Layout, dict[int, float]] = {l: {} for l in by_out}
+        rows_in: dict[Layout, dict[int, float]] = {r: {} for r in by_in}
+        for (l, r), y in ys.items():
+            rows_out[l][y] = 1.0
+            rows_in[r][y] = 1.0
+        for rows, by in ((rows_out, by_out), (rows_in, by_in)):
+            for layout, xs in by.items():
+                terms = rows[layout]
+                for x in xs:
+                    terms[x] = terms.get(x, 0.0) - 1.0
+                model.row(0.0, 0.0, terms)
+    for e in problem.folded:
+        d = dec[e.dst]
+        meta = graph.meta(Ref(e.src, e.index))
+        for i, c in enumerate(d.choices):
+            if c.comm_s > 0:
+                held = meta.nbytes / layout_fraction(c.inputs[e.pos], mesh.sizes)
+                transients[_edge_time(problem, e)][xvar[d.group][i]] += held
+    return transients
+
+
+def _edge_time(problem: Problem, e: Edge) -> int:
+    """When a layout change's buffer is live: as its consumer runs (a state's write-back:
+    as its producer finishes)."""
+    order = problem.order
+    return order[e.src] if e.pos == STATE_POS else order[e.dst]
+
+
+def _gathered(l: Layout, r: Layout) -> bool:
+    """``r`` is ``l`` with some axes made Replicate (all-gathers / all-reduces only)."""
+    return all(b == a or isinstance(b, type(R)) for a, b in zip(l, r))
+
+
+@functools.lru_cache(maxsize=65536)
+def candidate_pairs(outs: tuple[Layout, ...], ins: tuple[Layout, ...],
+                    follower: bool) -> list[tuple[Layout, Layout]]:
+    """Which (producer layout, consumer layout) changes an edge may make.
+
+    Every pair is exact-costed, but not every pair is offered: keeping a layout, gathering some
+    axes back to Replicate, slicing a replicated value (free), and changing ONE axis (a
+    reduce-scatter or an all-to-all) cover data, FSDP, tensor and sequence parallelism; changes
+    on several axes at once that are not pure gathers (e.g. swapping which axes shard which
+    dims) are left out, and so is any change on the input of a free op (a view or transpose:
+    the same change costs the same before or after it). This keeps the ILP near-linear in the
+    number of layouts instead of quadratic.
+    """
+    in_set = set(ins)
+    pairs: set[tuple[Layout, Layout]] = set()
+    for l in outs:
+        if l in in_set:
+            pairs.add((l, l))
+        for r in ins:
+            if any(isinstance(b, Partial) and isinstance(a, Shard) for a, b in zip(l, r)):
+                continue                      # a shard cannot become a partial sum
+            if _gathered(l, r) or _gathered(r, l):
+                pairs.add((l, r))
+            elif not follower and sum(a != b for a, b in zip(l, r)) == 1:
+                pairs.add((l, r))
+    return sorted(pairs, key=str)
+
+
+def _result_costs(problem: Problem, model: _Model, xvar: dict[int, list[int]]) -> None:
+    """Results return to the controller replicated."""
+    dec, mesh = problem.decisions, problem.mesh
+    rep = tuple(R for _ in mesh.sizes)
+    for ref in result_refs(problem.graph):
+        if ref.node not in dec:
+            continue
+        meta = problem.graph.meta(ref)
+        g = dec[ref.node].group
+        for i, c in enumerate(dec[ref.node].choices):
+            model.cost[xvar[g][i]] += reshard_time(meta, c.outputs[ref.index], rep, mesh)
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+def live_ranges(problem: Problem) -> list[tuple[int, int, str, int]]:
+    """(start, end, producer, output index) of every tensor value a rank holds; persistent state
+    lives through the whole step; a state's new value is written in place of the old one."""
+    graph = problem.graph
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    end = len(graph.nodes)
+    last: dict[tuple[str, int], int] = {}
+    for i, n in enumerate(graph.nodes):
+        for r in n.refs():
+            last[(r.node, r.index)] = i
+    in_place = {(ref.node, ref.index) for _, ref in state_pairs(graph)}
+    for o in graph.outputs:
+        last[(o.ref.node, o.ref.index)] = end
+    out = []
+    for n in graph.nodes:
+        if n.name not in problem.decisions:
+            continue
+        if persistent(n):
+            out.append((0, end, n.name, 0))
+            continue
+        for k, m in enumerate(n.outputs):
+            if not isinstance(m, TensorMeta) or (n.name, k) in in_place:
+                continue
+            out.append((order[n.name], last.get((n.name, k), order[n.name]), n.name, k))
+    return out
+
+
+def _memory_points(problem: Problem, k: int) -> list[int]:
+    """Liveness points to constrain: the peaks of the unsharded profile."""
+    prof = _profile(problem, lambda name, idx: None)
+    order = sorted(range(len(prof)), key=lambda t: -prof[t])
+    chosen: list[int] = []
+    gap = max(1, len(prof) // (4 * k))
+    for t in order:
+        if all(abs(t - c) >= gap for c in chosen):
+            chosen.append(t)
+        if len(chosen) == k:
+            break
+    return chosen
+
+
+def _value_bytes(problem: Problem, name: str, idx: int, layout: Layout | None) -> float:
+    meta = problem.graph.node(name).outputs[idx]
+    assert isinstance(meta, TensorMeta)
+    if layout is None:
+        return float(meta.nbytes)
+    return meta.nbytes / layout_fraction(layout, problem.mesh.sizes)
+
+
+def _profile(problem: Problem, layout_of) -> list[float]:  # noqa: ANN001
+    n = len(problem.graph.nodes) + 1
+    delta = [0.0] * (n + 1)
+    for start, end, name, idx in live_ranges(problem):
+        b = _value_bytes(problem, name, idx, layout_of(name, idx))
+        delta[start] += b
+        delta[end + 1 if end + 1 <= n else n] -= b
+    prof, acc = [], 0.0
+    for t in range(n):
+        acc += delta[t]
+        prof.append(acc)
+    return prof
+
+
+def _memory_terms(problem: Problem, xvar: dict[int, list[int]], t: int,
+                  live: list[tuple[int, int, str, int]],
+                  transients: dict[int, dict[int, float]]) -> dict[int, float]:
+    dec = problem.decisions
+    terms: dict[int, float] = defaultdict(float)
+    for var, held in transients.get(t, {}).items():
+        terms[var] += held
+    for start, end, name, idx in live:
+        if not start <= t <= end:
+            continue
+        d = dec[name]
+        for i, c in enumerate(d.choices):
+            terms[xvar[d.group][i]] += _value_bytes(problem, name, idx, c.outputs[idx])
+    return terms
+
+
+def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
+    """(peak bytes per rank, the liveness point where it happens) under ``choice``."""
+    dec = problem.decisions
+
+    def layout_of(name: str, idx: int) -> Layout:
+        return dec[name].choices[choice[name]].outputs[idx]
+
+    prof = _profile(problem, layout_of)
+    mesh = problem.mesh
+    for e in problem.all_edges() + problem.folded:
+        src = dec[e.src].choices[choice[e.src]].outputs[e.index]
+        dst = dec[e.dst].choices[choice[e.dst]].required(e.pos)
+        if src != dst and dst is not None:
+            meta = problem.graph.meta(Ref(e.src, e.index))
+            prof[_edge_time(problem, e)] += meta.nbytes / layout_fraction(dst, mesh.sizes)
+    t = int(np.argmax(prof))
+    return int(prof[t]), t

@@ -1,0 +1,206 @@
+"""The planner end to end on small models: plans are valid, auto beats or ties every hand plan
+under the same cost model, plans persist exactly, and bad input gets one clear PlanError."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+import pytest
+
+import meshplan
+from meshplan.examples import gpt, mlp
+from meshplan.ir import Graph
+from meshplan.planner import (
+    HAND_STRATEGIES,
+    Mesh,
+    Plan,
+    PlanError,
+    Replicate,
+    Shard,
+    plan_graph,
+)
+
+
+@lru_cache(maxsize=None)
+def _graph(name: str) -> Graph:
+    ex = {"mlp": lambda: mlp.build(optimizer="adamw"), "gpt": lambda: gpt.build()}[name]()
+    return meshplan.trace(ex.step, *ex.batch(0)).graph
+
+
+MESHES = [{"dp": 2}, {"dp": 2, "tp": 2}]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("axes", MESHES, ids=lambda a: ",".join(f"{k}{v}" for k, v in a.items()))
+def test_auto_is_no_worse_than_any_feasible_hand_plan(name: str, axes: dict[str, int]) -> None:
+    """The hand families are pins on the same ILP; the automatic search contains each of
+    them, so under one cost model it can only tie or win (the solver runs to optimality on
+    these sizes; 1e-9 s absorbs float summation order)."""
+    g = _graph(name)
+    auto = plan_graph(g, axes, topology="h100")
+    assert auto.fits
+    for strategy in HAND_STRATEGIES:
+        if strategy == "megatron_tp" and "tp" not in axes:
+            continue
+        hand = plan_graph(g, axes, topology="h100", strategy=strategy)
+        if hand.fits:
+            assert auto.estimated_step_time_s <= hand.estimated_step_time_s + 1e-9, (
+                strategy, auto, hand)
+
+
+def test_every_node_is_placed_with_one_layout_per_mesh_axis() -> None:
+    g = _graph("gpt")
+    plan = plan_graph(g, {"dp": 2, "tp": 2}, topology="h100")
+    placed = {p.node for p in plan.placements}
+    for n in g.nodes:
+        if n.kind.value in ("input", "op", "constant"):
+            assert n.name in placed
+    for p in plan.placements:
+        for layout in (*p.inputs, *p.outputs):
+            assert layout is None or len(layout) == 2
+
+
+def test_dp_plan_replicates_state_and_shards_the_batch() -> None:
+    g = _graph("mlp")
+    plan = plan_graph(g, {"dp": 2}, topology="h100", strategy="dp")
+    for n in g.inputs:
+        layout = plan.placement(n.name).outputs[0]
+        if n.meta.role.value == "data":
+            assert layout == (Shard(0),)
+        else:
+            assert layout == (Replicate(),)
+
+
+def test_fsdp_shards_state_and_gathers_it() -> None:
+    g = _graph("mlp")
+    plan = plan_graph(g, {"dp": 2}, topology="h100", strategy="fsdp")
+    w = next(n for n in g.inputs if n.target.endswith("weight") and n.meta.role.value == "param")
+    assert plan.placement(w.name).outputs[0] == (Shard(0),)
+    kinds = {c[0] for r in plan.redistributions for c in r.collectives}
+    assert "all_gather" in kinds
+
+
+def test_plan_round_trips_exactly_and_checks_its_hash(tmp_path) -> None:  # noqa: ANN001
+    plan = plan_graph(_graph("mlp"), {"dp": 2, "tp": 2}, topology="h100")
+    path = tmp_path / "mlp.plan"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again.to_json() == plan.to_json()
+    assert again.estimated_step_time_s == plan.estimated_step_time_s
+    assert again.graph.to_json() == plan.graph.to_json()
+    d = json.loads(path.read_text())
+    d["body"]["estimated_step_time_s"] = 0.0
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="content hash"):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("not json", "not JSON"),
+    ('{"format": "something"}', "not a meshplan plan"),
+    ('{"format": "meshplan.plan", "version": 99}', "version"),
+])
+def test_foreign_or_corrupt_plan_files(tmp_path, text: str, match: str) -> None:  # noqa: ANN001
+    path = tmp_path / "bad.plan"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=match):
+        Plan.load(path)
+
+
+def test_summary_names_the_mesh_time_and_memory() -> None:
+    plan = plan_graph(_graph("gpt"), {"dp": 2, "tp": 2}, topology="h100", strategy="megatron_tp")
+    text = plan.summary()
+    assert "megatron_tp" in text and "dp=2,tp=2" in text
+    assert "estimated step time" in text and "peak memory" in text
+
+
+def test_unknown_topology_is_a_plan_error() -> None:
+    with pytest.raises(PlanError, match="unknown topology 'tpu9'"):
+        plan_graph(_graph("mlp"), {"dp": 2}, topology="tpu9")
+
+
+def test_unknown_strategy_and_missing_tp_axis() -> None:
+    with pytest.raises(PlanError, match="unknown strategy"):
+        plan_graph(_graph("mlp"), {"dp": 2}, strategy="zero9")
+    with pytest.raises(PlanError, match="axis named 'tp'"):
+        plan_graph(_graph("mlp"), {"dp": 2}, strategy="megatron_tp")
+
+
+def test_batch_that_does_not_divide_the_data_parallel_mesh() -> None:
+    """The MLP's batch of 8 cannot be split 3 ways."""
+    with pytest.raises(PlanError, match="does not divide"):
+        plan_graph(_graph("mlp"), {"dp": 3}, strategy="dp")
+
+
+def test_bad_pins() -> None:
+    g = _graph("mlp")
+    with pytest.raises(PlanError, match="unknown input 'nope'"):
+        plan_graph(g, {"dp": 2}, pins={"nope": ("R",)})
+    with pytest.raises(PlanError, match="1 axes"):
+        plan_graph(g, {"dp": 2}, pins={"x": ("S(0)", "R")})
+    with pytest.raises(PlanError, match="cannot parse placement"):
+        plan_graph(g, {"dp": 2}, pins={"x": ("Q",)})
+
+
+def test_pinned_batch_is_respected() -> None:
+    g = _graph("mlp")
+    plan = plan_graph(g, {"dp": 2}, topology="h100", pins={"x": ("S(0)",)})
+    x = next(n for n in g.inputs if n.target == "x")
+    assert plan.placement(x.name).outputs[0] == (Shard(0),)
+
+
+def test_memory_limit_no_plan_meets_says_by_how_much() -> None:
+    g = _graph("mlp")
+    with pytest.raises(PlanError, match=r"best plan needs .* GiB \(misses by"):
+        plan_graph(g, {"dp": 2}, topology="h100", memory_limit_bytes=1024)
+
+
+def test_mesh_object_and_public_compile() -> None:
+    ex = mlp.build(optimizer="sgd")
+    plan = meshplan.compile(ex.step, *ex.batch(0), mesh=Mesh({"dp": 2}, "cpu"))
+    assert plan.mesh.names == ("dp",) and plan.fits
+
+
+def _wide_mlp_graph() -> Graph:
+    """Two 1024x4096 linears with plain SGD: 8M parameters, 32 MiB of fp32 weights and 32 MiB
+    of gradients, tiny activations (batch 8)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(x, y):  # noqa: ANN001, ANN202
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.empty(8, 1024, device="meta")
+    return meshplan.trace(step, x, x).graph
+
+
+def test_megatron_tensor_parallel_emerges_when_memory_forces_it() -> None:
+    """Replicated weights (data parallel) need 64 MiB for weights and gradients; FSDP holds
+    32 MiB of shards plus a gathered 16 MiB weight (and a 16 MiB unreduced gradient) while a
+    layer runs. Megatron's split holds 32 MiB of shards plus an 8 MiB update temporary. Under
+    44 MiB only the Megatron split fits: fc1 by output features (column), fc2 by input
+    features (row), and no weight is ever gathered."""
+    g = _wide_mlp_graph()
+    limit = 44 * 2**20
+    dp = plan_graph(g, {"tp": 2}, topology="h100", strategy="dp", memory_limit_bytes=limit)
+    fsdp = plan_graph(g, {"tp": 2}, topology="h100", strategy="fsdp", memory_limit_bytes=limit)
+    assert not dp.fits and not fsdp.fits
+    plan = plan_graph(g, {"tp": 2}, topology="h100", memory_limit_bytes=limit)
+    assert plan.fits
+    w1 = next(n for n in g.inputs if n.target.endswith("0.weight") and n.meta.role.value == "param")
+    w2 = next(n for n in g.inputs if n.target.endswith("2.weight") and n.meta.role.value == "param")
+    assert plan.placement(w1.name).outputs[0] == (Shard(0),)
+    assert plan.placement(w2.name).outputs[0] == (Shard(1),)
+    gathered = {r.value for r in plan.redistributions
+                if any(c[0] == "all_gather" for c in r.collectives)}
+    assert w1.name not in gathered and w2.name not in gathered
