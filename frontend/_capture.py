@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from .._errors import TraceError
 from ..ir import Phase, Role
 from ._discover import Inventory
+from ._decomp import DECOMPOSITIONS
 from ._source import is_user_file, user_frame
 
 
@@ -62,6 +63,8 @@ class StageOne:
     mark_names: list[str]
     exit_spec: StateSpec
     fake_inputs: list[list[torch.Tensor]]   # params, grads, buffers, opt state, data
+    # (optimizer, parameter) pairs whose parameter held a gradient when that optimizer stepped
+    stepped: frozenset[tuple[int, int]] = frozenset()
 
 
 def current_spec(inv: Inventory) -> StateSpec:
@@ -184,7 +187,8 @@ def _swapped(inv: Inventory, params: list[torch.Tensor], buffers: list[torch.Ten
             for group in opt.param_groups:
                 hyper = {k: v for k, v in group.items() if k != "params"}
                 saved_groups.append((group, group["params"], hyper))
-                idx = [inv.param_index[id(p)] for p in group["params"]]
+                # a partial inventory (a few of a model's repeated blocks) leaves the rest out
+                idx = [inv.param_index[id(p)] for p in group["params"] if id(p) in inv.param_index]
                 group["params"] = [params[i] for i in idx]
                 for i in idx:
                     if (oi, i) in opt_state:
@@ -264,8 +268,17 @@ def trace_stage_one(
                 lambda p, i=i: marks.__setitem__(i, p.grad.clone()))
         args, kwargs = rebuild_args(list(data_flat))
         stepped: list[int] = []
+        with_grad: set[tuple[int, int]] = set()
+        position = {id(p): i for i, p in enumerate(params)}
+
+        def pre_step(i: int, opt: torch.optim.Optimizer) -> None:
+            with_grad.update((i, position[id(p)]) for g in opt.param_groups for p in g["params"]
+                             if p.grad is not None and id(p) in position)
+
         hooks = [opt.register_step_post_hook(lambda *_, i=i: stepped.append(i))
                  for i, (_, opt) in enumerate(inv.optimizers)]
+        hooks += [opt.register_step_pre_hook(lambda o, *_, i=i: pre_step(i, o))
+                  for i, (_, opt) in enumerate(inv.optimizers)]
         try:
             with _swapped(inv, params, buffers, opt_state) as temp_states, annot, \
                     annot.module_hooks():
@@ -279,7 +292,6 @@ def trace_stage_one(
             raise NoOptimizerStep()
         kind, keys, leaves = _result_leaves(result)
         new_grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
-        position = {id(p): i for i, p in enumerate(params)}
         new_opt = []
         for oi, state in enumerate(temp_states):
             for p, st in state.items():
@@ -289,12 +301,13 @@ def trace_stage_one(
                         new_opt.append((e, st[k]))
         record.update(kind=kind, keys=keys, n_results=len(leaves),
                       grads=[i for i, _ in new_grads], opt=[e for e, _ in new_opt],
-                      marks=sorted(marks))
+                      marks=sorted(marks), with_grad=frozenset(with_grad))
         return (leaves, list(params), [g for _, g in new_grads], new_buffers,
                 [t for _, t in new_opt], [marks[i] for i in sorted(marks)])
 
     with fxt.preserve_node_meta():
-        gm = make_fx(joint, tracing_mode="fake")(f_params, f_grads, f_buffers, f_opt, f_data)
+        gm = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(
+            f_params, f_grads, f_buffers, f_opt, f_data)
 
     exit_spec = StateSpec(tuple(record["grads"]), tuple(sorted(
         record["opt"], key=lambda e: (e.opt, e.param, e.key))))
@@ -308,7 +321,8 @@ def trace_stage_one(
              for group in (f_params, f_grads, f_buffers, f_opt, f_data)]
     return StageOne(gm, input_names, output_names, record["n_results"], record["kind"],
                     record["keys"], len(record["marks"]),
-                    [inv.params[i].name for i in record["marks"]], exit_spec, plain)
+                    [inv.params[i].name for i in record["marks"]], exit_spec, plain,
+                    record["with_grad"])
 
 
 def _result_leaves(result: Any) -> tuple[str, tuple[str, ...], list[torch.Tensor]]:

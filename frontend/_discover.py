@@ -45,6 +45,7 @@ class Inventory:
     optimizers: list[tuple[str, torch.optim.Optimizer]]
     module_paths: dict[int, str]                    # id(module) -> "model.blocks.0.attn"
     param_index: dict[int, int]                     # id(param tensor) -> index in params
+    roots: list[tuple[str, nn.Module]] = field(default_factory=list)  # modules the step names
 
     def param_name(self, p: torch.Tensor) -> str:
         return self.params[self.param_index[id(p)]].name
@@ -222,4 +223,4 @@ def _inventory(
                     )
                 param_index[id(p)] = len(params)
                 params.append(Slot(f"{oname}.param_groups.{gi}.params.{pi}", Role.PARAM, p))
-    return Inventory(params, buffers, optimizers, module_paths, param_index)
+    return Inventory(params, buffers, optimizers, module_paths, param_index, modules)

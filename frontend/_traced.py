@@ -36,11 +36,23 @@ from ._capture import (
     _BadResult,
     current_spec,
     functionalize_stage_one,
+    opt_state_name,
     trace_stage_one,
 )
 from ._convert import convert
 from ._discover import Inventory, discover, step_location
+from ._probe import guess_steady_spec
 from ._source import describe, exception_user_location
+from ._stamp import stamp
+from ._template import (
+    TRACED_BLOCKS,
+    NotTemplatable,
+    Partial,
+    Repeat,
+    find_repeat,
+    partial,
+    truncated,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +133,12 @@ class TracedStep:
     """A training step captured as IR graphs, callable like the original step.
 
     ``graph`` is the steady-state step (all optimizer state as inputs). A step traced before its
-    optimizer holds state also keeps the first-step graph, which creates that state. Graphs are
+    optimizer holds state also has a first-step graph, which creates that state; the steady
+    graph is traced first, from the state the optimizer is predicted to create (``_probe``), and
+    the first-step graph when it is first needed. A model with many identical blocks is traced
+    through three of them and the rest are stamped (``_template``, ``_stamp``) when it lives on
+    the meta device (for planning; real models are traced whole). Either shortcut
+    falls back to the plain trace whenever it cannot show that its result is the same. Graphs are
     specialised on argument shapes, optimizer hyperparameters and the state's structure; a call
     that differs in any of them is traced again automatically.
     """
@@ -134,6 +151,21 @@ class TracedStep:
         self._graphs: dict[tuple, Graph] = {}
         self._steady: Graph | None = None
         self._first: Graph | None = None
+        # traced lazily: (graph key, first-step state, predicted steady state, arguments)
+        self._pending_first: tuple[tuple, StateSpec, StateSpec, _Args] | None = None
+        self._part: Partial | None = None
+        self._repeat: Repeat | None = None
+        try:
+            # Only models on the meta device (planned, never run from this graph) are stamped:
+            # the stamp cannot see a step that reads one block's output by index (_stamp.py),
+            # and a graph that runs must be exact, so real models are always traced whole.
+            on_meta = all(s.tensor.is_meta for s in self.inventory.params)
+            self._repeat = find_repeat(self.inventory) if on_meta else None
+            if self._repeat is not None:
+                self._part = partial(self.inventory, self._repeat, TRACED_BLOCKS)
+        except Exception as e:  # noqa: BLE001 - without a template the step is traced whole
+            logger.debug("meshplan: no block template for %s: %s", self._name, e)
+            self._repeat = self._part = None
 
     # ---- public ---------------------------------------------------------------------------
     @property
@@ -143,7 +175,19 @@ class TracedStep:
 
     @property
     def first_step_graph(self) -> Graph | None:
-        """The graph for a step whose optimizer holds no state yet (None if traced later)."""
+        """The graph for a step whose optimizer holds no state yet (None if traced later).
+
+        Traced on first use: the steady graph is traced first, from predicted optimizer state.
+        """
+        if self._pending_first is not None:
+            key, spec0, steady, a = self._pending_first
+            self._pending_first = None
+            r0 = self._trace(spec0, a)
+            self._graphs[key] = self._first = r0.graph
+            if r0.exit != steady:    # the prediction was wrong: trace the real steady state
+                logger.warning("meshplan: %s: predicted optimizer state was wrong; re-tracing "
+                               "the steady step", self._name)
+                self._steady = self._trace_steady(r0, a)
         return self._first
 
     def __call__(self, *args: Any) -> Any:
@@ -151,10 +195,12 @@ class TracedStep:
         spec = current_spec(self.inventory)
         key = self._key(spec, a)
         graph = self._graphs.get(key)
+        if graph is None and self._pending_first is not None and key == self._pending_first[0]:
+            graph = self.first_step_graph
         if graph is None:
             logger.info("meshplan: re-tracing %s (new shapes, hyperparameters or state)",
                         self._name)
-            graph, _ = self._trace(spec, a)
+            graph = self._trace(spec, a).graph
             self._graphs[key] = graph
         return self._run(graph, a)
 
@@ -179,25 +225,65 @@ class TracedStep:
     def _prepare(self, example_args: tuple) -> None:
         a = _Args.of(example_args)
         spec0 = current_spec(self.inventory)
-        g0, exit0 = self._trace(spec0, a)
-        self._graphs[self._key(spec0, a)] = g0
-        if exit0 == spec0:
-            self._steady = g0
+        guess = guess_steady_spec(self.inventory, spec0)
+        tried: _Result | None = None
+        if guess is not None:     # no optimizer state yet: trace the steady step directly
+            tried = self._try(guess, a)
+            if tried is not None and _predicted(spec0, guess, tried):
+                self._graphs[self._key(guess, a)] = self._steady = tried.graph
+                self._pending_first = (self._key(spec0, a), spec0, guess, a)
+                return
+        r0 = self._trace(spec0, a)
+        self._graphs[self._key(spec0, a)] = r0.graph
+        if r0.exit == spec0:
+            self._steady = r0.graph
             return
-        g1, exit1 = self._trace(exit0, a)
-        if exit1 != exit0:
+        self._first = r0.graph
+        self._steady = self._trace_steady(r0, a, tried)
+
+    def _trace_steady(self, r0: _Result, a: _Args, known: _Result | None = None) -> Graph:
+        """The steady graph after a first step ``r0``; ``known`` may already be it."""
+        r1 = known if known is not None and known.spec == r0.exit else self._trace(r0.exit, a)
+        if r1.exit != r0.exit:
             raise TraceError(
                 f"the optimizer state of {self._name} changes structure at every step "
-                f"({len(exit0.opt)} then {len(exit1.opt)} tensors); meshplan needs a steady "
+                f"({len(r0.exit.opt)} then {len(r1.exit.opt)} tensors); meshplan needs a steady "
                 "state: keep the optimizer's state shapes fixed between steps"
             )
-        self._graphs[self._key(exit0, a)] = g1
-        self._first, self._steady = g0, g1
+        self._graphs[self._key(r0.exit, a)] = r1.graph
+        return r1.graph
 
-    def _trace(self, spec: StateSpec, a: _Args) -> tuple[Graph, StateSpec]:
+    def _try(self, spec: StateSpec, a: _Args) -> _Result | None:
+        try:
+            return self._trace(spec, a)
+        except Exception as e:  # noqa: BLE001 - the plain path reports real errors
+            logger.debug("meshplan: tracing from predicted state failed: %s", e)
+            return None
+
+    def _trace(self, spec: StateSpec, a: _Args) -> _Result:
+        """One graph for entry state ``spec``: through the block template when possible."""
+        part, rep = self._part, self._repeat
+        if part is not None and rep is not None and part.extend(part.restrict(spec)) == spec:
+            try:
+                return self._trace_blocks(rep, part, spec, a)
+            except Exception as e:  # noqa: BLE001 - the whole trace reports real errors
+                logger.info("meshplan: %s: tracing all %d blocks of %s (%s: %s)", self._name,
+                            rep.n, rep.path, type(e).__name__, str(e).split("\n", 1)[0])
+                self._part = self._repeat = None
+        return self._trace_whole(self.inventory, spec, a)
+
+    def _trace_blocks(self, rep: Repeat, part: Partial, spec: StateSpec, a: _Args) -> _Result:
+        with truncated(rep, part.k):
+            r = self._trace_whole(part.inv, part.restrict(spec), a)
+        graph = verify(stamp(r.graph, rep.naming(self.inventory), part.k, rep.n))
+        out = _Result(graph, spec, part.extend(r.exit), part.extend_pairs(r.stepped))
+        _check_io(out, self.inventory, a.names(self.step_fn))
+        return out
+
+    def _trace_whole(self, inv: Inventory, spec: StateSpec, a: _Args) -> _Result:
         fn = self.step_fn
         try:
-            one = trace_stage_one(fn, self.inventory, spec, a.tensors, a.rebuild, a.names(fn))
+            one = trace_stage_one(fn, inv, spec, a.tensors, a.rebuild, a.names(fn))
             gm = functionalize_stage_one(one)
         except _BadResult as e:
             raise TraceError(
@@ -205,7 +291,7 @@ class TracedStep:
                 f"or list of tensors, a dict of tensors, or None\n{describe(step_location(fn))}"
             ) from None
         except NoOptimizerStep:
-            names = ", ".join(n for n, _ in self.inventory.optimizers)
+            names = ", ".join(n for n, _ in inv.optimizers)
             raise TraceError(
                 f"{self._name} never calls step() on its optimizer ({names})\n"
                 f"{describe(step_location(fn))}\na training step runs forward, "
@@ -243,7 +329,7 @@ class TracedStep:
                     f"{describe(step_location(fn))}\nclone it first (x = x.clone()) or use an "
                     "out-of-place op"
                 )
-        return _finish(graph, marks), one.exit_spec
+        return _Result(_finish(graph, marks), spec, one.exit_spec, one.stepped)
 
     # ---- running --------------------------------------------------------------------------
     def _inputs(self, graph: Graph, a: _Args) -> dict[str, torch.Tensor]:
@@ -309,6 +395,44 @@ class TracedStep:
                     opt.state[inv.params[_index_of(inv, pname)].tensor][key] = value
                     return
         raise TraceError(f"internal: cannot write back state {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    """One traced graph, the state it was traced from and the state the step leaves."""
+
+    graph: Graph
+    spec: StateSpec
+    exit: StateSpec
+    stepped: frozenset[tuple[int, int]]     # (optimizer, parameter) with a gradient at step()
+
+
+def _predicted(spec0: StateSpec, guess: StateSpec, r: _Result) -> bool:
+    """Whether a first step from ``spec0`` provably leaves ``guess``: the traced step keeps the
+    predicted structure, and state was predicted exactly for the parameters that have a
+    gradient when their optimizer steps (those are the ones a first step creates it for)."""
+    made = {(e.opt, e.param) for e in guess.opt} - {(e.opt, e.param) for e in spec0.opt}
+    stateful = {(e.opt, e.param) for e in guess.opt}
+    return r.exit == guess and made <= r.stepped <= stateful
+
+
+def _check_io(r: _Result, inv: Inventory, data_names: list[str]) -> None:
+    """A stamped graph has exactly the inputs and state outputs a whole trace would have (state
+    outputs in the optimizer's own order, so compared as sets)."""
+    state = ([(s.name, Role.PARAM) for s in inv.params]
+             + [(f"{inv.params[i].name}.grad", Role.GRAD) for i in r.spec.grads]
+             + [(s.name, Role.BUFFER) for s in inv.buffers])
+    inputs = (state + [(opt_state_name(inv, e), Role.OPT_STATE) for e in r.spec.opt]
+              + [(n, Role.DATA) for n in data_names])
+    outputs = ([(s.name, Role.PARAM) for s in inv.params]
+               + [(f"{inv.params[i].name}.grad", Role.GRAD) for i in r.exit.grads]
+               + [(s.name, Role.BUFFER) for s in inv.buffers]
+               + [(opt_state_name(inv, e), Role.OPT_STATE) for e in r.exit.opt])
+    written = [(o.name, o.role.value) for o in r.graph.outputs_of(OutputKind.STATE)]
+    if [(n.target, n.role) for n in r.graph.inputs] != inputs or sorted(written) != sorted(
+        (name, role.value) for name, role in outputs
+    ):
+        raise NotTemplatable("the stamped graph's inputs or state outputs are not the model's")
 
 
 def _index_of(inv: Inventory, pname: str) -> int:

@@ -39,13 +39,31 @@ def substitute(graph: Graph, subst: dict[Ref, Ref], drop: set[str]) -> Graph:
     return Graph(tuple(nodes), outputs, graph.info)
 
 
+def _identity_source(graph: Graph, n: Node) -> Ref | None:
+    """The value ``n`` returns unchanged, if it is an identity: ``detach``/``alias`` of x, or
+    ``copy(x, y)`` of same-shaped, same-dtype tensors (functionalised ``x.copy_(y)``: y)."""
+    if n.kind is not NodeKind.OP:
+        return None
+    if n.target in IDENTITY_OPS and isinstance(n.args[0], Ref):
+        return n.args[0]
+    if n.target == "aten.copy.default" and len(n.args) >= 2 and not n.kwargs and all(
+            isinstance(a, Ref) for a in n.args[:2]):
+        dst, src = graph.meta(n.args[0]), graph.meta(n.args[1])
+        if getattr(dst, "shape", None) == getattr(src, "shape", 0) and (
+                getattr(dst, "dtype", None) == getattr(src, "dtype", 0)):
+            return n.args[1]
+    return None
+
+
 def remove_identity_ops(graph: Graph) -> Graph:
-    """Forward reads of ``detach``/``alias`` to their input; tracing leaves many behind."""
+    """Forward reads of identities (``detach``, ``alias``, a same-shape ``copy``) to their
+    source; tracing leaves many behind."""
     subst: dict[Ref, Ref] = {}
     drop: set[str] = set()
     for n in graph.nodes:
-        if n.kind is NodeKind.OP and n.target in IDENTITY_OPS and isinstance(n.args[0], Ref):
-            src = subst.get(n.args[0], n.args[0])
+        source = _identity_source(graph, n)
+        if source is not None:
+            src = subst.get(source, source)
             subst[Ref(n.name, 0)] = src
             drop.add(n.name)
     return substitute(graph, subst, drop)

@@ -191,8 +191,15 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
     pins = pins or {}
     decisions: dict[str, Decision] = {}
     fallbacks: list[str] = []
+    hashes = wl_hashes(graph)
+    seen: dict[str, tuple[list[Choice], bool]] = {}   # same hash, same choices
     for node in graph.nodes:
-        if node.kind is NodeKind.INPUT:
+        if node.kind is NodeKind.OP and hashes[node.name] in seen:
+            choices, has_rule = seen[hashes[node.name]]
+            if not has_rule:
+                fallbacks.append(node.target)
+            decisions[node.name] = Decision(node.name, list(choices))
+        elif node.kind is NodeKind.INPUT:
             layouts = _input_layouts(node.meta, mesh)
             if node.target in pins:
                 layouts = [l for l in layouts if l in pins[node.target]]
@@ -206,6 +213,7 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
             decisions[node.name] = Decision(node.name, [Choice((), (rep,), 0.0)])
         elif node.kind is NodeKind.OP:
             choices, has_rule = _op_choices(graph, node, mesh)
+            seen[hashes[node.name]] = (choices, has_rule)
             if not has_rule:
                 fallbacks.append(node.target)
             if not choices:
@@ -222,7 +230,7 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
             if r.node in decisions and isinstance(graph.meta(r), TensorMeta):
                 edges.append(Edge(r.node, r.index, node.name, pos))
     problem = Problem(graph, mesh, decisions, edges, sorted(set(fallbacks)))
-    problem.groups = _share(graph, decisions)
+    problem.groups = _share(graph, decisions, hashes)
     _fold_followers(problem, forced)
     return problem
 
@@ -373,14 +381,18 @@ def _label(node: Node) -> str:
         v = node.value
         digest = hashlib.sha1(v.data or b"").hexdigest() if v else ""
         return f"const|{outs}|{digest}"
-    lits = repr(tuple(a for a in node.args if not isinstance(a, (Ref, tuple))))
+    lits = repr(_literals(node.args)) + repr(_literals(tuple(v for _, v in node.kwargs)))
     return f"{node.kind.value}|{node.target}|{_normalize(node.module_path)}|{node.phase.value}|{outs}|{lits}"
 
 
-def _share(graph: Graph, decisions: dict[str, Decision], rounds: int = 4) -> list[list[str]]:
-    """Group nodes that are the same computation in different layers (Weisfeiler-Lehman hashes
-    over ``rounds`` hops of inputs, with layer indices removed from names). Nodes of a group
-    must have the same choices; the group gets one decision."""
+def _literals(args: tuple) -> tuple:
+    return tuple("@" if isinstance(a, Ref) else _literals(a) if isinstance(a, tuple) else a
+                 for a in args)
+
+
+def wl_hashes(graph: Graph, rounds: int = 4) -> dict[str, str]:
+    """Weisfeiler-Lehman hashes over ``rounds`` hops of inputs, with layer indices removed from
+    names: the same computation in different layers hashes the same."""
     h = {n.name: _label(n) for n in graph.nodes}
     for _ in range(rounds):
         nh = {}
@@ -388,6 +400,12 @@ def _share(graph: Graph, decisions: dict[str, Decision], rounds: int = 4) -> lis
             ins = ",".join(f"{h[r.node]}@{r.index}" for r in n.refs())
             nh[n.name] = hashlib.sha1(f"{h[n.name]}<-{ins}".encode()).hexdigest()
         h = nh
+    return h
+
+
+def _share(graph: Graph, decisions: dict[str, Decision], h: dict[str, str]) -> list[list[str]]:
+    """Group nodes that are the same computation in different layers; nodes of a group must
+    have the same choices; the group gets one decision."""
     by_hash: dict[tuple, list[str]] = {}
     for name, d in decisions.items():
         key = (h[name], tuple(d.choices))

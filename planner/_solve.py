@@ -37,8 +37,13 @@ class Solution:
     solver: dict[str, float | int | str] = field(default_factory=dict)
 
 
+DIVE_GAP = 0.01      # a dive within 1% of the LP bound is accepted without branch and bound
+IPM_ABOVE = 50_000   # variables above which the first LP uses the interior-point method
+
+
 class _Model:
     def __init__(self) -> None:
+        self.groups: list[list[int]] = []
         self.cost: list[float] = []
         self.lb: list[float] = []
         self.ub: list[float] = []
@@ -57,24 +62,92 @@ class _Model:
         self.rows.append((lo, hi, idx, [terms[i] for i in idx]))
 
     def solve(self, time_limit: float, gap: float) -> tuple[list[float], dict]:
-        """Solve the LP relaxation first: the transport form makes it integral on most plans,
-        which proves optimality at LP cost. Only a fractional LP goes on to branch and bound."""
+        """LP relaxation first: the transport form makes it integral on most plans, which
+        proves optimality at LP cost. A fractional LP is rounded by diving (fix the most
+        decided groups, re-solve from the warm basis, repeat); if the dive lands within
+        ``DIVE_GAP`` of the LP bound it is kept, else branch and bound starts from it."""
         t0 = time.perf_counter()
         h = self._highs(time_limit, gap)
+        if len(self.cost) > IPM_ABOVE:
+            h.setOptionValue("solver", "ipm")      # simplex stalls on large degenerate LPs
         h.run()
         values, stats = self._result(h, integer=False)
+        h.setOptionValue("solver", "simplex")      # dives re-solve from the crossover basis
         ints = [i for i, b in enumerate(self.integer) if b]
-        if values and all(min(values[i], 1 - values[i]) < 1e-6 for i in ints):
+        if not values or not ints or self._integral(values):
             stats.update(solve_s=time.perf_counter() - t0, method="lp-integral", mip_gap=0.0)
             return values, stats
-        if ints:
-            idx = np.array(ints, dtype=np.int32)
-            h.changeColsIntegrality(len(idx), idx,
-                                    np.array([highspy.HighsVarType.kInteger] * len(idx)))
-            h.run()
-            values, stats = self._result(h, integer=True)
+        bound = stats["objective"]
+        dive = self._dive(h, values, t0 + time_limit / 2)
+        if dive:
+            values, stats = dive
+            dgap = (stats["objective"] - bound) / max(abs(stats["objective"]), 1e-30)
+            if dgap <= max(gap, DIVE_GAP):
+                stats.update(solve_s=time.perf_counter() - t0, method="lp-dive",
+                             mip_gap=max(0.0, dgap))
+                return values, stats
+        left = max(1.0, time_limit - (time.perf_counter() - t0))
+        h = self._highs(left, gap)
+        idx = np.array(ints, dtype=np.int32)
+        h.changeColsIntegrality(len(idx), idx,
+                                np.array([highspy.HighsVarType.kInteger] * len(idx)))
+        if dive:
+            start = highspy.HighsSolution()
+            start.col_value = list(dive[0])
+            h.setSolution(start)
+        h.run()
+        mip, mstats = self._result(h, integer=True)
+        if mip and (not dive or mstats["objective"] <= dive[1]["objective"]):
+            values, stats = mip, mstats
+        else:
+            stats["mip_gap"] = (stats["objective"] - bound) / max(abs(stats["objective"]), 1e-30)
         stats.update(solve_s=time.perf_counter() - t0, method="mip")
         return values, stats
+
+    def group(self, variables: list[int]) -> None:
+        """Declare a one-hot group (exactly one of ``variables`` is 1), used by the dive."""
+        self.groups.append(variables)
+
+    def _integral(self, values: list[float]) -> bool:
+        return all(min(values[i], 1 - values[i]) < 1e-6 for i, b in enumerate(self.integer)
+                   if b)
+
+    def _dive(self, h: highspy.Highs, values: list[float],
+              deadline: float) -> tuple[list[float], dict] | None:
+        while time.perf_counter() < deadline:
+            frac = [g for g in self.groups if max(values[v] for v in g) < 1 - 1e-6]
+            if not frac:
+                return values, self._result(h, integer=False)[1]
+            frac.sort(key=lambda g: -max(values[v] for v in g))
+            batch = frac[:max(1, len(frac) // 4)]
+            for size in (len(batch), 1):
+                fixed = self._fix(h, batch[:size], values)
+                h.run()
+                nv, _ = self._result(h, integer=False)
+                if nv:
+                    values = nv
+                    break
+                self._unfix(h, fixed)
+            else:
+                return None
+        return None
+
+    def _fix(self, h: highspy.Highs, groups: list[list[int]],
+             values: list[float]) -> list[int]:
+        cols, lo, hi = [], [], []
+        for g in groups:
+            best = max(g, key=lambda v: values[v])
+            for v in g:
+                cols.append(v)
+                lo.append(1.0 if v == best else 0.0)
+                hi.append(1.0 if v == best else 0.0)
+        h.changeColsBounds(len(cols), np.array(cols, dtype=np.int32), np.array(lo),
+                           np.array(hi))
+        return cols
+
+    def _unfix(self, h: highspy.Highs, cols: list[int]) -> None:
+        h.changeColsBounds(len(cols), np.array(cols, dtype=np.int32), np.zeros(len(cols)),
+                           np.ones(len(cols)))
 
     def _highs(self, time_limit: float, gap: float) -> highspy.Highs:
         h = highspy.Highs()
@@ -124,6 +197,10 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
         t_build += time.perf_counter() - t0
         values, stats = model.solve(time_limit, gap)
         t_solve += stats["solve_s"]
+        if not values and stats["status"] != "Infeasible":
+            raise PlanError(
+                f"the solver found no plan within {time_limit:.0f} s ({stats['status']}, "
+                f"{stats['variables']} variables); raise time_limit_s or use a hand strategy")
         if not values:
             raise PlanError(
                 "no plan fits: the solver found no assignment within the memory limit of "
@@ -198,6 +275,7 @@ def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
                 cost[i] += c.compute_s + c.comm_s
         xvar[g] = [model.var(c, True) for c in cost]
         model.row(1.0, 1.0, {v: 1.0 for v in xvar[g]})
+        model.group(xvar[g])
     transients = _edge_rows(problem, model, xvar, members)
     _result_costs(problem, model, xvar)
     live = live_ranges(problem)
