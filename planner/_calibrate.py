@@ -33,6 +33,7 @@ import numpy as np
 from .._errors import PlanError, RuntimeFailure
 from ._comm import Collective, collective_time
 from ._mesh import Link, Topology
+from ._summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -306,13 +307,6 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.2f} {unit}"
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n:g} B"
-
-
 def _time(s: float) -> str:
     return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
 
@@ -353,7 +347,7 @@ def calibration_tables(cal: Calibration) -> list:
     for nbytes, row in sorted(by_size.items()):
         cells = [f"{_time(row[k].seconds)} / {_time(collective_time(k, nbytes, n, link))}"
                  if k in row else "" for k in kinds]
-        fit.add_row(_bytes(nbytes), *cells)
+        fit.add_row(format_bytes(nbytes), *cells)
     return [main, fit]
 
 

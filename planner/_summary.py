@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ._plan import Plan
 
 
-def _b(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -31,8 +31,9 @@ def render_summary(plan: Plan, width: int = 100) -> str:
     con.print(f"plan \\[{plan.strategy}] for {plan.graph.info.name} on mesh {plan.mesh}")
     con.print(f"  estimated step time {_t(plan.estimated_step_time_s)} "
               f"(compute {_t(plan.compute_time_s)}, communication {_t(plan.comm_time_s)})")
-    con.print(f"  peak memory per device {_b(plan.peak_memory_bytes)} of "
-              f"{_b(plan.memory_limit_bytes)}: {'fits' if plan.fits else 'DOES NOT FIT'}")
+    con.print(f"  peak memory per device {format_bytes(plan.peak_memory_bytes)} of "
+              f"{format_bytes(plan.memory_limit_bytes)}: "
+              f"{'fits' if plan.fits else 'DOES NOT FIT'}")
     if st:
         con.print(f"  solver: {st.get('status')}, gap {float(st.get('mip_gap', 0.0)):.2%}, "
                   f"{st.get('variables')} variables, {st.get('groups')} decisions for "
@@ -51,7 +52,7 @@ def render_summary(plan: Plan, width: int = 100) -> str:
         for col in ("collective", "axis", "count", "bytes", "time"):
             table.add_column(col, justify="left" if col in ("collective", "axis") else "right")
         for (kind, axis), (count, nbytes, t) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
-            table.add_row(kind, axis, str(int(count)), _b(nbytes), _t(t))
+            table.add_row(kind, axis, str(int(count)), format_bytes(nbytes), _t(t))
         con.print(table)
     else:
         con.print("  no communication")
@@ -63,7 +64,7 @@ def render_summary(plan: Plan, width: int = 100) -> str:
         table.add_column("bytes", justify="right")
         table.add_column("e.g.")
         for layout, (count, nbytes, example) in sorted(params.items(), key=lambda kv: -kv[1][1]):
-            table.add_row(layout, str(count), _b(nbytes), example)
+            table.add_row(layout, str(count), format_bytes(nbytes), example)
         con.print(table)
     if plan.fallbacks:
         con.print(f"  ops without a sharding rule (run replicated): {', '.join(plan.fallbacks)}")

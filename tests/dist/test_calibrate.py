@@ -73,7 +73,7 @@ def test_cli_prints_the_numbers_and_writes_a_loadable_topology(measured, tmp_pat
     assert args == (2,) and kwargs == {"timeout_s": 120.0, "sizes": _calibrate.QUICK_SIZES,
                                        "repeats": 2}
     printed = capsys.readouterr().out
-    for word in ("float32 matmul", "link bandwidth", "link latency", "all_reduce", "4 MiB",
+    for word in ("float32 matmul", "link bandwidth", "link latency", "all_reduce", "4.00 MiB",
                  str(out)):
         assert word in printed
     assert get_topology(str(out)) == measured.topology
