@@ -25,7 +25,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 
-from .._errors import TraceError
 from ..ir import Phase, Role
 from ._discover import Inventory
 from ._decomp import DECOMPOSITIONS

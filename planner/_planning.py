@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 
 from .._errors import PlanError
-from ..ir import Graph, Ref
+from ..ir import Graph, Ref, split_foreach
 from ._hand import HAND_STRATEGIES, hand_pins, hand_reads
 from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, parse_placement
@@ -79,10 +79,8 @@ def plan_graph(
 
 
 def _prepare(graph: Graph) -> Graph:
-    from .. import ir
-
-    split = getattr(ir, "split_foreach", None)
-    return split(graph) if split is not None else graph
+    """Per-tensor ops instead of foreach ops: each parameter's update can be placed alone."""
+    return split_foreach(graph)
 
 
 def _user_pins(graph: Graph, mesh: Mesh, pins: Pins) -> dict[str, set[Layout]]:

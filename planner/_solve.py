@@ -19,7 +19,7 @@ import highspy
 import numpy as np
 
 from .._errors import PlanError
-from ..ir import NodeKind, Ref, TensorMeta
+from ..ir import Ref, TensorMeta
 from ._placement import Layout, Partial, R, Shard, layout_fraction
 from ._problem import INF, STATE_POS, Edge, Problem, persistent, reshard_time, result_refs, state_pairs
 
@@ -258,7 +258,6 @@ def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: i
 
 def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
         _Model, dict[int, list[int]], dict[int, list[str]], dict[int, dict[int, float]]]:
-    graph, mesh = problem.graph, problem.mesh
     dec = problem.decisions
     model = _Model()
     members: dict[int, list[str]] = defaultdict(list)

@@ -60,7 +60,6 @@ from meshplan.ir._ops import resolve
 from meshplan.planner._placement import Partial, Placement, ReduceOp, Replicate, Shard, divides
 from meshplan.planner.rules import (
     OpStrategy,
-    default_localize,
     op_info,
     registered,
     rule_for,
