@@ -26,6 +26,8 @@ checked once per signature to keep the run short.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import hashlib
 import math
@@ -41,7 +43,7 @@ from torch import Tensor, nn
 
 import meshplan
 from meshplan import PlanError
-from meshplan.examples import cnn, gpt, mlp
+from meshplan.examples import cnn, gpt, llama, mlp
 from meshplan.examples._common import Example, batch_generator, make_optimizer, seeded
 from meshplan.frontend._traced import _Args
 from meshplan.ir import (
@@ -77,98 +79,10 @@ NO_RULE_ALLOWED: dict[str, str] = {}
 
 # ---- a LLaMA-style step ------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LlamaConfig:
-    """Sizes chosen so that a mesh axis of 2 and of 3 divides batch, sequence, heads, dims."""
-
-    vocab: int = 72
-    dim: int = 48
-    n_head: int = 6
-    n_kv_head: int = 3
-    hidden: int = 96
-    seq_len: int = 12
-    batch: int = 6
-
-
-def _rotary(t: int, hd: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, device=device).float() / hd))
-    freqs = torch.outer(torch.arange(t, device=device).float(), inv)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class LlamaBlock(nn.Module):
-    """RMSNorm, GQA attention (separate q/k/v/o, rotary, kv heads expanded), SwiGLU MLP."""
-
-    def __init__(self, c: LlamaConfig) -> None:
-        super().__init__()
-        self.h, self.kv, self.hd = c.n_head, c.n_kv_head, c.dim // c.n_head
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(c.dim), nn.RMSNorm(c.dim)
-        self.wq = nn.Linear(c.dim, self.h * self.hd, bias=False)
-        self.wk = nn.Linear(c.dim, self.kv * self.hd, bias=False)
-        self.wv = nn.Linear(c.dim, self.kv * self.hd, bias=False)
-        self.wo = nn.Linear(self.h * self.hd, c.dim, bias=False)
-        self.gate = nn.Linear(c.dim, c.hidden, bias=False)
-        self.up = nn.Linear(c.dim, c.hidden, bias=False)
-        self.down = nn.Linear(c.hidden, c.dim, bias=False)
-
-    def _heads(self, z: Tensor, n: int) -> Tensor:
-        b, t, _ = z.shape
-        return z.view(b, t, n, self.hd).transpose(1, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        cos, sin = _rotary(t, self.hd, x.device)
-        a = self.attn_norm(x)
-        q = _rope(self._heads(self.wq(a), self.h), cos, sin)
-        k = _rope(self._heads(self.wk(a), self.kv), cos, sin)
-        v = self._heads(self.wv(a), self.kv)
-        rep = self.h // self.kv
-        k = k[:, :, None].expand(b, self.kv, rep, t, self.hd).reshape(b, self.h, t, self.hd)
-        v = v[:, :, None].expand(b, self.kv, rep, t, self.hd).reshape(b, self.h, t, self.hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, t, self.h * self.hd))
-        m = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(m)) * self.up(m))
-
-
-class Llama(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(c.vocab, c.dim)
-        self.block = LlamaBlock(c)
-        self.norm = nn.RMSNorm(c.dim)
-        self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)  # untied
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.lm_head(self.norm(self.block(self.embed(idx))))
-
-
-def build_llama(foreach: bool = True, c: LlamaConfig = LlamaConfig()) -> Example:
-    with seeded(0):
-        model = Llama(c)
-    opt = make_optimizer(model.parameters(), "adamw", foreach=foreach, lrs={"adamw": 1e-3},
-                         weight_decay=0.1)
-
-    def step(x: Tensor, y: Tensor) -> Tensor:
-        logits = model(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    def batch(i: int) -> tuple[Tensor, Tensor]:
-        tok = torch.randint(0, c.vocab, (c.batch, c.seq_len + 1), generator=batch_generator(7, i))
-        return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
-
-    return Example(model=model, opt=opt, step=step, batch=batch)
+def build_llama(foreach: bool = True) -> Example:
+    """One block of examples/llama.py (RMSNorm, GQA with RoPE, SwiGLU, untied head), AdamW."""
+    config = dataclasses.replace(llama.PRESETS["tiny"], n_layer=1)
+    return llama.build(config=config, foreach=foreach, clip=None)
 
 
 class Zoo(nn.Module):
