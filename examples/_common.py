@@ -10,7 +10,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Example", "OptimizerName", "batch_generator", "make_optimizer", "seeded"]
+__all__ = ["Example", "OptimizerName", "batch_generator", "decay_groups", "make_optimizer",
+           "seeded"]
 
 OptimizerName = Literal["sgd", "adamw"]
 
@@ -69,3 +70,13 @@ def make_optimizer(
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=foreach)
     raise ValueError(f"unknown optimizer {name!r}; use 'sgd' or 'adamw'")
+
+
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """nanoGPT's parameter groups: weight decay on matrices and embeddings, none on biases and
+    norm weights. ``model.parameters()`` lists a tied weight once."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]

@@ -21,9 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 try:
-    from ._common import Example, OptimizerName, batch_generator, make_optimizer, seeded
+    from ._common import (
+        Example, OptimizerName, batch_generator, decay_groups, make_optimizer, seeded,
+    )
 except ImportError:  # loaded as a plain file: its folder is on sys.path
-    from _common import Example, OptimizerName, batch_generator, make_optimizer, seeded
+    from _common import (
+        Example, OptimizerName, batch_generator, decay_groups, make_optimizer, seeded,
+    )
 
 __all__ = ["GPT", "GPTConfig", "build", "example_inputs", "model", "opt", "train_step"]
 
@@ -156,15 +160,6 @@ class GPT(nn.Module):
         return self.lm_head(tr["ln_f"](x))
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """nanoGPT's grouping: decay matrices and embeddings, not biases or norm weights."""
-    params = list(model.parameters())  # deduplicates the tied weight
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
 def build(
     optimizer: OptimizerName = "adamw",
     foreach: bool = False,
@@ -179,7 +174,7 @@ def build(
     """
     with seeded(seed):
         model = GPT(config)
-    opt = make_optimizer(_param_groups(model, 0.1), optimizer, foreach=foreach, lrs=_LR)
+    opt = make_optimizer(decay_groups(model, 0.1), optimizer, foreach=foreach, lrs=_LR)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         logits = model(x)

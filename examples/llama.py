@@ -24,9 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 try:
-    from ._common import Example, OptimizerName, batch_generator, make_optimizer, seeded
+    from ._common import (
+        Example, OptimizerName, batch_generator, decay_groups, make_optimizer, seeded,
+    )
 except ImportError:  # loaded as a plain file: its folder is on sys.path
-    from _common import Example, OptimizerName, batch_generator, make_optimizer, seeded
+    from _common import (
+        Example, OptimizerName, batch_generator, decay_groups, make_optimizer, seeded,
+    )
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "build", "example_inputs", "model", "opt",
            "train_step"]
@@ -178,15 +182,6 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
-    """Weight decay on matrices and embeddings, not on norm weights."""
-    params = list(model.parameters())
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
 def build(
     config: LlamaConfig | str = "tiny",
     optimizer: OptimizerName = "adamw",
@@ -208,7 +203,7 @@ def build(
     where = torch.device(device) if device is not None else contextlib.nullcontext()
     with seeded(seed), where:
         model = Llama(cfg)
-    opt = make_optimizer(_param_groups(model, 0.1), optimizer, foreach=foreach, lrs=_LR)
+    opt = make_optimizer(decay_groups(model, 0.1), optimizer, foreach=foreach, lrs=_LR)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         logits = model(x)
