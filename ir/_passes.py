@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from ._graph import Graph, Node, Output
+from ._graph import Graph, Node
 from ._types import NodeKind, Ref
 
 Pass = Callable[[Graph], Graph]
@@ -90,7 +90,3 @@ def run_passes(graph: Graph, passes: tuple[Pass, ...], *, check: bool = False) -
         if check:
             verify(graph)
     return graph
-
-
-def outputs_replaced(graph: Graph, outputs: tuple[Output, ...]) -> Graph:
-    return Graph(graph.nodes, outputs, graph.info)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ..._errors import PlanError
-from ...ir import Graph, Node, Ref, TensorMeta
-from .._placement import Placement, R, Replicate
+from ...ir import Graph, Node, TensorMeta
+from .._placement import Placement, R
 
 Shape = tuple[int, ...]
 
@@ -149,11 +149,3 @@ def default_localize(node: Node, ins: Sequence[Shape | None],
         return a
 
     return tuple(fix(a) for a in node.args), tuple((k, fix(v)) for k, v in node.kwargs)
-
-
-def is_replicate(p: Placement | None) -> bool:
-    return p is None or isinstance(p, Replicate)
-
-
-def tensor_refs(node: Node) -> list[Ref]:
-    return list(node.refs())
