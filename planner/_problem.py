@@ -82,12 +82,7 @@ class Problem:
         return {n.name: i for i, n in enumerate(self.graph.nodes)}
 
     def is_follower(self, name: str) -> bool:
-        """A free op (a view: no FLOPs, no bytes) reading exactly one tensor."""
-        node = self.graph.node(name)
-        if node.kind is not NodeKind.OP:
-            return False
-        tensors = [r for r in node.refs() if isinstance(self.graph.meta(r), TensorMeta)]
-        return len(tensors) == 1 and node_bytes(self.graph, node) == 0
+        return is_follower(self.graph, self.graph.node(name))
 
     def state_edges(self) -> list[Edge]:
         return [Edge(ref.node, ref.index, inp, STATE_POS) for inp, ref in state_pairs(self.graph)
@@ -98,6 +93,14 @@ class Problem:
 
 
 # ---- strategies -------------------------------------------------------------------------------
+
+def is_follower(graph: Graph, node: Node) -> bool:
+    """A free op (a view: no FLOPs, no bytes) reading exactly one tensor."""
+    if node.kind is not NodeKind.OP:
+        return False
+    tensors = [r for r in node.refs() if isinstance(graph.meta(r), TensorMeta)]
+    return len(tensors) == 1 and node_bytes(graph, node) == 0
+
 
 def _input_layouts(meta: TensorMeta, mesh: Mesh) -> list[Layout]:
     per_axis: list[Placement] = [R] + [Shard(d) for d in range(len(meta.shape)) if meta.shape[d] > 1]
@@ -250,8 +253,7 @@ def _apply_reads(graph: Graph, decisions: dict[str, Decision],
             want = names.get(r.node)
             if want is None:
                 continue
-            tensors = [x for x in node.refs() if isinstance(graph.meta(x), TensorMeta)]
-            if len(tensors) == 1 and node_bytes(graph, node) == 0:
+            if is_follower(graph, node):
                 forced[node.name] = want
                 continue
             d = decisions[node.name]
