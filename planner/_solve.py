@@ -29,11 +29,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Solution:
     choice: dict[str, int]                # node -> index into its decision's choices
-    objective_s: float
     compute_s: float
-    comm_s: float
     peak_memory_bytes: int
-    memory_profile_points: int
     solver: dict[str, float | int | str] = field(default_factory=dict)
 
 
@@ -216,11 +213,9 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
         points.append(at)
     dec = problem.decisions
     compute = sum(dec[n].choices[i].compute_s for n, i in choice.items())
-    objective = float(stats["objective"])
     stats.update(build_s=t_build, solve_s=t_solve, rounds=rounds,
-                 decisions=len(dec), groups=len(members))
-    return Solution(choice, objective, compute, max(0.0, objective - compute), peak,
-                    len(points), stats)
+                 decisions=len(dec), groups=len(members), memory_points=len(points))
+    return Solution(choice, compute, peak, stats)
 
 
 def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: int = 6) -> int:
