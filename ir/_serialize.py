@@ -233,12 +233,18 @@ def save_graph(g: Graph, path: str | os.PathLike[str]) -> None:
     atomic_write_text(path, graph_to_json(g))
 
 
-def load_graph(path: str | os.PathLike[str]) -> Graph:
+def read_text(path: str | os.PathLike[str], what: str,
+              error: type[Exception] = IRError) -> str:
+    """The file's text, or one ``error`` naming ``what`` could not be read and why."""
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except OSError as e:
-        raise IRError(f"cannot read graph file {os.fspath(path)!r}: {e.strerror}") from None
+        raise error(f"cannot read {what} {os.fspath(path)!r}: {e.strerror}") from None
+
+
+def load_graph(path: str | os.PathLike[str]) -> Graph:
+    text = read_text(path, "graph file")
     try:
         return graph_from_json(text)
     except IRError as e:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._errors import IRError, PlanError
 from ..ir import Graph, atomic_write_text
-from ..ir._serialize import graph_from_dict, graph_to_dict
+from ..ir._serialize import graph_from_dict, graph_to_dict, read_text
 from ._mesh import Mesh, Topology
 from ._placement import Layout, format_layout, parse_placement
 
@@ -129,12 +129,7 @@ class Plan:
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise PlanError(f"cannot read plan {os.fspath(path)!r}: {e.strerror}") from None
-        return Plan.from_json(text, where=os.fspath(path))
+        return Plan.from_json(read_text(path, "plan", PlanError), where=os.fspath(path))
 
     def summary(self, width: int = 100) -> str:
         from ._summary import render_summary
