@@ -1,7 +1,7 @@
 """The hand-written plan families, expressed as pins on the same ILP and cost model.
 
 ``dp``: every parameter, gradient, optimizer-state tensor and buffer replicated; the batch
-(dim 0 of each data input) split over all axes. ``fsdp``: the same, with every state tensor
+(dim 0 of each data input) split over all axes (over those it divides if it is smaller). ``fsdp``: the same, with every state tensor
 sharded on its first dimension that divides the mesh (ZeRO-3 / FSDP2's dim-0 sharding).
 ``megatron_tp``: Megatron-LM's column/row split of linear layers on the ``tp`` axis (named the
 way torchtitan's and Megatron's plans name them), data parallel on the other axes.
@@ -28,8 +28,16 @@ _VOCAB = re.compile(r"(^|\.)(wte|embed_tokens|tok_embeddings|embedding)\.weight$
 
 
 def _batch(meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
-    layout = tuple(Shard(0) if i in axes else R for i in range(len(mesh.sizes)))
-    if not meta.shape or not divides(meta.shape, layout, mesh.sizes):
+    """Dim 0 split over the data-parallel ``axes``; a batch smaller than all of them is split
+    over those it divides, in mesh order, and the ranks along the others repeat the same work
+    (what running the family on a mesh wider than the batch means)."""
+    used: list[int] = []
+    for a in axes:
+        layout = tuple(Shard(0) if i in used + [a] else R for i in range(len(mesh.sizes)))
+        if meta.shape and divides(meta.shape, layout, mesh.sizes):
+            used.append(a)
+    layout = tuple(Shard(0) if i in used else R for i in range(len(mesh.sizes)))
+    if not used:
         raise PlanError(
             f"data input of shape {list(meta.shape)}: batch dim does not divide over mesh "
             f"axes {[mesh.names[i] for i in axes]} ({math.prod(mesh.sizes[i] for i in axes)} "

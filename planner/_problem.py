@@ -20,7 +20,7 @@ from ._mesh import Mesh
 from ._placement import (
     Layout, Partial, Placement, R, Shard, divides, format_layout, layout_fraction,
 )
-from .rules import OpStrategy, strategies_for
+from .rules import OpStrategy, rule_for, strategies_for
 
 INF = float("inf")
 
@@ -80,6 +80,32 @@ class Problem:
     @functools.cached_property
     def order(self) -> dict[str, int]:
         return {n.name: i for i, n in enumerate(self.graph.nodes)}
+
+    @functools.cached_property
+    def live_ranges(self) -> list[tuple[int, int, str, int]]:
+        """(start, end, producer, output index) of every tensor value a rank holds; persistent
+        state lives through the whole step; a state's new value is written in place of the
+        old one."""
+        graph = self.graph
+        end = len(graph.nodes)
+        last: dict[tuple[str, int], int] = {}
+        for i, n in enumerate(graph.nodes):
+            for r in n.refs():
+                last[(r.node, r.index)] = i
+        in_place = {(ref.node, ref.index) for _, ref in state_pairs(graph)}
+        for o in graph.outputs:
+            last[(o.ref.node, o.ref.index)] = end
+        out = []
+        for i, n in enumerate(graph.nodes):
+            if n.name not in self.decisions:
+                continue
+            if persistent(n):
+                out.append((0, end, n.name, 0))
+                continue
+            for k, m in enumerate(n.outputs):
+                if isinstance(m, TensorMeta) and (n.name, k) not in in_place:
+                    out.append((i, last.get((n.name, k), i), n.name, k))
+        return out
 
     def is_follower(self, name: str) -> bool:
         return is_follower(self.graph, self.graph.node(name))
@@ -195,7 +221,9 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
     decisions: dict[str, Decision] = {}
     fallbacks: list[str] = []
     hashes = wl_hashes(graph)
-    seen: dict[str, tuple[list[Choice], bool]] = {}   # same hash, same choices
+    # nodes of one hash (and inputs of one layout set) share their Choice objects
+    seen: dict[str, tuple[list[Choice], bool]] = {}
+    input_choices: dict[tuple[Layout, ...], list[Choice]] = {}
     for node in graph.nodes:
         if node.kind is NodeKind.OP and hashes[node.name] in seen:
             choices, has_rule = seen[hashes[node.name]]
@@ -210,10 +238,16 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
                     raise PlanError(f"no allowed layout of input {node.target!r} "
                                     f"{node.meta.dtype}{list(node.meta.shape)} divides on mesh "
                                     f"{mesh}; pick a layout whose sharded dims divide evenly")
-            decisions[node.name] = Decision(node.name, [Choice((), (l,), 0.0) for l in layouts])
+            key = tuple(layouts)
+            if key not in input_choices:
+                input_choices[key] = [Choice((), (l,), 0.0) for l in layouts]
+            decisions[node.name] = Decision(node.name, list(input_choices[key]))
         elif node.kind is NodeKind.CONSTANT:
             rep = tuple(R for _ in mesh.sizes)
-            decisions[node.name] = Decision(node.name, [Choice((), (rep,), 0.0)])
+            key = (rep,)
+            if key not in input_choices:
+                input_choices[key] = [Choice((), key, 0.0)]
+            decisions[node.name] = Decision(node.name, list(input_choices[key]))
         elif node.kind is NodeKind.OP:
             choices, has_rule = _op_choices(graph, node, mesh)
             seen[hashes[node.name]] = (choices, has_rule)
@@ -269,10 +303,18 @@ def _apply_reads(graph: Graph, decisions: dict[str, Decision],
 
 
 def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -> None:
-    """A free op reading one tensor (a view, a transpose) follows its producer: its choice is
-    the one that reads the producer's layout unchanged, or, if it cannot, its all-Replicate
-    choice after gathering (cost folded into the choice). It then shares its producer's
-    variables and its input edge disappears from the ILP."""
+    """Nodes whose choice their producer's choice decides share the producer's variables,
+    and the edge between them leaves the ILP (Alpa's "follow" strategies):
+
+    * a free op reading one tensor (a view, a transpose): its choice is the one that reads
+      the producer's layout unchanged, or, if it cannot, its all-Replicate choice after
+      gathering (cost folded into the choice);
+    * an elementwise op read once (any op in the update phase, where every reader follows
+      too) follows its first same-shaped operand made by an op, when for every layout of that
+      operand exactly one of its choices reads it: a layout change on that edge would cost
+      the same on its other, same-shaped operands or its output. Update ops never follow
+      the backward or the state inputs, so a sharded optimizer update (ZeRO) stays open.
+    """
     graph, mesh, dec = problem.graph, problem.mesh, problem.decisions
     rep = tuple(R for _ in mesh.sizes)
     readers: dict[str, int] = {}
@@ -281,8 +323,16 @@ def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -
     for o in graph.outputs:
         readers[o.ref.node] = readers.get(o.ref.node, 0) + 2
     folded: set[tuple[str, int]] = set()
+    memo: dict[tuple, list[Choice] | None] = {}
     for node in graph.nodes:
-        if node.name not in dec or not problem.is_follower(node.name):
+        if node.name not in dec:
+            continue
+        if not problem.is_follower(node.name):
+            pos = _anchor(graph, node, dec)
+            if pos is not None and (readers.get(node.name, 0) <= 1
+                                    or node.phase is Phase.UPDATE):
+                if _follow(graph, node, pos, dec, memo):
+                    folded.add((node.name, pos))
             continue
         if readers.get(node.name, 0) != 1:
             # a view read twice keeps its own decision: gathering once at the view can beat
@@ -324,6 +374,52 @@ def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -
     problem.edges = [e for e in problem.edges if (e.dst, e.pos) not in folded]
 
 
+def _anchor(graph: Graph, node: Node, dec: dict[str, Decision]) -> int | None:
+    """The operand an elementwise op (one output) follows: the first tensor it reads with the
+    output's shape made by an op with a decision (in the update phase: by an update op)."""
+    if node.kind is not NodeKind.OP or len(node.outputs) != 1:
+        return None
+    rule = rule_for(node.target)
+    out = node.outputs[0]
+    if not isinstance(out, TensorMeta) or rule is None or rule.family != "pointwise":
+        return None
+    for pos, r in enumerate(node.refs()):
+        m = graph.meta(r)
+        src = graph.node(r.node)
+        if (isinstance(m, TensorMeta) and m.shape == out.shape and r.node in dec
+                and src.kind is NodeKind.OP
+                and (node.phase is not Phase.UPDATE or src.phase is Phase.UPDATE)):
+            return pos
+    return None
+
+
+def _follow(graph: Graph, node: Node, pos: int, dec: dict[str, Decision],
+            memo: dict[tuple, list[Choice] | None]) -> bool:
+    """Make ``node`` share the decision of the producer it reads at ``pos`` when it can run in
+    every layout that producer may yield: then changing layouts on that edge is never needed
+    (the same change costs the same on its other, same-shaped inputs or its output)."""
+    ref = list(node.refs())[pos]
+    f, p = dec[node.name], dec[ref.node]
+    key = (tuple(map(id, f.choices)), pos, tuple(map(id, p.choices)), ref.index)
+    if key not in memo:
+        by_input: dict[Layout, list[Choice]] = {}
+        for c in f.choices:
+            by_input.setdefault(c.inputs[pos], []).append(c)
+        aligned: list[Choice] | None = []
+        for c in p.choices:
+            hits = by_input.get(c.outputs[ref.index], [])
+            if len(hits) != 1:     # none, or a choice the fold would have to make
+                aligned = None
+                break
+            aligned.append(hits[0])
+        memo[key] = aligned
+    if memo[key] is None:
+        return False
+    f.choices = list(memo[key])
+    f.group = p.group
+    return True
+
+
 def _prune_partial_inputs(graph: Graph, decisions: dict[str, Decision]) -> None:
     """Drop choices that make a Partial value out of nothing.
 
@@ -335,24 +431,34 @@ def _prune_partial_inputs(graph: Graph, decisions: dict[str, Decision]) -> None:
     in topological order lets the pruning cascade (most activations are never Partial). The
     all-Replicate choice always survives.
     """
-    partial_axes: dict[tuple[str, int], set[int]] = {}
+    partial_axes: dict[tuple[str, int], frozenset[int]] = {}
+    none: frozenset[int] = frozenset()
+    kept: dict[tuple, list[Choice]] = {}   # layers share Choice objects: prune each once
+    yields: dict[tuple, list[frozenset[int]]] = {}
     for node in graph.nodes:
         d = decisions.get(node.name)
         if d is None:
             continue
         if node.kind is NodeKind.OP:
-            capable = [partial_axes.get((r.node, r.index), set()) for r in node.refs()]
-            d.choices = [c for c in d.choices if not _fabricates_partial(c, capable)]
-        for k in range(len(node.outputs)):
-            axes: set[int] = set()
-            for c in d.choices:
-                layout = c.outputs[k] if k < len(c.outputs) else None
-                if layout is not None:
-                    axes |= {a for a, p in enumerate(layout) if isinstance(p, Partial)}
+            capable = tuple(partial_axes.get((r.node, r.index), none) for r in node.refs())
+            key = (tuple(map(id, d.choices)), capable)
+            if key not in kept:
+                kept[key] = [c for c in d.choices if not _fabricates_partial(c, capable)]
+            d.choices = list(kept[key])
+        key = tuple(map(id, d.choices))
+        if key not in yields:
+            yields[key] = [_partial_axes({c.outputs[k] for c in d.choices if k < len(c.outputs)})
+                           for k in range(len(node.outputs))]
+        for k, axes in enumerate(yields[key]):
             partial_axes[(node.name, k)] = axes
 
 
-def _fabricates_partial(c: Choice, capable: list[set[int]]) -> bool:
+def _partial_axes(layouts: set[Layout | None]) -> frozenset[int]:
+    return frozenset(a for layout in layouts if layout is not None
+                     for a, p in enumerate(layout) if isinstance(p, Partial))
+
+
+def _fabricates_partial(c: Choice, capable: tuple[frozenset[int], ...]) -> bool:
     n_axes = next((len(l) for l in c.inputs if l is not None), 0)
     for a in range(n_axes):
         wants = [i for i, l in enumerate(c.inputs) if l is not None and isinstance(l[a], Partial)]
@@ -410,7 +516,8 @@ def _share(graph: Graph, decisions: dict[str, Decision], h: dict[str, str]) -> l
     have the same choices; the group gets one decision."""
     by_hash: dict[tuple, list[str]] = {}
     for name, d in decisions.items():
-        key = (h[name], tuple(d.choices))
+        # nodes of one hash hold the same Choice objects (build_problem shares them)
+        key = (h[name], tuple(map(id, d.choices)))
         by_hash.setdefault(key, []).append(name)
     groups = list(by_hash.values())
     for gi, members in enumerate(groups):

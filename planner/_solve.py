@@ -21,7 +21,7 @@ import numpy as np
 from .._errors import PlanError
 from ..ir import Ref, TensorMeta
 from ._placement import Layout, Partial, R, Shard, layout_fraction
-from ._problem import INF, STATE_POS, Edge, Problem, persistent, reshard_time, result_refs, state_pairs
+from ._problem import INF, STATE_POS, Edge, Problem, reshard_time, result_refs
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,10 @@ class Solution:
     solver: dict[str, float | int | str] = field(default_factory=dict)
 
 
+GIB = float(2**30)
 DIVE_GAP = 0.01      # a dive within 1% of the LP bound is accepted without branch and bound
-IPM_ABOVE = 50_000   # variables above which the first LP uses the interior-point method
+COST_SCALE = 1e6     # the LP's objective is in microseconds: well scaled for HiGHS's tolerances
+PRICE_EPS = 1e-6     # reduced cost (microseconds) below which a priced-out column enters
 
 
 class _Model:
@@ -45,13 +47,17 @@ class _Model:
         self.lb: list[float] = []
         self.ub: list[float] = []
         self.integer: list[bool] = []
+        self.lazy: list[bool] = []
         self.rows: list[tuple[float, float, list[int], list[float]]] = []
 
-    def var(self, cost: float, integer: bool) -> int:
+    def var(self, cost: float, integer: bool, lazy: bool = False) -> int:
+        """A new variable in [0, 1]. A ``lazy`` one starts priced out (held at 0) and enters
+        the LP only when its reduced cost says it would lower the objective."""
         self.cost.append(cost)
         self.lb.append(0.0)
         self.ub.append(1.0)
         self.integer.append(integer)
+        self.lazy.append(lazy)
         return len(self.cost) - 1
 
     def row(self, lo: float, hi: float, terms: dict[int, float]) -> None:
@@ -59,17 +65,24 @@ class _Model:
         self.rows.append((lo, hi, idx, [terms[i] for i in idx]))
 
     def solve(self, time_limit: float, gap: float) -> tuple[list[float], dict]:
-        """LP relaxation first: the transport form makes it integral on most plans, which
-        proves optimality at LP cost. A fractional LP is rounded by diving (fix the most
-        decided groups, re-solve from the warm basis, repeat); if the dive lands within
-        ``DIVE_GAP`` of the LP bound it is kept, else branch and bound starts from it."""
+        """LP relaxation first, by column generation: the lazy variables start priced out and
+        enter while their reduced cost is negative, so the LP optimum (and bound) is that of
+        the whole model. The transport form makes it integral on most plans, which proves
+        optimality at LP cost. A fractional LP is rounded by diving (fix the most decided
+        groups, re-solve from the warm basis, repeat); if the dive lands within ``DIVE_GAP``
+        of the LP bound it is kept, else branch and bound starts from it over the columns
+        that entered. The reported gap is always against the whole model's LP bound."""
         t0 = time.perf_counter()
+        deadline = t0 + time_limit
         h = self._highs(time_limit, gap)
-        if len(self.cost) > IPM_ABOVE:
-            h.setOptionValue("solver", "ipm")      # simplex stalls on large degenerate LPs
-        h.run()
+        h.setOptionValue("solver", "simplex")      # warm re-solves as columns enter
+        out = np.array([i for i, z in enumerate(self.lazy) if z], dtype=np.int32)
+        if len(out):
+            h.changeColsBounds(len(out), out, np.zeros(len(out)), np.zeros(len(out)))
+        out, priced = self._price(h, out, deadline)
         values, stats = self._result(h, integer=False)
-        h.setOptionValue("solver", "simplex")      # dives re-solve from the crossover basis
+        stats["columns"] = len(self.cost) - len(out)
+        stats["pricing_rounds"] = priced
         ints = [i for i, b in enumerate(self.integer) if b]
         if not values or not ints or self._integral(values):
             stats.update(solve_s=time.perf_counter() - t0, method="lp-integral", mip_gap=0.0)
@@ -85,6 +98,8 @@ class _Model:
                 return values, stats
         left = max(1.0, time_limit - (time.perf_counter() - t0))
         h = self._highs(left, gap)
+        if len(out):
+            h.changeColsBounds(len(out), out, np.zeros(len(out)), np.zeros(len(out)))
         idx = np.array(ints, dtype=np.int32)
         h.changeColsIntegrality(len(idx), idx,
                                 np.array([highspy.HighsVarType.kInteger] * len(idx)))
@@ -96,10 +111,33 @@ class _Model:
         mip, mstats = self._result(h, integer=True)
         if mip and (not dive or mstats["objective"] <= dive[1]["objective"]):
             values, stats = mip, mstats
-        else:
-            stats["mip_gap"] = (stats["objective"] - bound) / max(abs(stats["objective"]), 1e-30)
+        stats["mip_gap"] = max(0.0, (stats["objective"] - bound)
+                               / max(abs(stats["objective"]), 1e-30))
         stats.update(solve_s=time.perf_counter() - t0, method="mip")
         return values, stats
+
+    def _price(self, h: highspy.Highs, out: np.ndarray, deadline: float) -> tuple[np.ndarray, int]:
+        """Solve the LP, let the priced-out columns with a negative reduced cost in, repeat.
+        Returns the columns still out and the number of rounds. If the columns in cannot meet
+        the constraints (a tight memory limit), all enter at once."""
+        rounds = 0
+        while True:
+            rounds += 1
+            h.setOptionValue("time_limit", max(1.0, deadline - time.perf_counter()))
+            h.run()
+            if not len(out):
+                return out, rounds
+            if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                if h.getModelStatus() == highspy.HighsModelStatus.kTimeLimit:
+                    return out, rounds
+                enter = out                            # infeasible without them: all in
+            else:
+                reduced = np.asarray(h.getSolution().col_dual)[out]
+                enter = out[reduced < -PRICE_EPS]
+            if not len(enter):
+                return out, rounds
+            h.changeColsBounds(len(enter), enter, np.zeros(len(enter)), np.ones(len(enter)))
+            out = np.setdiff1d(out, enter).astype(np.int32)
 
     def group(self, variables: list[int]) -> None:
         """Declare a one-hot group (exactly one of ``variables`` is 1), used by the dive."""
@@ -153,7 +191,7 @@ class _Model:
         h.setOptionValue("mip_rel_gap", float(gap))
         n = len(self.cost)
         h.addVars(n, np.array(self.lb), np.array(self.ub))
-        h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(self.cost))
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), np.array(self.cost) * COST_SCALE)
         starts, index, value, lo, hi = [], [], [], [], []
         for rlo, rhi, idx, val in self.rows:
             starts.append(len(index))
@@ -172,7 +210,7 @@ class _Model:
         stats = {"status": h.modelStatusToString(status), "variables": len(self.cost),
                  "constraints": len(self.rows),
                  "mip_gap": float(info.mip_gap) if integer else 0.0,
-                 "objective": float(info.objective_function_value)}
+                 "objective": float(info.objective_function_value) / COST_SCALE}
         ok = status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit)
         if not ok or info.primal_solution_status != 2:
             return [], stats
@@ -225,13 +263,14 @@ def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: i
     live = live_ranges(problem)
     best = None
     for _ in range(max_rounds):
-        model, xvar, members, transients = _build(problem, INF, [])
+        model, xvar, members, transients = _build(problem, INF, points)
         model.cost = [0.0] * len(model.cost)
         m = model.var(1.0, False)
         model.ub[m] = INF
         for t in points:
-            terms = _memory_terms(problem, xvar, t, live, transients)
-            terms[m] = -1.0
+            terms = {v: b / GIB for v, b in _memory_terms(problem, xvar, t, live,
+                                                          transients).items()}
+            terms[m] = -1.0                    # m: the largest memory, in GiB
             model.row(-INF, 0.0, terms)
         values, stats = model.solve(time_limit, 1e-3)
         if not values:
@@ -270,19 +309,22 @@ def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
         xvar[g] = [model.var(c, True) for c in cost]
         model.row(1.0, 1.0, {v: 1.0 for v in xvar[g]})
         model.group(xvar[g])
-    transients = _edge_rows(problem, model, xvar, members)
+    transients = _edge_rows(problem, model, xvar, points)
     _result_costs(problem, model, xvar)
     live = live_ranges(problem)
-    for t in points:
-        model.row(-INF, memory_limit, _memory_terms(problem, xvar, t, live, transients))
+    for t in points if memory_limit < INF else ():
+        terms = _memory_terms(problem, xvar, t, live, transients)
+        # in units of the limit: bytes next to seconds would leave the LP badly scaled
+        model.row(-INF, 1.0, {v: b / memory_limit for v, b in terms.items()})
     return model, xvar, members, transients
 
 
 def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
-               members: dict[int, list[str]]) -> dict[int, dict[int, float]]:
+               points: list[int]) -> dict[int, dict[int, float]]:
     """Edges grouped by (producer group, output, consumer group, position): one transport
     block per group, its cost times the number of edges it stands for. Returns the memory a
-    layout change holds while its consumer runs: liveness point -> {variable: bytes}."""
+    layout change holds while its consumer runs, at the liveness ``points`` the memory rows
+    constrain: point -> {variable: bytes}."""
     transients: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     graph, mesh, dec = problem.graph, problem.mesh, problem.decisions
     cache: dict[tuple[int, Layout, Layout], float] = {}
@@ -296,16 +338,32 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     edge_count: dict[tuple[int, ...], int] = defaultdict(int)
     sample: dict[tuple[int, ...], Edge] = {}
     at: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    watched = set(points)
     for e in problem.all_edges():
         s, d = dec[e.src], dec[e.dst]
         key = (s.group, s.cls, e.index, d.group, d.cls, e.pos)
         edge_count[key] += 1
         sample.setdefault(key, e)
-        at[key].append(_edge_time(problem, e))
+        when = _edge_time(problem, e)
+        if when in watched:
+            at[key].append(when)
     for key, count in edge_count.items():
         e = sample[key]
         gs, gd, k, pos = key[0], key[3], e.index, e.pos
         meta = graph.meta(Ref(e.src, e.index))
+        if gs == gd:       # both ends read one decision: the change is fixed by the choice
+            for i, (cs, cd) in enumerate(zip(dec[e.src].choices, dec[e.dst].choices)):
+                l, r = cs.outputs[k], cd.required(pos)
+                if l != r:
+                    t = cost(meta.nbytes, l, r)
+                    if t == INF:
+                        model.ub[xvar[gs][i]] = 0.0
+                        continue
+                    model.cost[xvar[gs][i]] += count * t
+                    held = meta.nbytes / layout_fraction(r, mesh.sizes)
+                    for when in at[key]:
+                        transients[when][xvar[gs][i]] += held
+            continue
         by_out: dict[Layout, list[int]] = defaultdict(list)
         for i, c in enumerate(dec[e.src].choices):
             by_out[c.outputs[k]].append(xvar[gs][i])
@@ -317,7 +375,10 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         for l, r in candidate_pairs(tuple(by_out), tuple(by_in), follower):
             t = cost(meta.nbytes, l, r)
             if t < INF:
-                ys[(l, r)] = model.var(count * t, False)
+                # keeping, slicing and gathering are in from the start; reduce-scatters
+                # and all-to-alls are priced in when they pay
+                lazy = not (l == r or _gathered(l, r) or _gathered(r, l))
+                ys[(l, r)] = model.var(count * t, False, lazy)
                 if l != r:
                     held = meta.nbytes / layout_fraction(r, mesh.sizes)
                     for when in at[key]:
@@ -334,12 +395,15 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
                     terms[x] = terms.get(x, 0.0) - 1.0
                 model.row(0.0, 0.0, terms)
     for e in problem.folded:
+        when = _edge_time(problem, e)
+        if when not in watched:
+            continue
         d = dec[e.dst]
         meta = graph.meta(Ref(e.src, e.index))
         for i, c in enumerate(d.choices):
             if c.comm_s > 0:
                 held = meta.nbytes / layout_fraction(c.inputs[e.pos], mesh.sizes)
-                transients[_edge_time(problem, e)][xvar[d.group][i]] += held
+                transients[when][xvar[d.group][i]] += held
     return transients
 
 
@@ -401,28 +465,7 @@ def _result_costs(problem: Problem, model: _Model, xvar: dict[int, list[int]]) -
 def live_ranges(problem: Problem) -> list[tuple[int, int, str, int]]:
     """(start, end, producer, output index) of every tensor value a rank holds; persistent state
     lives through the whole step; a state's new value is written in place of the old one."""
-    graph = problem.graph
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    end = len(graph.nodes)
-    last: dict[tuple[str, int], int] = {}
-    for i, n in enumerate(graph.nodes):
-        for r in n.refs():
-            last[(r.node, r.index)] = i
-    in_place = {(ref.node, ref.index) for _, ref in state_pairs(graph)}
-    for o in graph.outputs:
-        last[(o.ref.node, o.ref.index)] = end
-    out = []
-    for n in graph.nodes:
-        if n.name not in problem.decisions:
-            continue
-        if persistent(n):
-            out.append((0, end, n.name, 0))
-            continue
-        for k, m in enumerate(n.outputs):
-            if not isinstance(m, TensorMeta) or (n.name, k) in in_place:
-                continue
-            out.append((order[n.name], last.get((n.name, k), order[n.name]), n.name, k))
-    return out
+    return problem.live_ranges
 
 
 def _memory_points(problem: Problem, k: int) -> list[int]:

@@ -133,6 +133,32 @@ def test_batch_that_does_not_divide_the_data_parallel_mesh() -> None:
         plan_graph(_graph("mlp"), {"dp": 3}, strategy="dp")
 
 
+def test_a_batch_smaller_than_the_mesh_is_split_over_the_axes_it_divides() -> None:
+    """Pure DP of a batch of 8 on 4 x 4 ranks: split 4 ways on dp, repeated along tp."""
+    plan = plan_graph(_graph("mlp"), {"dp": 4, "tp": 4}, topology="h100", strategy="dp")
+    x = next(p for p in plan.placements if p.target == "x")
+    assert x.outputs[0] == (Shard(0), Replicate())
+
+
+def test_priced_out_columns_do_not_change_the_optimum() -> None:
+    """Column generation starts the LP without reduce-scatters and all-to-alls and prices
+    them in from the duals: the LP optimum must equal that of the whole model."""
+    from meshplan.planner._mesh import Mesh as _Mesh
+    from meshplan.planner._planning import _prepare
+    from meshplan.planner._problem import build_problem
+    from meshplan.planner._solve import _build
+
+    problem = build_problem(_prepare(_graph("gpt")), _Mesh({"dp": 2, "tp": 2}, "h100"))
+    lazy, _, _, _ = _build(problem, float("inf"), [])
+    assert any(lazy.lazy)
+    whole, _, _, _ = _build(problem, float("inf"), [])
+    whole.lazy = [False] * len(whole.lazy)
+    _, got = lazy.solve(60, 1e-9)
+    _, want = whole.solve(60, 1e-9)
+    assert got["columns"] < want["columns"]
+    assert got["objective"] == pytest.approx(want["objective"], rel=1e-9)
+
+
 def test_bad_pins() -> None:
     g = _graph("mlp")
     with pytest.raises(PlanError, match="unknown input 'nope'"):
