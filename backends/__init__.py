@@ -4,8 +4,25 @@ Owns lowering a plan to per-rank programs (local shapes, explicit collective nod
 kernels) and the communicators and transfers: torch.distributed (gloo on CPU, NCCL on GPU) and MPI
 (mpi4py, one-sided RMA windows). Imports `meshplan.ir`, `meshplan.planner` and
 `meshplan.kernels` (and `meshplan._errors`, `meshplan.telemetry`).
-
-Built in a later issue; this package is a placeholder so the layout and import direction hold.
 """
 
-__all__: list[str] = []
+from ._comm import CollectiveKind, CommRecord, Communicator, TorchCommunicator
+from ._layout import all_axis_groups, assemble, local_part, rank_coords
+from ._lower import Program, lower, run, split_inputs
+from ._threadcomm import ThreadMesh
+
+__all__: list[str] = [
+    "CollectiveKind",
+    "CommRecord",
+    "Communicator",
+    "Program",
+    "ThreadMesh",
+    "TorchCommunicator",
+    "all_axis_groups",
+    "assemble",
+    "local_part",
+    "lower",
+    "rank_coords",
+    "run",
+    "split_inputs",
+]

@@ -332,6 +332,11 @@ class TracedStep:
         return _Result(_finish(graph, marks), spec, one.exit_spec, one.stepped)
 
     # ---- running --------------------------------------------------------------------------
+    def input_values(self, *args: Any) -> dict[str, torch.Tensor]:
+        """The steady graph's inputs as the step would read them now, by input name: the
+        live parameters, buffers, gradients and optimizer state, and ``args``' tensors."""
+        return self._inputs(self.graph, _Args.of(args))
+
     def _inputs(self, graph: Graph, a: _Args) -> dict[str, torch.Tensor]:
         inv = self.inventory
         vals: dict[str, torch.Tensor] = {}

@@ -37,7 +37,7 @@ def _batch(meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
         if meta.shape and divides(meta.shape, layout, mesh.sizes):
             used.append(a)
     layout = tuple(Shard(0) if i in used else R for i in range(len(mesh.sizes)))
-    if not used:
+    if axes and not used:
         raise PlanError(
             f"data input of shape {list(meta.shape)}: batch dim does not divide over mesh "
             f"axes {[mesh.names[i] for i in axes]} ({math.prod(mesh.sizes[i] for i in axes)} "

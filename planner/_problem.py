@@ -193,8 +193,12 @@ def reshard_steps(meta: TensorMeta, src: Layout, dst: Layout,
         if kind is False:
             return None
         if kind is not None:
-            others = tuple(p if i != axis else R for i, p in enumerate(cur))
-            nbytes = meta.nbytes / layout_fraction(others, mesh.sizes)
+            # the buffer the collective works on: the value with this axis replicated (the
+            # all-gather's output, the all-reduce's and reduce-scatter's input), except for an
+            # all-to-all, which exchanges the pieces of its local shard
+            held = tuple(cur) if kind is Collective.ALL_TO_ALL else tuple(
+                p if i != axis else R for i, p in enumerate(cur))
+            nbytes = meta.nbytes / layout_fraction(held, mesh.sizes)
             t = collective_time(kind, nbytes, mesh.sizes[axis], mesh.link(axis))
             steps.append((kind, axis, nbytes, t))
         cur[axis] = b

@@ -122,3 +122,16 @@ def test_transition_results_are_typed() -> None:
     """None (free) and False (not allowed) must stay distinguishable from a Collective."""
     results = {transition(a, b) for a, b in itertools.product(COLUMNS, COLUMNS)}
     assert results == {None, False, AR, AG, RS, A2A}
+
+
+def test_reshard_bytes_are_the_buffer_each_collective_works_on() -> None:
+    """A 256-byte tensor over 4 ranks: an all-gather ends with all 256 bytes; an all-to-all
+    exchanges the pieces of a 64-byte shard (the lowering records the same convention)."""
+    from meshplan.ir import TensorMeta
+    from meshplan.planner import Mesh
+    from meshplan.planner._problem import reshard_steps
+
+    mesh, meta = Mesh({"dp": 4}, "h100"), TensorMeta((8, 8), "float32")
+    assert [(k, b) for k, _, b, _ in reshard_steps(meta, (S0,), (R,), mesh)] == [(AG, 256)]
+    assert [(k, b) for k, _, b, _ in reshard_steps(meta, (S0,), (S1,), mesh)] == [(A2A, 64)]
+    assert [(k, b) for k, _, b, _ in reshard_steps(meta, (PSUM,), (S1,), mesh)] == [(RS, 256)]

@@ -1,0 +1,452 @@
+"""The ``Communicator`` protocol that lowered programs call, and its torch.distributed version.
+
+A communicator belongs to one rank. Every collective takes ``group``, a tuple of GLOBAL ranks that
+includes ``self.rank``; its order is the group's order (``all_gather`` concatenates in it, chunk
+``i`` of ``reduce_scatter`` goes to ``group[i]``). Shared rules, whatever the transport:
+
+- inputs are never mutated; results are new contiguous tensors (inputs may be non-contiguous);
+- a one-member group is a local no-op: the result is ``t.contiguous()`` (no copy when ``t`` is
+  already contiguous, so it may alias the input) and nothing is recorded;
+- chunking must be even: ``t.shape[dim] % len(group) == 0``, else ``LoweringError``;
+- reductions: ``"sum"``, ``"avg"`` (sum, then divide by ``len(group)``; floating dtypes only),
+  ``"max"``; on ``bool`` tensors ``"sum"`` and ``"max"`` are both a logical or (what ``+`` does
+  on bool tensors), ``"avg"`` is an error;
+- every call that moves data appends a ``CommRecord`` to ``self.records``; ``nbytes`` follows the
+  planner's convention (the full buffer, see ``planner/_comm.py``): all_reduce the input,
+  all_gather the OUTPUT, reduce_scatter the INPUT, all_to_all the input, broadcast / send / recv
+  the tensor, barrier 0.
+
+``ThreadMesh`` (``_threadcomm.py``) runs every rank as a thread of one process with the same
+semantics; tests of the lowering use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .._errors import LoweringError, RuntimeFailure
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max")
+
+
+class CollectiveKind(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+    BARRIER = "barrier"
+
+
+@dataclass(frozen=True, slots=True)
+class CommRecord:
+    """One call, for telemetry and for checking bytes against the plan. ``start_s`` is wall-clock
+    time (``time.time()``, comparable across ranks of one host), ``dur_s`` the call's duration on
+    the host (with NCCL: until the work was enqueued, not finished on the GPU). ``group`` is the
+    collective's group; for send it is ``(self.rank, dst)``, for recv ``(src, self.rank)``."""
+
+    kind: CollectiveKind
+    group: tuple[int, ...]
+    nbytes: int
+    start_s: float
+    dur_s: float
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What a lowered per-rank program calls; semantics in this module's docstring."""
+
+    rank: int
+    world_size: int
+    records: list[CommRecord]
+
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...],
+                   op: str = "sum") -> torch.Tensor: ...
+
+    def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor: ...
+
+    def reduce_scatter(self, t: torch.Tensor, group: tuple[int, ...], dim: int,
+                       op: str = "sum") -> torch.Tensor: ...
+
+    def all_to_all(self, t: torch.Tensor, group: tuple[int, ...], split_dim: int,
+                   cat_dim: int) -> torch.Tensor: ...
+
+    def broadcast(self, t: torch.Tensor, src: int, group: tuple[int, ...]) -> torch.Tensor: ...
+
+    def send(self, t: torch.Tensor, dst: int) -> None: ...
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor: ...
+
+    def barrier(self, group: tuple[int, ...] | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ---- checks shared by every implementation ---------------------------------------------------
+
+def check_reduce_op(op: object, dtype: torch.dtype, where: str) -> str:
+    """``op`` as one of ``REDUCE_OPS`` (a ``planner.ReduceOp`` is accepted by its value)."""
+    name = getattr(op, "value", op)
+    if name not in REDUCE_OPS:
+        raise LoweringError(f"{where}: unknown reduce op {op!r}; use one of {list(REDUCE_OPS)}")
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise LoweringError(f"{where}: op 'avg' needs a floating dtype, got {dtype}; reduce with "
+                            "'sum' and divide where the rounding is wanted")
+    return str(name)
+
+
+def check_dim(t: torch.Tensor, dim: int, where: str, name: str = "dim") -> int:
+    """``dim`` normalised to ``0 <= dim < t.ndim``."""
+    if not isinstance(dim, int) or t.ndim == 0 or not -t.ndim <= dim < t.ndim:
+        raise LoweringError(f"{where}: {name}={dim!r} is out of range for a tensor of shape "
+                            f"{tuple(t.shape)}")
+    return dim % t.ndim
+
+
+def check_even(t: torch.Tensor, dim: int, group: tuple[int, ...], where: str) -> None:
+    n = len(group)
+    if t.shape[dim] % n:
+        raise LoweringError(
+            f"{where}: dim {dim} of shape {tuple(t.shape)} does not split into {n} equal chunks "
+            f"(group size {n}, group {group}); every rank must get the same chunk size: pad dim "
+            f"{dim} to a multiple of {n} or shard another dim")
+
+
+def check_group(group: Sequence[int] | None, rank: int, world_size: int,
+                where: str) -> tuple[int, ...]:
+    """``group`` as a tuple of distinct global ranks that includes ``rank`` (None: everyone)."""
+    if group is None:
+        return tuple(range(world_size))
+    g = tuple(group)
+    if (not g or any(not isinstance(r, int) or not 0 <= r < world_size for r in g)
+            or len(set(g)) != len(g)):
+        raise LoweringError(f"{where}: group {group!r} must be a tuple of distinct global ranks "
+                            f"in 0..{world_size - 1}")
+    if rank not in g:
+        raise LoweringError(f"{where}: rank {rank} called a collective on group {g}, which it "
+                            "is not a member of")
+    return g
+
+
+def check_peer(peer: int, rank: int, world_size: int, where: str) -> int:
+    if not isinstance(peer, int) or not 0 <= peer < world_size or peer == rank:
+        raise LoweringError(f"{where}: peer rank {peer!r} must be another rank in "
+                            f"0..{world_size - 1} (this is rank {rank})")
+    return peer
+
+
+def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def split_leading(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """``t`` as ``(n, *chunk_shape)``: entry ``i`` is ``torch.chunk(t, n, dim)[i]``. A view of a
+    contiguous ``t`` when ``dim == 0``, otherwise one contiguous copy."""
+    return t.unflatten(dim, (n, t.shape[dim] // n)).movedim(dim, 0).contiguous()
+
+
+def merge_leading(stacked: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse direction: ``(n, *piece)`` -> ``torch.cat(list(stacked), dim)``, contiguous (a
+    view when ``dim == 0``)."""
+    piece = stacked.shape[1:]
+    shape = (*piece[:dim], stacked.shape[0] * piece[dim], *piece[dim + 1:])
+    return stacked.movedim(0, dim).reshape(shape).contiguous()
+
+
+# ---- the shared front: checks, the one-member shortcut, records ------------------------------
+
+class CommBase:
+    """Implements the public methods once; a transport provides ``_all_reduce`` etc., called only
+    for groups of two or more with arguments already checked (``dim`` normalised)."""
+
+    rank: int
+    world_size: int
+    records: list[CommRecord]
+
+    def _group(self, group: Sequence[int] | None, where: str) -> tuple[int, ...]:
+        return check_group(group, self.rank, self.world_size, where)
+
+    def _timed(self, kind: CollectiveKind, group: tuple[int, ...], nbytes: int,
+               fn: Callable[[], T]) -> T:
+        start, t0 = time.time(), time.perf_counter()
+        out = fn()
+        self.records.append(CommRecord(kind, group, int(nbytes), start, time.perf_counter() - t0))
+        return out
+
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...], op: str = "sum") -> torch.Tensor:
+        g = self._group(group, "all_reduce")
+        op = check_reduce_op(op, t.dtype, "all_reduce")
+        if len(g) == 1:
+            return t.contiguous()
+        return self._timed(CollectiveKind.ALL_REDUCE, g, t.nbytes,
+                           lambda: self._all_reduce(t, g, op))
+
+    def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor:
+        g = self._group(group, "all_gather")
+        d = check_dim(t, dim, "all_gather")
+        if len(g) == 1:
+            return t.contiguous()
+        return self._timed(CollectiveKind.ALL_GATHER, g, t.nbytes * len(g),
+                           lambda: self._all_gather(t, g, d))
+
+    def reduce_scatter(self, t: torch.Tensor, group: tuple[int, ...], dim: int,
+                       op: str = "sum") -> torch.Tensor:
+        g = self._group(group, "reduce_scatter")
+        d = check_dim(t, dim, "reduce_scatter")
+        op = check_reduce_op(op, t.dtype, "reduce_scatter")
+        check_even(t, d, g, "reduce_scatter")
+        if len(g) == 1:
+            return t.contiguous()
+        return self._timed(CollectiveKind.REDUCE_SCATTER, g, t.nbytes,
+                           lambda: self._reduce_scatter(t, g, d, op))
+
+    def all_to_all(self, t: torch.Tensor, group: tuple[int, ...], split_dim: int,
+                   cat_dim: int) -> torch.Tensor:
+        g = self._group(group, "all_to_all")
+        s = check_dim(t, split_dim, "all_to_all", "split_dim")
+        c = check_dim(t, cat_dim, "all_to_all", "cat_dim")
+        check_even(t, s, g, "all_to_all")
+        if len(g) == 1:
+            return t.contiguous()
+        return self._timed(CollectiveKind.ALL_TO_ALL, g, t.nbytes,
+                           lambda: self._all_to_all(t, g, s, c))
+
+    def broadcast(self, t: torch.Tensor, src: int, group: tuple[int, ...]) -> torch.Tensor:
+        """Non-source members pass a tensor of the source's shape and dtype; its values are
+        ignored."""
+        g = self._group(group, "broadcast")
+        if src not in g:
+            raise LoweringError(f"broadcast: source rank {src!r} is not in group {g}")
+        if len(g) == 1:
+            return t.contiguous()
+        return self._timed(CollectiveKind.BROADCAST, g, t.nbytes,
+                           lambda: self._broadcast(t, src, g))
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Blocks until the receiver has the data (or the timeout expires)."""
+        check_peer(dst, self.rank, self.world_size, "send")
+        self._timed(CollectiveKind.SEND, (self.rank, dst), t.nbytes, lambda: self._send(t, dst))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        check_peer(src, self.rank, self.world_size, "recv")
+        shape = tuple(int(s) for s in shape)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        return self._timed(CollectiveKind.RECV, (src, self.rank), nbytes,
+                           lambda: self._recv(shape, dtype, src))
+
+    def barrier(self, group: tuple[int, ...] | None = None) -> None:
+        g = self._group(group, "barrier")
+        if len(g) > 1:
+            self._timed(CollectiveKind.BARRIER, g, 0, lambda: self._barrier(g))
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # transports implement these
+    def _all_reduce(self, t, g, op): raise NotImplementedError
+    def _all_gather(self, t, g, dim): raise NotImplementedError
+    def _reduce_scatter(self, t, g, dim, op): raise NotImplementedError
+    def _all_to_all(self, t, g, split_dim, cat_dim): raise NotImplementedError
+    def _broadcast(self, t, src, g): raise NotImplementedError
+    def _send(self, t, dst): raise NotImplementedError
+    def _recv(self, shape, dtype, src): raise NotImplementedError
+    def _barrier(self, g): raise NotImplementedError
+
+
+# ---- torch.distributed -----------------------------------------------------------------------
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """bool travels as uint8 (same bytes): gloo sums bool bytes to 2, which is no bool."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _dist_op(op: str, dtype: torch.dtype):
+    if op == "max" or dtype == torch.bool:       # or on bool, as max of 0/1 bytes
+        return dist.ReduceOp.MAX
+    return dist.ReduceOp.SUM                     # avg = sum, then one division by us
+
+
+class TorchCommunicator(CommBase):
+    """``Communicator`` over ``torch.distributed``: gloo on CPU, NCCL on GPU.
+
+    The constructor initialises the default process group (``init_method``: ``env://`` by
+    default, reading MASTER_ADDR / MASTER_PORT, or e.g. ``"tcp://127.0.0.1:PORT"``) and then
+    calls ``dist.new_group`` once per declared group. ``new_group`` is collective over ALL ranks,
+    members or not, so every rank must pass the SAME ``groups`` in the SAME order, including
+    groups it is not in (all groups of the mesh); otherwise construction hangs until the timeout.
+    Collectives accept only declared groups and the world group ``(0, .., world_size - 1)``,
+    which uses the default process group. Group rank ``i`` is ``group[i]`` (``sort_ranks=False``),
+    so a group's order is kept.
+
+    ``timeout_s`` applies to the default group and to every sub-group (``new_group`` would
+    otherwise fall back to torch's 30 minute default): a collective or recv that a peer never
+    joins raises ``RuntimeFailure`` after about ``timeout_s`` on gloo. After that the process
+    group is broken; ``close()`` it. NCCL enforces the timeout through its watchdog, which may
+    abort the process instead.
+
+    Every call maps onto ONE native call in torch 2.13, gloo included:
+    ``all_reduce``; ``all_gather_single`` (``all_gather_into_tensor`` before 2.13);
+    ``reduce_scatter_single``; ``all_to_all_single``; ``broadcast``; ``send`` / ``recv``;
+    ``barrier``. Gloo's native reduce-scatter timed the same as all_reduce + chunk on 2 and 4
+    loopback ranks (1 KiB - 4 MiB) and its native all-to-all as fast as or faster than pairwise
+    isend/irecv, so no emulation is kept. Other dims than 0 are brought to the front by one
+    contiguous copy (``split_leading`` / ``merge_leading``); dim 0 of a contiguous tensor costs
+    no extra copy. ``bool`` travels as ``uint8`` and reduces with MAX (logical or); ``avg`` is
+    SUM then one in-place division, the same arithmetic as ``ThreadMesh``. The summation order
+    inside gloo/NCCL is theirs (ring, halving-doubling), so sums match a rank-order sum only up
+    to floating-point reassociation.
+
+    With NCCL the communicator uses ``cuda:(LOCAL_RANK or rank) % device_count`` and sets it as
+    the current device; ``recv`` allocates there (``self.device``).
+    """
+
+    def __init__(self, rank: int, world_size: int, groups: Sequence[tuple[int, ...]], *,
+                 backend: str | None = None, timeout_s: float = 300.0,
+                 init_method: str | None = None) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise LoweringError(f"TorchCommunicator: world_size must be >= 1, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise LoweringError(f"TorchCommunicator: rank {rank!r} is not in 0..{world_size - 1}")
+        if not timeout_s > 0:
+            raise LoweringError(f"TorchCommunicator: timeout_s must be positive, got {timeout_s!r}")
+        declared = list(dict.fromkeys(tuple(g) for g in groups))
+        for g in declared:
+            if not g or len(set(g)) != len(g) or any(
+                    not isinstance(r, int) or not 0 <= r < world_size for r in g):
+                raise LoweringError(f"TorchCommunicator: group {g!r} must be a non-empty tuple of "
+                                    f"distinct ranks in 0..{world_size - 1}")
+        self.rank, self.world_size, self.records = rank, world_size, []
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = float(timeout_s)
+        self.device = torch.device("cpu")
+        if self.backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
+            self.device = torch.device("cuda", local)
+            torch.cuda.set_device(self.device)
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            dist.init_process_group(self.backend, init_method=init_method or "env://",
+                                    rank=rank, world_size=world_size, timeout=timeout)
+        except (RuntimeError, ValueError) as exc:     # taken port, missing env, second init
+            raise RuntimeFailure(
+                f"rank {rank}: cannot start the {self.backend} process group of {world_size} "
+                f"ranks ({init_method or 'env://'}, timeout {timeout_s:g} s): {exc}") from exc
+        self._closed = False
+        world = tuple(range(world_size))
+        self._declared: tuple[tuple[int, ...], ...] = tuple(declared)
+        self._pgs: dict[tuple[int, ...], object] = {world: None}      # None: the default group
+        for g in declared:                       # same order on every rank: collective over all
+            if g == world or len(g) == 1:
+                continue
+            pg = dist.new_group(list(g), timeout=timeout, backend=self.backend, sort_ranks=False)
+            if rank in g:
+                self._pgs[g] = pg
+        logger.debug("rank %s: %s process group of %s ranks, %s groups", rank, self.backend,
+                     world_size, len(declared))
+
+    def _group(self, group: Sequence[int] | None, where: str) -> tuple[int, ...]:
+        if self._closed:
+            raise RuntimeFailure(f"{where}: this TorchCommunicator (rank {self.rank}) is closed")
+        g = check_group(group, self.rank, self.world_size, where)
+        if len(g) > 1 and g not in self._pgs:
+            raise LoweringError(
+                f"{where}: group {g} was not declared when rank {self.rank}'s TorchCommunicator "
+                f"was built; declared groups: {list(self._declared)} (plus the world group). "
+                "Pass every group of the mesh in `groups=`, the same list on every rank")
+        return g
+
+    def _timed(self, kind: CollectiveKind, group: tuple[int, ...], nbytes: int,
+               fn: Callable[[], T]) -> T:
+        def guarded() -> T:
+            try:
+                return fn()
+            except RuntimeError as exc:          # DistBackendError, gloo timeouts, closed peers
+                raise RuntimeFailure(
+                    f"{kind.value} on group {group} failed on rank {self.rank} ({self.backend}, "
+                    f"timeout {self.timeout_s:g} s): {exc}. If a peer never joined or exited, "
+                    "the process group is now unusable: close() it") from exc
+        if self._closed:
+            raise RuntimeFailure(f"{kind.value}: this TorchCommunicator (rank {self.rank}) is "
+                                 "closed")
+        return super()._timed(kind, group, nbytes, guarded)
+
+    def _all_reduce(self, t, g, op):
+        out = contiguous_copy(t)
+        dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g])
+        return out.div_(len(g)) if op == "avg" else out
+
+    def _all_gather(self, t, g, dim):
+        n = len(g)
+        flat = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        _all_gather_single(_wire(flat), _wire(t.contiguous()), group=self._pgs[g])
+        return merge_leading(flat.view(n, *t.shape), dim)
+
+    def _reduce_scatter(self, t, g, dim, op):
+        n = len(g)
+        stacked = split_leading(t, dim, n)
+        out = torch.empty(stacked.shape[1:], dtype=t.dtype, device=t.device)
+        _reduce_scatter_single(_wire(out), _wire(stacked.flatten(0, 1)),
+                               op=_dist_op(op, t.dtype), group=self._pgs[g])
+        return out.div_(n) if op == "avg" else out
+
+    def _all_to_all(self, t, g, split_dim, cat_dim):
+        stacked = split_leading(t, split_dim, len(g))
+        received = torch.empty_like(stacked)
+        dist.all_to_all_single(_wire(received.flatten(0, 1)), _wire(stacked.flatten(0, 1)),
+                               group=self._pgs[g])
+        return merge_leading(received, cat_dim)
+
+    def _broadcast(self, t, src, g):
+        if src == self.rank:
+            out = contiguous_copy(t)
+        else:
+            out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        dist.broadcast(_wire(out), src=src, group=self._pgs[g])
+        return out
+
+    def _send(self, t, dst):
+        dist.send(_wire(t.contiguous()), dst)
+
+    def _recv(self, shape, dtype, src):
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(_wire(out), src)
+        return out
+
+    def _barrier(self, g):
+        dist.barrier(group=self._pgs[g])
+
+    def close(self) -> None:
+        """Destroy the default process group and every sub-group; idempotent."""
+        if not self._closed:
+            self._closed = True
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        return (f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, "
+                f"backend={self.backend!r}, groups={list(self._declared)})")

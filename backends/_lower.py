@@ -1,0 +1,352 @@
+"""Lowering: a Plan becomes one program per rank.
+
+A ``Program`` is a straight-line list of instructions built from the plan's graph for one
+rank: ``Reshard`` (the collectives and local slices that change a value's layout on its way to a
+consumer, to the state it updates or back to the user) and ``Compute`` (the aten op on local
+shards, its literal arguments rewritten for local shapes by the op's sharding rule). Running it
+needs only a ``Communicator``; the same program runs on gloo, NCCL, MPI or threads.
+
+The collectives are the plan's: axis by axis in mesh order, as the planner priced them. Where
+that order would be wrong for a dim sharded by several axes (gathering an outer axis first
+interleaves pieces), the lowering gathers inner axes first, or, failing that, gathers the whole
+value and slices it: always correct, and the bytes it moves differ from the plan's only there
+(``Reshard.exact`` says which).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._errors import LoweringError
+from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, resolve_op
+from ..ir._interpret import constant_tensor
+from ..ir._ops import resolve
+from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
+from ..planner.rules import rule_for
+from ._layout import axis_group, local_part, piece, rank_coords
+
+Value = Any
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One change along one mesh axis: ``kind`` is a collective (``all_gather``,
+    ``all_reduce``, ``reduce_scatter``, ``all_to_all``) or a local ``slice`` / ``partial``."""
+
+    kind: str
+    axis: int
+    group: tuple[int, ...]
+    src: Any            # Placement
+    dst: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard:
+    ref: Ref
+    src: Layout
+    dst: Layout
+    steps: tuple[Step, ...]
+    exact: bool          # the steps are the plan's (same collectives, same bytes)
+    consumer: str        # a node name, "<state NAME>" or "<result>"
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    node: Node
+    reads: tuple[Layout | None, ...]     # the layout each Ref is read in (None: not a tensor)
+    args: tuple
+    kwargs: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    names: tuple[str, ...]
+
+
+Instruction = Reshard | Compute | Free
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one rank runs for one step."""
+
+    rank: int
+    coords: tuple[int, ...]
+    sizes: tuple[int, ...]
+    instructions: tuple[Instruction, ...]
+    inputs: dict[str, Layout]             # input node target -> the layout this rank holds
+    input_nodes: dict[str, str]           # input node name -> target
+    state_out: dict[str, tuple[Ref, Layout]]   # state name -> (new value, its stored layout)
+    results: tuple[Ref, ...]
+
+    def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        layout = self.inputs[name]
+        return tuple(s // piece(layout, self.sizes, self.coords, d)[1]
+                     for d, s in enumerate(shape))
+
+
+def lower(plan: Plan, rank: int) -> Program:
+    """The program of ``rank`` (row-major over the plan's mesh axes)."""
+    graph, sizes = plan.graph, plan.mesh.sizes
+    world = math.prod(sizes)
+    if not 0 <= rank < world:
+        raise LoweringError(f"rank {rank} is outside the mesh {plan.mesh} ({world} ranks)")
+    coords = rank_coords(rank, sizes)
+    placed = {p.node: p for p in plan.placements}
+    out_layout = {name: p.outputs for name, p in placed.items()}
+    instrs: list[Instruction] = []
+    inputs: dict[str, Layout] = {}
+    available: dict[tuple[str, int], set[Layout]] = {}
+    last = _last_uses(graph)
+
+    def need(ref: Ref, layout: Layout, consumer: str) -> None:
+        have = out_layout[ref.node][ref.index]
+        if layout == have or layout in available.setdefault((ref.node, ref.index), set()):
+            return
+        steps, exact = plan_steps(have, layout, sizes, coords)
+        instrs.append(Reshard(ref, have, layout, steps, exact, consumer))
+        available[(ref.node, ref.index)].add(layout)
+
+    for i, node in enumerate(graph.nodes):
+        if node.kind is NodeKind.INPUT:
+            inputs[node.target] = placed[node.name].outputs[0]
+        elif node.kind is NodeKind.OP:
+            p = placed[node.name]
+            for ref, layout in zip(node.refs(), p.inputs):
+                if layout is not None and isinstance(graph.meta(ref), TensorMeta):
+                    need(ref, layout, node.name)
+            instrs.append(_compute(graph, node, p.inputs, p.outputs, sizes))
+        elif node.kind in (NodeKind.HOST, NodeKind.CONSTANT):
+            instrs.append(Compute(node, tuple(None for _ in node.refs()), node.args, node.kwargs))
+        if i in last:
+            instrs.append(Free(tuple(last[i])))
+    inputs_by_name = {n.target: n.name for n in graph.inputs}
+    state_out: dict[str, tuple[Ref, Layout]] = {}
+    results = []
+    rep = tuple(Replicate() for _ in sizes)
+    for o in graph.outputs:
+        if o.kind is OutputKind.STATE:
+            target = (placed[inputs_by_name[o.name]].outputs[0] if o.name in inputs_by_name
+                      else out_layout[o.ref.node][o.ref.index])
+            need(o.ref, target, f"<state {o.name}>")
+            state_out[o.name] = (o.ref, target)
+        else:
+            need(o.ref, rep, "<result>")
+            results.append(o.ref)
+    return Program(rank, coords, sizes, tuple(instrs), inputs,
+                   {n.name: n.target for n in graph.inputs}, state_out, tuple(results))
+
+
+def _compute(graph: Graph, node: Node, ins: tuple[Layout | None, ...],
+             outs: tuple[Layout | None, ...], sizes: tuple[int, ...]) -> Compute:
+    rule = rule_for(node.target)
+    if rule is None:
+        return Compute(node, ins, node.args, node.kwargs)
+    in_shapes = [_local(graph.meta(r), l, sizes) for r, l in zip(node.refs(), ins)]
+    out_shapes = [_local(m, l, sizes) for m, l in zip(node.outputs, outs)]
+    args, kwargs = rule.local_args(node, in_shapes, out_shapes)
+    return Compute(node, ins, args, kwargs)
+
+
+def _local(meta: Any, layout: Layout | None, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
+    if not isinstance(meta, TensorMeta) or layout is None:
+        return None
+    f = [1] * len(meta.shape)
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard):
+            f[p.dim] *= n
+    return tuple(s // k for s, k in zip(meta.shape, f))
+
+
+def _last_uses(graph: Graph) -> dict[int, list[str]]:
+    last: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for r in node.refs():
+            last[r.node] = i
+    pinned = {o.ref.node for o in graph.outputs}
+    out: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if name not in pinned:
+            out.setdefault(i, []).append(name)
+    return out
+
+
+# ---- redistribution ---------------------------------------------------------------------------
+
+def _kind(a: Any, b: Any) -> str | None:
+    if a == b:
+        return None
+    if isinstance(a, Replicate):
+        return "slice" if isinstance(b, Shard) else "partial"
+    if isinstance(a, Shard):
+        return "all_gather" if isinstance(b, Replicate) else (
+            "all_to_all" if isinstance(b, Shard) else None)
+    if isinstance(b, Replicate):
+        return "all_reduce"
+    if isinstance(b, Shard):
+        return "reduce_scatter"
+    return None                     # P(sum) <-> P(avg)
+
+
+def _innermost(cur: list, axis: int, dims: set[int]) -> bool:
+    """No axis after ``axis`` shards one of ``dims``: its pieces are the innermost."""
+    return not any(isinstance(p, Shard) and p.dim in dims for p in cur[axis + 1:])
+
+
+def _valid(cur: list, axis: int, kind: str, a: Any, b: Any) -> bool:
+    dims = {p.dim for p in (a, b) if isinstance(p, Shard)}
+    return kind in ("all_reduce", "partial") or _innermost(cur, axis, dims)
+
+
+def plan_steps(src: Layout, dst: Layout, sizes: tuple[int, ...],
+               coords: tuple[int, ...]) -> tuple[tuple[Step, ...], bool]:
+    """The steps from ``src`` to ``dst``: the plan's (axis order) when they are valid, else
+    inner axes first, else gather everything and slice. Second value: whether the steps are
+    the plan's."""
+    changing = [a for a in range(len(sizes)) if src[a] != dst[a]]
+    for order, exact in ((changing, True), (changing[::-1], False)):
+        steps = _try(src, dst, order, sizes, coords)
+        if steps is not None:
+            return steps, exact
+    rep = tuple(Replicate() for _ in sizes)
+    mid = tuple(p if isinstance(p, Partial) and p == q else Replicate()
+                for p, q in zip(src, dst))
+    gather = [a for a in range(len(sizes)) if src[a] != mid[a]][::-1]
+    first = _try(src, mid, gather, sizes, coords)
+    then = _try(mid, dst, [a for a in range(len(sizes)) if mid[a] != dst[a]], sizes, coords)
+    if first is None or then is None:
+        raise LoweringError(f"no way to change layout {src} into {dst} (via {rep})")
+    return first + then, False
+
+
+def _try(src: Layout, dst: Layout, order: Sequence[int], sizes: tuple[int, ...],
+         coords: tuple[int, ...]) -> tuple[Step, ...] | None:
+    cur = list(src)
+    steps = []
+    for axis in order:
+        a, b = cur[axis], dst[axis]
+        kind = _kind(a, b)
+        if kind is None or not _valid(cur, axis, kind, a, b):
+            return None
+        steps.append(Step(kind, axis, axis_group(coords, axis, sizes), a, b))
+        cur[axis] = b
+    return tuple(steps)
+
+
+def reshard(t: Tensor, steps: Sequence[Step], comm: Any, coords: tuple[int, ...]) -> Tensor:
+    """Apply ``steps`` to this rank's piece ``t``."""
+    for s in steps:
+        n = len(s.group)
+        if s.kind == "slice":
+            t = t.chunk(n, s.dst.dim)[coords[s.axis]].contiguous()
+        elif s.kind == "partial":
+            if s.dst.op is ReduceOp.SUM and coords[s.axis] != 0:
+                t = torch.zeros_like(t)
+        elif s.kind == "all_gather":
+            t = comm.all_gather(t, s.group, s.src.dim)
+        elif s.kind == "all_reduce":
+            t = comm.all_reduce(t, s.group, s.src.op.value)
+        elif s.kind == "reduce_scatter":
+            t = comm.reduce_scatter(t, s.group, s.dst.dim, s.src.op.value)
+        elif s.kind == "all_to_all":
+            t = comm.all_to_all(t, s.group, s.dst.dim, s.src.dim)
+        else:
+            raise LoweringError(f"unknown redistribution step {s.kind}")
+    return t
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+def run(program: Program, comm: Any, state: Mapping[str, Tensor],
+        data: Mapping[str, Tensor]) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
+    Returns the results (whole, on every rank) and the new state pieces."""
+    env: dict[str, tuple] = {}
+    copies: dict[tuple[str, int, Layout], Tensor] = {}
+    graph_inputs = {**state, **data}
+    for name, target in program.input_nodes.items():
+        try:
+            env[name] = (graph_inputs[target],)
+        except KeyError:
+            raise LoweringError(f"rank {program.rank}: no value for input {target!r}") from None
+
+    def read(ref: Ref, layout: Layout | None) -> Any:
+        v = env[ref.node][ref.index]
+        if layout is None or not isinstance(v, Tensor):
+            return v
+        return copies.get((ref.node, ref.index, layout), v)
+
+    with torch.no_grad():
+        for ins in program.instructions:
+            if isinstance(ins, Reshard):
+                v = env[ins.ref.node][ins.ref.index]
+                copies[(ins.ref.node, ins.ref.index, ins.dst)] = reshard(v, ins.steps, comm,
+                                                                         program.coords)
+            elif isinstance(ins, Compute):
+                env[ins.node.name] = _call(ins, [read(r, l) for r, l in
+                                                 zip(ins.node.refs(), ins.reads)])
+            else:
+                for name in ins.names:
+                    env.pop(name, None)
+                dead = set(ins.names)
+                for key in [k for k in copies if k[0] in dead]:
+                    del copies[key]
+    results = [read(r, tuple(Replicate() for _ in program.sizes)) for r in program.results]
+    new_state = {name: read(ref, layout) for name, (ref, layout) in program.state_out.items()}
+    return results, new_state
+
+
+def _call(ins: Compute, values: list[Any]) -> tuple:
+    node = ins.node
+    if node.kind is NodeKind.CONSTANT:
+        return (constant_tensor(node),)
+    it = iter(values)
+    args = [_fill(a, it) for a in ins.args]
+    kwargs = {k: _fill(v, it) for k, v in ins.kwargs}
+    fn = resolve_op(node.target) if node.kind is NodeKind.OP else _host(node)
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:
+        where = f" at {node.source}" if node.source else ""
+        raise LoweringError(f"{node.target} ({node.name}){where} failed on local shards: "
+                            f"{type(e).__name__}: {e}") from e
+    return tuple(_flatten(out))
+
+
+def _host(node: Node) -> Any:
+    return resolve(node)
+
+
+def _fill(a: Any, vals: Iterator[Any]) -> Any:
+    if isinstance(a, Ref):
+        return next(vals)
+    if isinstance(a, tuple):
+        return [_fill(x, vals) for x in a]
+    return a
+
+
+def _flatten(out: Any) -> Iterator[Any]:
+    if isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _flatten(x) if isinstance(x, (tuple, list)) else (x,)
+    else:
+        yield out
+
+
+def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """This rank's pieces of whole input tensors (by input name), per the plan's layouts."""
+    sizes = plan.mesh.sizes
+    coords = rank_coords(rank, sizes)
+    layouts = {p.target: p.outputs[0] for p in plan.placements
+               if plan.graph.node(p.node).kind is NodeKind.INPUT}
+    return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
+
+
+__all__ = ["Compute", "Free", "Program", "Reshard", "Step", "lower", "plan_steps", "reshard",
+           "run", "split_inputs"]

@@ -1,0 +1,379 @@
+"""The signed control channel between the controller and its workers (ZeroMQ).
+
+The controller binds a ROUTER socket; each worker connects a DEALER whose identity is its rank.
+A message travels as the multipart frames ``[header_json, *tensor_buffers, mac]``:
+
+* ``header_json`` (UTF-8 JSON) holds the wire version, the run id, the sender and the receiver,
+  a per-sender sequence number, the command ``kind``, the caller's JSON-able header and, for
+  each tensor buffer, its dtype and shape;
+* each tensor buffer is the raw bytes of one contiguous CPU tensor, sent without a Python copy
+  (``send`` returns once ZeroMQ has released the memory, so tensors may be reused at once);
+* ``mac = HMAC-SHA256(secret, len(f0) f0 len(f1) f1 ...)`` over every preceding frame, each
+  prefixed by its length as 8 bytes big-endian.
+
+The receiver checks the MAC (``hmac.compare_digest``) before it parses anything, then the run
+id, the sender and receiver, and that the sequence number grows (a replayed message is refused).
+A bad message is dropped, counted in ``rejected`` and logged; it is never parsed further and
+nothing is ever unpickled. Bulk data belongs on the communicators, not on this channel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from .._errors import RuntimeFailure
+
+__all__ = ["CONTROLLER", "ControllerChannel", "Message", "Secret", "WorkerChannel"]
+
+logger = logging.getLogger(__name__)
+
+WIRE_VERSION = 1
+CONTROLLER = -1                  # the sender/receiver id of the controller in a header
+_NOT_A_RANK = -2                 # a socket identity that is not a rank
+_MAC_SIZE = hashlib.sha256().digest_size
+_POLL_SLICE_S = 0.5              # recv(None) wakes this often; it never returns without a message
+
+# The contract between launchers and workers: built-in message kinds and the environment a
+# launcher sets for each worker (the secret is not among them: it comes on the worker's stdin).
+HELLO, ERROR, PING, SHUTDOWN = "hello", "error", "ping", "shutdown"
+ENV_RANK = "MESHPLAN_RANK"
+ENV_WORLD_SIZE = "MESHPLAN_WORLD_SIZE"
+ENV_ADDRESS = "MESHPLAN_CONTROLLER"
+ENV_RUN_ID = "MESHPLAN_RUN_ID"
+ENV_PARENT_PID = "MESHPLAN_PARENT_PID"
+ENV_PDEATHSIG = "MESHPLAN_PDEATHSIG"
+ENV_PLUGINS = "MESHPLAN_WORKER_PLUGINS"
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Secret:
+    """The per-run HMAC key. Its repr never shows the key."""
+
+    key: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or len(self.key) < 16:
+            raise ValueError("a Secret needs at least 16 bytes of key; use Secret.new()")
+
+    @classmethod
+    def new(cls) -> Secret:
+        return cls(secrets.token_bytes(32))
+
+    @classmethod
+    def from_hex(cls, text: str) -> Secret:
+        return cls(bytes.fromhex(text.strip()))
+
+    def hex(self) -> str:
+        return self.key.hex()
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One received message: the command ``kind``, its JSON header and its CPU tensors."""
+
+    kind: str
+    header: dict[str, Any]
+    tensors: tuple[torch.Tensor, ...] = ()
+
+
+class _Rejected(Exception):
+    """A frame set failed a check; it is dropped (internal)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding
+
+
+def _tensor_buffer(t: torch.Tensor) -> tuple[list[Any], memoryview]:
+    """(dtype name, shape) and a zero-copy byte view of ``t`` (copied only if not contiguous)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a message carries torch tensors, got {type(t).__name__}")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise TypeError(f"dtype {t.dtype} cannot travel on the control channel")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    # numpy's view keeps the tensor alive until ZeroMQ has sent the frame.
+    return [name, list(t.shape)], memoryview(flat.view(torch.uint8).numpy())
+
+
+def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for frame in frames:
+        view = memoryview(frame)
+        mac.update(view.nbytes.to_bytes(8, "big"))
+        mac.update(view)
+    return mac.digest()
+
+
+def _encode(secret: Secret, envelope: dict[str, Any], header: dict[str, Any] | None,
+            tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Frames ``[header_json, *buffers, mac]`` for one message (``envelope``: run/seq/src/dst/kind)."""
+    specs, buffers = [], []
+    for t in tensors:
+        spec, buf = _tensor_buffer(t)
+        specs.append(spec)
+        buffers.append(buf)
+    if header is None:
+        header = {}
+    if not isinstance(header, dict):
+        raise TypeError(f"a message header is a dict, got {type(header).__name__}")
+    doc = dict(envelope, v=WIRE_VERSION, header=header, tensors=specs)
+    try:
+        head = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"message header for {envelope.get('kind')!r} is not JSON-able: {exc}") from exc
+    frames: list[Any] = [head, *buffers]
+    frames.append(_mac(secret.key, frames))
+    return frames
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+def _verify(secret: Secret, frames: Sequence[zmq.Frame]) -> dict[str, Any]:
+    """Check the MAC over the raw frames, then parse the JSON document; raise _Rejected."""
+    if len(frames) < 2:
+        raise _Rejected(f"{len(frames)} frame(s), at least 2 expected")
+    mac = frames[-1].buffer
+    if mac.nbytes != _MAC_SIZE:
+        raise _Rejected("MAC frame has the wrong size")
+    expected = _mac(secret.key, [f.buffer for f in frames[:-1]])
+    if not hmac.compare_digest(expected, bytes(mac)):
+        raise _Rejected("bad MAC (wrong secret or tampered frames)")
+    try:
+        doc = json.loads(bytes(frames[0].buffer))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _Rejected(f"header is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("v") != WIRE_VERSION:
+        raise _Rejected(f"not a wire-version-{WIRE_VERSION} header")
+    return doc
+
+
+def _decode_tensor(spec: Any, frame: zmq.Frame) -> torch.Tensor:
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in _DTYPES
+            and isinstance(spec[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[1])):
+        raise _Rejected(f"bad tensor spec {spec!r}")
+    dtype, shape = _DTYPES[spec[0]], spec[1]
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = math.prod(shape) * out.element_size()
+    buf = frame.buffer
+    if buf.nbytes != nbytes:
+        raise _Rejected(f"tensor {spec!r} needs {nbytes} bytes, the frame has {buf.nbytes}")
+    if nbytes:
+        # One copy out of ZeroMQ's (read-only) frame into a fresh, writable tensor.
+        out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+    return out
+
+
+def _decode(doc: dict[str, Any], frames: Sequence[zmq.Frame]) -> Message:
+    kind, header, specs = doc.get("kind"), doc.get("header"), doc.get("tensors")
+    if not isinstance(kind, str) or not isinstance(header, dict) or not isinstance(specs, list):
+        raise _Rejected("header lacks kind/header/tensors")
+    if len(specs) != len(frames) - 2:
+        raise _Rejected(f"{len(specs)} tensor specs for {len(frames) - 2} buffers")
+    tensors = tuple(_decode_tensor(spec, frame) for spec, frame in zip(specs, frames[1:-1]))
+    return Message(kind, header, tensors)
+
+
+def _send(socket: zmq.Socket, frames: list[Any]) -> None:
+    """Send without copying tensor buffers, and return only once ZeroMQ is done with them: the
+    caller may then modify its tensors (a change in flight would break the MAC and the message
+    would be dropped). pyzmq copies small frames anyway (``zmq.COPY_THRESHOLD``)."""
+    trackers = []
+    for i, frame in enumerate(frames):
+        more = zmq.SNDMORE if i < len(frames) - 1 else 0
+        if memoryview(frame).nbytes < zmq.COPY_THRESHOLD:
+            socket.send(frame, more)
+        else:
+            trackers.append(socket.send(frame, more, copy=False, track=True))
+    for tracker in trackers:
+        tracker.wait()
+
+
+class _Endpoint:
+    """What both ends share: the secret, the run id, sequence numbers and the receive checks."""
+
+    def __init__(self, secret: Secret, run_id: str, me: int) -> None:
+        if not isinstance(secret, Secret):
+            raise TypeError("secret must be a meshplan.runtime.Secret")
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        self.secret, self.run_id, self.me = secret, run_id, me
+        # Start at the clock so a restarted sender with the same id keeps growing (replay check).
+        self._seq = time.time_ns()
+        self._last_seq: dict[int, int] = {}
+        self.rejected = 0
+        self._ctx = zmq.Context()
+        self._closed = False
+
+    def _frames(self, dst: int, kind: str, header: dict[str, Any] | None,
+                tensors: Sequence[torch.Tensor]) -> list[Any]:
+        if not isinstance(kind, str) or not kind:
+            raise ValueError("a message kind is a non-empty string")
+        self._seq += 1
+        envelope = {"run": self.run_id, "seq": self._seq, "src": self.me, "dst": dst, "kind": kind}
+        return _encode(self.secret, envelope, header, tensors)
+
+    def _accept(self, frames: Sequence[zmq.Frame], src: int) -> tuple[int, Message] | None:
+        """The (sender, message) of ``frames``, or None after counting and logging a rejection."""
+        try:
+            doc = _verify(self.secret, frames)
+            sender, seq = doc.get("src"), doc.get("seq")
+            if doc.get("run") != self.run_id:
+                raise _Rejected(f"unknown run id {doc.get('run')!r}")
+            if doc.get("dst") != self.me or not isinstance(sender, int) or isinstance(sender, bool):
+                raise _Rejected(f"addressed {doc.get('src')!r} -> {doc.get('dst')!r}, not to {self.me}")
+            if sender != src:
+                raise _Rejected(f"socket identity {src} signed as {sender}")
+            if not isinstance(seq, int) or seq <= self._last_seq.get(sender, 0):
+                raise _Rejected(f"sequence number {seq!r} from {sender} does not grow (replay)")
+            message = _decode(doc, frames)
+        except _Rejected as exc:
+            self.rejected += 1
+            logger.warning("control channel (run %s): dropped a message: %s", self.run_id, exc)
+            return None
+        self._last_seq[sender] = seq
+        return sender, message
+
+    def _poll(self, socket: zmq.Socket, deadline: float | None) -> bool:
+        remaining = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        return bool(socket.poll(max(1, int(min(remaining, _POLL_SLICE_S) * 1000)), zmq.POLLIN))
+
+    @staticmethod
+    def _deadline(timeout_s: float | None) -> float | None:
+        return None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+
+    def _close(self, socket: zmq.Socket, linger_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        socket.close(linger=int(linger_s * 1000))
+        self._ctx.term()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeFailure("the control channel is closed")
+
+
+class ControllerChannel(_Endpoint):
+    """The controller's end: a ROUTER bound on a random port of ``host`` (loopback by default).
+
+    Not thread-safe: use it from one thread at a time.
+    """
+
+    def __init__(self, secret: Secret, run_id: str, host: str = "127.0.0.1") -> None:
+        super().__init__(secret, run_id, CONTROLLER)
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown rank raises, not drops
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+
+    def send(self, rank: int, kind: str, header: dict[str, Any] | None = None,
+             tensors: Sequence[torch.Tensor] = ()) -> None:
+        self._check_open()
+        frames = self._frames(rank, kind, header, tensors)
+        try:
+            _send(self._socket, [str(rank).encode(), *frames])
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise RuntimeFailure(f"cannot send {kind!r} to rank {rank}: it is not connected") from None
+            raise
+
+    def recv(self, timeout_s: float | None = None) -> tuple[int, Message]:
+        """The next valid ``(rank, message)``; TimeoutError after ``timeout_s`` (None: wait)."""
+        self._check_open()
+        deadline = self._deadline(timeout_s)
+        while True:
+            if not self._poll(self._socket, deadline):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no message from any worker within {timeout_s} s")
+                continue
+            identity, *frames = self._socket.recv_multipart(copy=False)
+            try:
+                src = int(bytes(identity.buffer))
+            except ValueError:
+                src = _NOT_A_RANK      # fails the identity check in _accept
+            got = self._accept(frames, src)
+            if got is not None:
+                return got
+
+    def close(self) -> None:
+        self._close(self._socket, 0)
+
+    def __enter__(self) -> ControllerChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorkerChannel(_Endpoint):
+    """A worker's end: a DEALER with identity ``str(rank)`` connected to the controller."""
+
+    def __init__(self, address: str, secret: Secret, run_id: str, rank: int) -> None:
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        super().__init__(secret, run_id, rank)
+        self.rank = rank
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+
+    def send(self, kind: str, header: dict[str, Any] | None = None,
+             tensors: Sequence[torch.Tensor] = ()) -> None:
+        self._check_open()
+        _send(self._socket, self._frames(CONTROLLER, kind, header, tensors))
+
+    def recv(self, timeout_s: float | None = None) -> Message:
+        """The next valid message from the controller; TimeoutError after ``timeout_s``."""
+        self._check_open()
+        deadline = self._deadline(timeout_s)
+        while True:
+            if not self._poll(self._socket, deadline):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"rank {self.rank}: no message within {timeout_s} s")
+                continue
+            got = self._accept(self._socket.recv_multipart(copy=False), CONTROLLER)
+            if got is not None:
+                return got[1]
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close; ``linger_s`` lets queued messages (a last reply) go out first."""
+        self._close(self._socket, linger_s)
+
+    def __enter__(self) -> WorkerChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,360 @@
+"""Starting worker processes on this machine and driving them from the controller.
+
+``LocalLauncher().launch(n)`` starts ``n`` workers (``python -m meshplan.runtime._worker``), waits
+for each to say hello and returns :class:`Workers`: send, broadcast, gather the replies, shut down.
+Every failure (a handler that raised, a worker that exited, a timeout) stops all workers and
+raises :class:`WorkerFailure`; nothing is left running, even when the controller is killed
+(see ``_worker``: a stdin pipe and ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from .._errors import RuntimeFailure
+from . import _channel as P  # the protocol: message kinds, environment names
+from ._channel import ControllerChannel, Message, Secret
+
+__all__ = ["LocalLauncher", "WorkerFailure", "Workers"]
+
+_POLL_S = 0.05          # how often a waiting controller looks at its worker processes
+_DRAIN_S = 0.2          # after an exit, how long to wait for messages the rank sent before dying
+_STDERR_TAIL_LINES = 20
+
+
+class WorkerFailure(RuntimeFailure):
+    """One or more ranks failed; all workers have been stopped.
+
+    ``reason`` is ``"error"`` (a handler raised: ``remote_type``, ``remote_traceback``, ``where``
+    are set), ``"exit"`` (a process ended: ``exit_code``; negative is a signal), ``"timeout"``
+    or ``"protocol"`` (an unexpected reply).
+    """
+
+    def __init__(self, message: str, *, reason: str, ranks: Sequence[int], kind: str,
+                 remote_type: str | None = None, remote_traceback: str | None = None,
+                 where: str | None = None, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.ranks, self.kind = reason, tuple(ranks), kind
+        self.rank = self.ranks[0] if len(self.ranks) == 1 else None
+        self.remote_type, self.remote_traceback, self.where = remote_type, remote_traceback, where
+        self.exit_code = exit_code
+
+
+class _Group:
+    """The processes, pipes, log files and channel of one launch; what the finalizer stops."""
+
+    def __init__(self, channel: ControllerChannel) -> None:
+        self.channel = channel
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[IO[bytes]] = []
+        self.closed = False
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Terminate every worker still running (then kill), close pipes, logs and channel."""
+        if self.closed:
+            return
+        self.closed = True
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        _close_pipes(self.procs)        # EOF on stdin: the worker's guard exits at once
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+        self.channel.close()
+
+
+def _close_pipes(procs: Sequence[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.stdin is not None and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _tail(path: Path | None) -> str:
+    if path is None or not path.exists():
+        return ""
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - 8192))
+        lines = f.read().decode(errors="replace").splitlines()[-_STDERR_TAIL_LINES:]
+    return "\n".join("    " + line for line in lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines())
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Workers:
+    """The controller's handle on ``n`` running workers. Use from one thread at a time.
+
+    ``send``/``broadcast`` queue requests; ``gather`` waits for one reply per rank. Every failure
+    stops all workers and raises :class:`WorkerFailure`. ``shutdown`` (also on ``with`` exit, at
+    interpreter exit, or when the object is collected) stops them for good.
+    """
+
+    def __init__(self, group: _Group, *, run_id: str, master_addr: str, master_port: int,
+                 log_dir: Path | None) -> None:
+        self._group = group
+        self.channel = group.channel
+        self.n = len(group.procs)
+        self.pids = tuple(p.pid for p in group.procs)
+        self.run_id, self.master_addr, self.master_port = run_id, master_addr, master_port
+        self.log_dir = log_dir
+        self.hostnames: tuple[str, ...] = ()
+        self._finalizer = weakref.finalize(self, group.stop)
+
+    @property
+    def closed(self) -> bool:
+        return self._group.closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "running"
+        return f"Workers(n={self.n}, run_id={self.run_id!r}, {state})"
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def send(self, rank: int, kind: str, header: dict[str, Any] | None = None,
+             tensors: Sequence[torch.Tensor] = ()) -> None:
+        self._check_open()
+        if not 0 <= rank < self.n:
+            raise ValueError(f"rank {rank} is outside 0..{self.n - 1}")
+        try:
+            self.channel.send(rank, kind, header, tensors)
+        except RuntimeFailure as exc:       # the rank is gone: say why, stop everyone
+            self._check_exits(kind)
+            self._fail(WorkerFailure(f"{exc}\n  all {self.n} workers were stopped",
+                                     reason="protocol", ranks=[rank], kind=kind))
+
+    def broadcast(self, kind: str, header: dict[str, Any] | None = None,
+                  tensors_per_rank: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
+        """Send ``kind`` with the same header to every rank; rank r gets ``tensors_per_rank[r]``."""
+        if tensors_per_rank is not None and len(tensors_per_rank) != self.n:
+            raise ValueError(f"tensors_per_rank has {len(tensors_per_rank)} entries for {self.n} ranks")
+        for rank in range(self.n):
+            self.send(rank, kind, header, () if tensors_per_rank is None else tensors_per_rank[rank])
+
+    def gather(self, kind_expected: str, timeout_s: float | None = None) -> list[Message]:
+        """One ``kind_expected`` reply per rank, ordered by rank.
+
+        Raises WorkerFailure (after stopping all workers) when a rank replies ``error``, a worker
+        process exits, or ``timeout_s`` passes (None: no limit; exits are still noticed).
+        """
+        self._check_open()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        got: dict[int, Message] = {}
+        while len(got) < self.n:
+            wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            try:
+                rank, message = self.channel.recv(wait)
+            except TimeoutError:
+                pass
+            else:
+                self._take(rank, message, kind_expected, got)
+            self._check_exits(kind_expected)
+            if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
+                self._timeout(kind_expected, timeout_s, got)
+        return [got[rank] for rank in range(self.n)]
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask every worker to exit, wait up to ``timeout_s``, then terminate the rest. Idempotent."""
+        if self.closed:
+            return
+        for rank, proc in enumerate(self._group.procs):
+            if proc.poll() is None:
+                try:
+                    self.channel.send(rank, P.SHUTDOWN)
+                except RuntimeFailure:
+                    pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._group.procs):
+            time.sleep(0.02)
+        self._finalizer()       # stop(): terminate/kill stragglers, close pipes and channel
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeFailure(f"{self!r}: the workers were shut down; launch new ones")
+
+    def _fail(self, failure: WorkerFailure) -> None:
+        self._finalizer()
+        raise failure
+
+    def _take(self, rank: int, message: Message, kind: str, got: dict[int, Message]) -> None:
+        if message.kind == P.ERROR:
+            self._fail(self._error(rank, message.header, kind))
+        if message.kind != kind or rank in got or not 0 <= rank < self.n:
+            what = "a second reply" if rank in got else f"{message.kind!r}"
+            self._fail(WorkerFailure(
+                f"rank {rank} sent {what} while the controller waited for {kind!r}\n"
+                f"  all {self.n} workers were stopped", reason="protocol", ranks=[rank], kind=kind))
+        got[rank] = message
+
+    def _error(self, rank: int, header: dict[str, Any], kind: str) -> WorkerFailure:
+        remote_type, text = header.get("type", "Exception"), header.get("message", "")
+        where, tb = header.get("where"), header.get("traceback", "")
+        lines = [f"rank {rank} failed in {header.get('kind', kind)!r}: {remote_type}: {text}"]
+        if where:
+            lines.append(f"  at {where}")
+        if tb:
+            lines += [f"  remote traceback (rank {rank}):", _indent(tb)]
+        lines.append(f"  all {self.n} workers were stopped")
+        return WorkerFailure("\n".join(lines), reason="error", ranks=[rank], kind=kind,
+                             remote_type=remote_type, remote_traceback=tb, where=where)
+
+    def _check_exits(self, kind: str) -> None:
+        exited = [r for r, p in enumerate(self._group.procs) if p.poll() is not None]
+        if not exited:
+            return
+        self._drain_errors()       # an error sent just before dying explains more than the exit
+        rank = exited[0]
+        code = self._group.procs[rank].returncode
+        lines = [f"rank {rank} {_describe_exit(code)} while the controller waited for {kind!r}"]
+        tail = _tail(self.log_dir / f"rank{rank}.err" if self.log_dir else None)
+        if tail:
+            lines += [f"  stderr of rank {rank} (last lines, {self.log_dir}/rank{rank}.err):", tail]
+        elif self.log_dir is None:
+            lines.append("  (its stderr went to the controller's stderr above)")
+        lines.append(f"  all {self.n} workers were stopped")
+        self._fail(WorkerFailure("\n".join(lines), reason="exit", ranks=[rank], kind=kind,
+                                 exit_code=code))
+
+    def _drain_errors(self) -> None:
+        deadline = time.monotonic() + _DRAIN_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                rank, message = self.channel.recv(left)
+            except TimeoutError:
+                return
+            if message.kind == P.ERROR:
+                self._fail(self._error(rank, message.header, message.header.get("kind", "?")))
+
+    def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
+        missing = [r for r in range(self.n) if r not in got]
+        self._fail(WorkerFailure(
+            f"{_ranks(missing)} did not answer {kind!r} within {timeout_s} s"
+            f" ({len(got)} of {self.n} answered)\n"
+            f"  all {self.n} workers were stopped; if the work is just slow, raise timeout_s",
+            reason="timeout", ranks=missing, kind=kind))
+
+
+class LocalLauncher:
+    """Start workers as subprocesses of this process, connected over loopback.
+
+    ``log_dir``: capture each rank's stdout/stderr to ``log_dir/rank{r}.out|.err`` (default: the
+    workers inherit this process's stdout and stderr). ``hello_timeout_s`` bounds start-up.
+    A launch from a thread other than the main thread skips ``PR_SET_PDEATHSIG`` (Linux sends it
+    when the launching *thread* ends); the stdin guard still applies.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", log_dir: str | os.PathLike | None = None,
+                 hello_timeout_s: float = 120.0, python: str = sys.executable) -> None:
+        self.host, self.hello_timeout_s, self.python = host, hello_timeout_s, python
+        self.log_dir = None if log_dir is None else Path(log_dir)
+
+    def launch(self, n: int, *, env: Mapping[str, str] | None = None,
+               cwd: str | os.PathLike | None = None) -> Workers:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"launch needs at least one worker, got n={n!r}")
+        secret, run_id = Secret.new(), secrets.token_hex(8)
+        group = _Group(ControllerChannel(secret, run_id, self.host))
+        master_port = _free_port(self.host)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        base = self._environment(n, env, run_id, group.channel.address, master_port)
+        try:
+            for rank in range(n):
+                group.procs.append(self._start(rank, base, cwd, group, secret))
+        except BaseException:
+            group.stop()
+            raise
+        workers = Workers(group, run_id=run_id, master_addr=self.host, master_port=master_port,
+                          log_dir=self.log_dir)
+        hellos = workers.gather(P.HELLO, timeout_s=self.hello_timeout_s)
+        workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
+        return workers
+
+    def _environment(self, n: int, env: Mapping[str, str] | None, run_id: str, address: str,
+                     master_port: int) -> dict[str, str]:
+        out = dict(os.environ)
+        out.update({str(k): str(v) for k, v in (env or {}).items()})
+        if "OMP_NUM_THREADS" not in out:       # n workers share this machine's cores
+            out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+        main_thread = threading.current_thread() is threading.main_thread()
+        out.update({
+            P.ENV_WORLD_SIZE: str(n), P.ENV_ADDRESS: address, P.ENV_RUN_ID: run_id,
+            P.ENV_PARENT_PID: str(os.getpid()), P.ENV_PDEATHSIG: "1" if main_thread else "0",
+            "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+            "MASTER_ADDR": self.host, "MASTER_PORT": str(master_port),
+        })
+        return out
+
+    def _start(self, rank: int, base: dict[str, str], cwd: str | os.PathLike | None,
+               group: _Group, secret: Secret) -> subprocess.Popen:
+        env = dict(base, **{P.ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        out = err = None
+        if self.log_dir is not None:
+            out = open(self.log_dir / f"rank{rank}.out", "wb")
+            group.logs.append(out)
+            err = open(self.log_dir / f"rank{rank}.err", "wb")
+            group.logs.append(err)
+        try:
+            proc = subprocess.Popen([self.python, "-m", "meshplan.runtime._worker"],
+                                    stdin=subprocess.PIPE, stdout=out, stderr=err, env=env,
+                                    cwd=cwd, close_fds=True)
+        except OSError as exc:
+            raise RuntimeFailure(f"could not start worker rank {rank} ({self.python} -m "
+                                 f"meshplan.runtime._worker, cwd={cwd}): {exc}") from exc
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(secret.hex().encode() + b"\n")     # the secret never hits argv/env
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass        # it died at once; gather("hello") reports its exit
+        return proc

@@ -1,0 +1,244 @@
+"""The worker process: ``python -m meshplan.runtime._worker``.
+
+A launcher starts it with its rank, the world size, the controller's address and the run id in
+the environment (``MESHPLAN_*``) and the channel secret as the first line (hex) of stdin, never in
+argv or the environment. The worker connects, says ``hello``, then serves: receive a message,
+dispatch on its kind to a handler, send the reply.
+
+A handler is ``fn(state, header, tensors) -> (reply_header, reply_tensors)`` registered with
+``@register(kind)``; modules named in ``MESHPLAN_WORKER_PLUGINS`` (comma-separated) are imported
+at start so other parts of meshplan (or tests) can add handlers. An exception in a handler becomes
+an ``error`` reply (type, message, formatted traceback, and the ``meshplan_where`` attribute a
+handler may set on the exception, e.g. the user's ``file:line``); the worker keeps serving and the
+controller decides what to do.
+
+The worker never outlives its controller: a daemon thread blocks on stdin, whose write end only
+the controller holds, and calls ``os._exit`` on EOF (the controller exited, even by ``kill -9``); on
+Linux ``PR_SET_PDEATHSIG`` is a second guard when the controller launched from its main thread.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ._channel import (
+    ENV_ADDRESS,
+    ENV_PARENT_PID,
+    ENV_PDEATHSIG,
+    ENV_PLUGINS,
+    ENV_RANK,
+    ENV_RUN_ID,
+    ENV_WORLD_SIZE,
+    ERROR,
+    HELLO,
+    PING,
+    SHUTDOWN,
+    Message,
+    Secret,
+    WorkerChannel,
+)
+
+__all__ = ["Handler", "WorkerState", "main", "register"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_ORPHANED = 86      # the controller went away
+EXIT_BAD_START = 87     # no secret on stdin or a broken environment
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """What a handler sees of its worker. ``ns`` is free for handlers to keep things in."""
+
+    rank: int
+    world_size: int
+    run_id: str
+    master_addr: str | None = None
+    master_port: int | None = None
+    hostname: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
+    ns: SimpleNamespace = field(default_factory=SimpleNamespace, repr=False)
+    stopping: bool = False
+
+
+Handler = Callable[[WorkerState, dict[str, Any], list[torch.Tensor]],
+                   tuple[dict[str, Any], list[torch.Tensor]]]
+_HANDLERS: dict[str, Handler] = {}
+
+
+def register(kind: str) -> Callable[[Handler], Handler]:
+    """Decorator: ``fn`` answers messages of ``kind``. Registering a kind twice is an error."""
+    if not isinstance(kind, str) or not kind or kind in (HELLO, ERROR):
+        raise ValueError(f"cannot register a handler for kind {kind!r}")
+
+    def deco(fn: Handler) -> Handler:
+        if kind in _HANDLERS:
+            raise ValueError(f"a worker handler for {kind!r} is already registered "
+                             f"({_HANDLERS[kind].__module__}.{_HANDLERS[kind].__qualname__})")
+        _HANDLERS[kind] = fn
+        return fn
+
+    return deco
+
+
+@register(PING)
+def _ping(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    return dict(header, rank=state.rank), tensors
+
+
+@register(SHUTDOWN)
+def _shutdown(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    state.stopping = True
+    return {"rank": state.rank}, []
+
+
+# ---------------------------------------------------------------------------------------------
+# serving
+
+
+def error_reply(exc: BaseException, kind: str) -> dict[str, Any]:
+    """The header of an ``error`` reply for ``exc`` raised while handling ``kind``."""
+    where = getattr(exc, "meshplan_where", None)
+    return {
+        "kind": kind,
+        "type": type(exc).__qualname__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "where": None if where is None else str(where),
+    }
+
+
+def handle(state: WorkerState, message: Message) -> tuple[str, dict[str, Any], list[torch.Tensor]]:
+    """Run the handler for ``message``: the reply's (kind, header, tensors)."""
+    fn = _HANDLERS.get(message.kind)
+    try:
+        if fn is None:
+            raise LookupError(f"rank {state.rank} has no handler for {message.kind!r} "
+                              f"(known: {', '.join(sorted(_HANDLERS))})")
+        out = fn(state, dict(message.header), list(message.tensors))
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], dict)):
+            raise TypeError(f"handler for {message.kind!r} returned {type(out).__name__}; "
+                            "it must return (header: dict, tensors: list[Tensor])")
+        return message.kind, out[0], list(out[1])
+    except Exception as exc:  # noqa: BLE001 - every handler failure goes back to the controller
+        return ERROR, error_reply(exc, message.kind), []
+
+
+def serve(state: WorkerState, channel: WorkerChannel) -> None:
+    """Answer messages until a ``shutdown``."""
+    while not state.stopping:
+        message = channel.recv()
+        kind, header, tensors = handle(state, message)
+        try:
+            channel.send(kind, header, tensors)
+        except Exception as exc:  # noqa: BLE001 - e.g. a reply header that is not JSON-able
+            channel.send(ERROR, error_reply(exc, message.kind))
+
+
+# ---------------------------------------------------------------------------------------------
+# start-up
+
+
+def _read_secret_line(fd: int) -> bytes:
+    """The first line of ``fd``, read unbuffered so nothing past it is consumed."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        line += chunk
+    return bytes(line)
+
+
+def _exit_on_eof(fd: int) -> None:
+    """Block on the controller's stdin pipe; EOF means the controller is gone: exit at once."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    os._exit(EXIT_ORPHANED)
+
+
+def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool) -> Secret:
+    """Read the secret, start the stdin watcher and (Linux) ask for SIGKILL on parent death."""
+    if pdeathsig and sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:    # 1 = PR_SET_PDEATHSIG
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(EXIT_ORPHANED)     # the controller died before the guard was set
+    pipe = os.dup(0)                # keep the pipe; fd 0 becomes /dev/null for user code
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    line = _read_secret_line(pipe)
+    threading.Thread(target=_exit_on_eof, args=(pipe,), name="meshplan-orphan-guard",
+                     daemon=True).start()
+    return Secret.from_hex(line.decode())
+
+
+def _load_plugins(spec: str) -> None:
+    for name in filter(None, (part.strip() for part in spec.split(","))):
+        importlib.import_module(name)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the controller's to handle
+    env = os.environ
+    try:
+        parent = int(env[ENV_PARENT_PID]) if ENV_PARENT_PID in env else None
+        secret = _guard_against_orphaning(parent, env.get(ENV_PDEATHSIG) == "1")
+        rank, world_size = int(env[ENV_RANK]), int(env[ENV_WORLD_SIZE])
+        address, run_id = env[ENV_ADDRESS], env[ENV_RUN_ID]
+    except (KeyError, ValueError, OSError) as exc:
+        print(f"meshplan worker: bad start ({exc!r}); start workers with a meshplan launcher",
+              file=sys.stderr)
+        return EXIT_BAD_START
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    port = env.get("MASTER_PORT")
+    state = WorkerState(rank, world_size, run_id, env.get("MASTER_ADDR"),
+                        int(port) if port else None)
+    channel = WorkerChannel(address, secret, run_id, rank)
+    try:
+        _load_plugins(env.get(ENV_PLUGINS, ""))
+    except Exception as exc:  # noqa: BLE001 - reported to the controller instead of a hello
+        channel.send(ERROR, error_reply(exc, HELLO))
+        channel.close(linger_s=5.0)
+        return 1
+    channel.send(HELLO, {"rank": rank, "pid": state.pid, "hostname": state.hostname})
+    serve(state, channel)
+    channel.close(linger_s=5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the canonical module, not this __main__ copy, so plugins that import
+    # meshplan.runtime._worker register into the same handler table.
+    from meshplan.runtime._worker import main as _main
+
+    code = _main()
+    # Skip the interpreter's teardown of torch (most of a second); atexit hooks still run.
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,216 @@
+"""The signed control channel (runtime/_channel.py): a controller and a worker end in one process
+over real loopback ZeroMQ sockets.
+
+Tensors are copied byte for byte, so every round trip demands bit-equality (compared as raw
+bytes, which also covers bool, bfloat16 and float8). Forged, tampered, replayed and misaddressed
+messages must be dropped and counted, and the channel must keep working afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import zmq
+from meshplan._errors import RuntimeFailure
+from meshplan.runtime import ControllerChannel, Message, Secret, WorkerChannel, _channel
+
+RUN = "run-test"
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and _bytes(a) == _bytes(b)
+
+
+@pytest.fixture
+def pair():
+    """A controller and a connected worker (rank 0) that has said hello."""
+    secret = Secret.new()
+    ctrl = ControllerChannel(secret, RUN)
+    worker = WorkerChannel(ctrl.address, secret, RUN, rank=0)
+    worker.send("hello")
+    assert ctrl.recv(5)[1].kind == "hello"
+    yield ctrl, worker
+    worker.close()
+    ctrl.close()
+
+
+@pytest.fixture
+def raw(pair):
+    """A raw DEALER connected to the controller with identity b"1" (rank 1), to send crafted frames."""
+    ctrl, _ = pair
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"1")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ctrl.address)
+    yield sock
+    sock.close()
+    ctx.term()
+
+
+def _frames(secret: Secret, seq: int, *, src: int = 1, dst: int = _channel.CONTROLLER,
+            run: str = RUN, kind: str = "x", tensors=()) -> list[bytes]:
+    envelope = {"run": run, "seq": seq, "src": src, "dst": dst, "kind": kind}
+    return [bytes(f) for f in _channel._encode(secret, envelope, {"n": seq}, list(tensors))]
+
+
+def _expect_dropped(ctrl: ControllerChannel, before: int) -> None:
+    with pytest.raises(TimeoutError):
+        ctrl.recv(0.3)
+    assert ctrl.rejected == before + 1
+
+
+def _cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(3, 5, generator=g)
+    out = [
+        f, f.double(), f.half(), f.bfloat16(), torch.complex(f, -f),
+        torch.arange(-7, 8, dtype=torch.int8), torch.arange(12, dtype=torch.int16).reshape(3, 4),
+        torch.arange(10, dtype=torch.int32) * -3, torch.arange(6, dtype=torch.int64) << 40,
+        torch.arange(200, 256, dtype=torch.uint8), torch.tensor([True, False, False, True]),
+        torch.tensor(3.25),                                   # 0-dim
+        torch.empty(0), torch.empty(2, 0, 3, dtype=torch.bfloat16), torch.empty(0, dtype=torch.bool),
+        f.t(), f[:, ::2], torch.randn(4, 6, generator=g).bfloat16()[1:, 2:5],  # non-contiguous
+    ]
+    if hasattr(torch, "float8_e4m3fn"):
+        out.append(f.to(torch.float8_e4m3fn))
+    if hasattr(torch, "uint16"):
+        out.append(torch.arange(5, dtype=torch.int32).to(torch.uint16))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_tensors_round_trip_both_ways(pair) -> None:
+    ctrl, worker = pair
+    sent = _cases()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # no "non-writable buffer" warnings
+        worker.send("up", {"a": [1, 2.5, None, "s"], "nested": {"k": True}}, sent)
+        rank, up = ctrl.recv(5)
+        ctrl.send(0, "down", {"echo": 1}, list(up.tensors))
+        down = worker.recv(5)
+    assert rank == 0 and up == Message("up", up.header, up.tensors)
+    assert up.header == {"a": [1, 2.5, None, "s"], "nested": {"k": True}}
+    assert down.kind == "down" and down.header == {"echo": 1}
+    for a, b, c in zip(sent, up.tensors, down.tensors, strict=True):
+        assert _same(a, b) and _same(a, c), (a.dtype, a.shape)
+        assert b.is_contiguous() and not b.requires_grad
+    up.tensors[0].add_(1)                        # received tensors are writable copies
+    assert ctrl.rejected == worker.rejected == 0
+
+
+@pytest.mark.timeout(60)
+def test_large_tensor_round_trip(pair) -> None:
+    ctrl, worker = pair
+    """Sent zero-copy; send() returns once ZeroMQ released the buffer, so it may change then."""
+    big = torch.arange(16 * 1024 * 1024, dtype=torch.float32)     # 64 MiB
+    t0 = time.perf_counter()
+    ctrl.send(0, "big", None, [big])
+    big.add_(1)
+    got = worker.recv(30).tensors[0]
+    worker.send("big", None, [got])
+    got.mul_(0)
+    back = ctrl.recv(30)[1].tensors[0]
+    assert time.perf_counter() - t0 < 20
+    expected = torch.arange(16 * 1024 * 1024, dtype=torch.float32)
+    assert torch.equal(back, expected) and ctrl.rejected == worker.rejected == 0
+
+
+@pytest.mark.timeout(60)
+def test_tampered_frames_are_dropped(pair, raw) -> None:
+    ctrl, _ = pair
+    secret = ctrl.secret
+    base = time.time_ns()
+    good = _frames(secret, base, tensors=[torch.arange(4.0)])
+    for i, frame in enumerate(good):           # flip one byte in each frame: header, buffer, MAC
+        bad = list(good)
+        bad[i] = bytes([frame[0] ^ 1]) + frame[1:]
+        before = ctrl.rejected
+        raw.send_multipart(bad)
+        _expect_dropped(ctrl, before)
+    before = ctrl.rejected
+    raw.send_multipart(good[:1] + good[2:])     # a dropped buffer frame
+    _expect_dropped(ctrl, before)
+    raw.send_multipart([b"{}"])                 # no MAC at all
+    _expect_dropped(ctrl, before + 1)
+    raw.send_multipart(good)                    # the untouched message still gets through
+    rank, msg = ctrl.recv(5)
+    assert rank == 1 and torch.equal(msg.tensors[0], torch.arange(4.0))
+
+
+@pytest.mark.timeout(60)
+def test_replayed_message_is_dropped(pair, raw) -> None:
+    ctrl, _ = pair
+    base = time.time_ns()
+    first = _frames(ctrl.secret, base + 10)
+    raw.send_multipart(first)
+    assert ctrl.recv(5)[1].header == {"n": base + 10}
+    before = ctrl.rejected
+    raw.send_multipart(first)                                    # replay
+    _expect_dropped(ctrl, before)
+    raw.send_multipart(_frames(ctrl.secret, base + 5))          # older sequence number
+    _expect_dropped(ctrl, before + 1)
+    raw.send_multipart(_frames(ctrl.secret, base + 11))
+    assert ctrl.recv(5)[1].header == {"n": base + 11}
+
+
+@pytest.mark.timeout(60)
+def test_wrong_secret_run_or_sender_is_dropped(pair, raw) -> None:
+    ctrl, worker = pair
+    seq = time.time_ns()
+    cases = [
+        _frames(Secret.new(), seq + 1),                 # another secret
+        _frames(ctrl.secret, seq + 2, run="other-run"),  # unknown run id
+        _frames(ctrl.secret, seq + 3, src=0),           # identity 1 signs as rank 0
+        _frames(ctrl.secret, seq + 4, dst=3),           # addressed to someone else
+    ]
+    for frames in cases:
+        before = ctrl.rejected
+        raw.send_multipart(frames)
+        _expect_dropped(ctrl, before)
+    forged = WorkerChannel(ctrl.address, Secret.new(), RUN, rank=2)
+    forged.send("hello")
+    _expect_dropped(ctrl, ctrl.rejected)
+    forged.close()
+    # controller -> worker: a message from a controller with another secret is dropped too
+    other = ControllerChannel(Secret.new(), RUN)
+    w2 = WorkerChannel(other.address, ctrl.secret, RUN, rank=0)
+    w2.send("hello")                                    # `other` drops it, but learns the peer
+    with pytest.raises(TimeoutError):
+        other.recv(0.3)
+    other.send(0, "ping")
+    with pytest.raises(TimeoutError):
+        w2.recv(0.3)
+    assert w2.rejected == 1 and other.rejected == 1
+    w2.close()
+    other.close()
+    worker.send("still-ok")
+    assert ctrl.recv(5)[1].kind == "still-ok"
+
+
+@pytest.mark.timeout(60)
+def test_secret_api_and_bad_input(pair) -> None:
+    ctrl, worker = pair
+    s = Secret.new()
+    assert len(s.key) == 32 and Secret.from_hex(s.hex()) == s and s.hex() not in repr(s)
+    with pytest.raises(ValueError):
+        Secret(b"short")
+    with pytest.raises(TypeError, match="JSON"):
+        worker.send("x", {"t": object()})
+    with pytest.raises(TypeError, match="torch tensors"):
+        worker.send("x", None, [[1, 2]])
+    with pytest.raises(RuntimeFailure, match="rank 7: it is not connected"):
+        ctrl.send(7, "ping")
+    with pytest.raises(TimeoutError):
+        worker.recv(0.05)
+    ctrl.close()
+    ctrl.close()                                        # idempotent
+    with pytest.raises(RuntimeFailure, match="closed"):
+        ctrl.send(0, "ping")

@@ -1,0 +1,250 @@
+"""The local launcher and the worker skeleton (runtime/_launch.py, runtime/_worker.py) with real
+worker processes, 2 and 4 of them.
+
+Test handlers come from a small module in a temp dir, loaded by the workers through
+``MESHPLAN_WORKER_PLUGINS``. Every failure must stop all workers (checked by pid), and workers
+must die with their controller, even when it is killed with SIGKILL. Tensors are only echoed, so
+the checks demand bit-equality.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from meshplan._errors import RuntimeFailure
+from meshplan.runtime import (
+    LocalLauncher,
+    Message,
+    WorkerFailure,
+    WorkerState,
+    _worker,
+    register,
+)
+
+HANDLERS = '''
+import os, sys, time
+from meshplan.runtime._worker import register
+
+@register("boom")
+def boom(state, header, tensors):
+    if state.rank == header["rank"]:
+        exc = ValueError("bad thing on purpose")
+        exc.meshplan_where = "train.py:42"
+        raise exc
+    return {}, []
+
+@register("die")
+def die(state, header, tensors):
+    if state.rank == header["rank"]:
+        print("rank", state.rank, "about to die", file=sys.stderr, flush=True)
+        os._exit(3)
+    return {}, []
+
+@register("hang")
+def hang(state, header, tensors):
+    if state.rank == header["rank"]:
+        time.sleep(600)
+    return {}, []
+
+@register("info")
+def info(state, header, tensors):
+    with open("/proc/self/cmdline", "rb") as f:
+        argv = f.read().decode()
+    return {"world_size": state.world_size, "env": dict(os.environ), "argv": argv,
+            "cwd": os.getcwd()}, []
+'''
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("plugins")
+    (folder / "mp_test_handlers.py").write_text(HANDLERS)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "MESHPLAN_WORKER_PLUGINS": "mp_test_handlers"}
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
+
+
+def _ping_and_info(workers, n: int, cwd: Path) -> None:
+    per_rank = [[torch.full((r + 1, 2), float(r), dtype=torch.bfloat16), torch.arange(r)]
+                for r in range(n)]
+    workers.broadcast("ping", {"tag": "x"}, per_rank)
+    replies = workers.gather("ping", timeout_s=30)
+    assert [m.header for m in replies] == [{"tag": "x", "rank": r} for r in range(n)]
+    for sent, got in zip(per_rank, replies):
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(sent, got.tensors))
+    workers.broadcast("info")
+    infos = [m.header for m in workers.gather("info", timeout_s=30)]
+    secret = workers.channel.secret.hex()
+    for r, h in enumerate(infos):
+        assert h["world_size"] == n and h["env"]["RANK"] == str(r)
+        assert h["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert h["env"]["MASTER_PORT"] == str(workers.master_port)
+        assert h["cwd"] == str(cwd)
+        assert secret not in h["argv"] and secret not in repr(h["env"])
+
+
+@pytest.mark.timeout(60)
+def test_two_workers_ping_and_shut_down_politely(plugin_env, tmp_path) -> None:
+    with LocalLauncher().launch(2, env=plugin_env, cwd=tmp_path) as workers:
+        assert workers.n == 2 and len(set(workers.pids)) == 2
+        _ping_and_info(workers, 2, tmp_path)
+    assert workers.closed and not _wait_gone(workers.pids, 0)
+    assert [p.returncode for p in workers._group.procs] == [0, 0]       # polite exit
+    workers.shutdown()                                                  # idempotent
+    with pytest.raises(RuntimeFailure, match="shut down"):
+        workers.gather("ping", timeout_s=1)
+
+
+@pytest.mark.timeout(60)
+def test_four_workers_ping_and_a_forgotten_group_is_reaped(plugin_env, tmp_path) -> None:
+    workers = LocalLauncher().launch(4, env=plugin_env, cwd=tmp_path)
+    _ping_and_info(workers, 4, tmp_path)
+    pids = workers.pids
+    del workers                 # no shutdown(): the weakref finalizer stops them
+    gc.collect()
+    assert not _wait_gone(pids, 5)
+
+
+@pytest.mark.timeout(60)
+def test_handler_error_reaches_controller_with_rank_traceback_and_where(plugin_env) -> None:
+    workers = LocalLauncher().launch(2, env=plugin_env)
+    workers.broadcast("boom", {"rank": 1})
+    with pytest.raises(WorkerFailure) as info:
+        workers.gather("boom", timeout_s=30)
+    err = info.value
+    assert isinstance(err, RuntimeFailure)
+    assert err.reason == "error" and err.rank == 1 and err.where == "train.py:42"
+    assert err.remote_type == "ValueError" and "mp_test_handlers.py" in err.remote_traceback
+    text = str(err)
+    assert "rank 1" in text and "bad thing on purpose" in text and "at train.py:42" in text
+    assert "Traceback (most recent call last)" in text and "all 2 workers were stopped" in text
+    assert workers.closed and not _wait_gone(workers.pids, 0)
+
+
+@pytest.mark.timeout(60)
+def test_exiting_worker_is_named_quickly_with_its_stderr(plugin_env, tmp_path) -> None:
+    workers = LocalLauncher(log_dir=tmp_path / "logs").launch(2, env=plugin_env)
+    workers.broadcast("die", {"rank": 1})
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure) as info:
+        workers.gather("die")                   # no timeout: the exit alone must end the wait
+    assert time.monotonic() - t0 < 5
+    err = info.value
+    assert err.reason == "exit" and err.rank == 1 and err.exit_code == 3
+    assert "rank 1 exited with code 3" in str(err) and "about to die" in str(err)
+    assert not _wait_gone(workers.pids, 0)
+
+
+@pytest.mark.timeout(60)
+def test_hanging_worker_times_out_by_name(plugin_env) -> None:
+    workers = LocalLauncher().launch(2, env=plugin_env)
+    workers.broadcast("hang", {"rank": 1})
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure) as info:
+        workers.gather("hang", timeout_s=1.5)
+    assert 1.5 <= time.monotonic() - t0 < 6
+    assert info.value.reason == "timeout" and info.value.ranks == (1,)
+    assert "rank 1 did not answer 'hang' within 1.5 s" in str(info.value)
+    assert not _wait_gone(workers.pids, 0)
+
+
+@pytest.mark.timeout(60)
+def test_bad_plugin_fails_the_launch(plugin_env) -> None:
+    env = dict(plugin_env, MESHPLAN_WORKER_PLUGINS="mp_no_such_module")
+    with pytest.raises(WorkerFailure, match="failed in 'hello': ModuleNotFoundError"):
+        LocalLauncher().launch(1, env=env)
+
+
+CONTROLLER = '''
+import sys, threading, time
+from meshplan.runtime import LocalLauncher
+
+box = {}
+def go():
+    box["w"] = LocalLauncher().launch(int(sys.argv[2]))
+if sys.argv[1] == "thread":
+    t = threading.Thread(target=go)
+    t.start()
+    t.join()
+    time.sleep(0.5)           # workers must outlive the thread that launched them
+else:
+    go()
+w = box["w"]
+w.broadcast("ping")
+w.gather("ping", timeout_s=30)
+print(*w.pids, flush=True)
+time.sleep(600)
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launched_from, n", [("main", 2), ("thread", 1)])
+def test_workers_die_with_a_killed_controller(launched_from: str, n: int, tmp_path: Path) -> None:
+    """From the main thread both guards apply (PR_SET_PDEATHSIG and the stdin pipe); from a
+    thread only the stdin pipe does (one worker is enough to check that guard on its own)."""
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(CONTROLLER))
+    ctrl = subprocess.Popen([sys.executable, str(script), launched_from, str(n)],
+                            stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        line = ctrl.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == n and all(_alive(p) for p in pids), line
+        os.kill(ctrl.pid, signal.SIGKILL)
+        ctrl.wait(10)
+        assert not _wait_gone(pids, 10)
+    finally:
+        ctrl.kill()
+        ctrl.wait()
+        ctrl.stdout.close()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_handler_failures_become_error_replies_in_process() -> None:
+    """The worker keeps serving after a handler raises: `handle` returns an error reply."""
+    state = WorkerState(rank=3, world_size=4, run_id="r")
+
+    def bad(state, header, tensors):
+        exc = KeyError("k")
+        exc.meshplan_where = "user.py:7"
+        raise exc
+
+    _worker._HANDLERS["t-bad"] = bad
+    try:
+        kind, header, tensors = _worker.handle(state, Message("t-bad", {}, ()))
+        assert kind == "error" and header["type"] == "KeyError" and header["where"] == "user.py:7"
+        assert header["kind"] == "t-bad" and "Traceback" in header["traceback"] and tensors == []
+        kind, header, _ = _worker.handle(state, Message("t-unknown", {}, ()))
+        assert kind == "error" and "no handler for 't-unknown'" in header["message"]
+        assert _worker.handle(state, Message("ping", {"a": 1}, ()))[:2] == ("ping", {"a": 1, "rank": 3})
+        with pytest.raises(ValueError, match="already registered"):
+            register("ping")(bad)
+    finally:
+        del _worker._HANDLERS["t-bad"]
