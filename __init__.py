@@ -22,11 +22,22 @@ from .planner import Mesh, Plan
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):  # noqa: ANN202
+    # the runtime (ZeroMQ, launchers) loads on first use: workers import meshplan too
+    if name in ("distribute", "DistributedStep"):
+        from .runtime import _distributed
+
+        return getattr(_distributed, name)
+    raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
+
 __all__ = [
+    "DistributedStep",
     "Graph",
     "Mesh",
     "Plan",
     "compile",
+    "distribute",
     "IRError",
     "LoweringError",
     "MeshplanError",

@@ -314,8 +314,10 @@ def _call(ins: Compute, values: list[Any]) -> tuple:
         out = fn(*args, **kwargs)
     except Exception as e:
         where = f" at {node.source}" if node.source else ""
-        raise LoweringError(f"{node.target} ({node.name}){where} failed on local shards: "
-                            f"{type(e).__name__}: {e}") from e
+        err = LoweringError(f"{node.target} ({node.name}){where} failed on local shards: "
+                            f"{type(e).__name__}: {e}")
+        err.meshplan_where = str(node.source) if node.source else None  # type: ignore[attr-defined]
+        raise err from e
     return tuple(_flatten(out))
 
 
