@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .._errors import LoweringError
-from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, resolve_op
+from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, last_uses, resolve_op
 from ..ir._interpret import constant_tensor
 from ..ir._ops import resolve
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
@@ -103,7 +103,7 @@ def lower(plan: Plan, rank: int) -> Program:
     instrs: list[Instruction] = []
     inputs: dict[str, Layout] = {}
     available: dict[tuple[str, int], set[Layout]] = {}
-    last = _last_uses(graph)
+    last = last_uses(graph)
 
     def need(ref: Ref, layout: Layout, consumer: str) -> None:
         have = out_layout[ref.node][ref.index]
@@ -162,19 +162,6 @@ def _local(meta: Any, layout: Layout | None, sizes: tuple[int, ...]) -> tuple[in
         if isinstance(p, Shard):
             f[p.dim] *= n
     return tuple(s // k for s, k in zip(meta.shape, f))
-
-
-def _last_uses(graph: Graph) -> dict[int, list[str]]:
-    last: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for r in node.refs():
-            last[r.node] = i
-    pinned = {o.ref.node for o in graph.outputs}
-    out: dict[int, list[str]] = {}
-    for name, i in last.items():
-        if name not in pinned:
-            out.setdefault(i, []).append(name)
-    return out
 
 
 # ---- redistribution ---------------------------------------------------------------------------

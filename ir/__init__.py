@@ -8,7 +8,7 @@ meshplan's but the shared error hierarchy.
 from .._errors import IRError
 from ._foreach import split_foreach
 from ._graph import ConstantValue, Graph, GraphInfo, Node, Output, ResultSpec
-from ._interpret import interpret
+from ._interpret import interpret, last_uses
 from ._ops import node_bytes, node_flops, op_name, resolve_op
 from ._passes import eliminate_dead_code, remove_identity_ops, run_passes, substitute
 from ._serialize import FORMAT, VERSION, atomic_write_text
@@ -47,6 +47,7 @@ __all__ = [
     "atomic_write_text",
     "eliminate_dead_code",
     "interpret",
+    "last_uses",
     "node_bytes",
     "node_flops",
     "op_name",

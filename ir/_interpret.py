@@ -47,8 +47,9 @@ def _call(node: Node, env: Mapping[str, tuple], device: torch.device | None) -> 
     return _flatten(fn(*args, **kwargs))
 
 
-def _last_uses(graph: Graph) -> dict[int, list[str]]:
-    """Step index -> names of nodes whose values are dead after that step."""
+def last_uses(graph: Graph) -> dict[int, list[str]]:
+    """Step index -> names of nodes whose values are dead after that step (graph outputs
+    stay alive)."""
     last: dict[str, int] = {}
     for i, node in enumerate(graph.nodes):
         for r in node.refs():
@@ -71,7 +72,7 @@ def interpret(
     order. Values are freed after their last use, so peak memory follows the graph's liveness."""
     dev = torch.device(device) if device is not None else None
     env: dict[str, tuple] = {}
-    free = _last_uses(graph)
+    free = last_uses(graph)
     with torch.no_grad():
         for i, node in enumerate(graph.nodes):
             if node.kind is NodeKind.INPUT:

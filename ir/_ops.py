@@ -127,7 +127,8 @@ def node_flops(graph: Graph, node: Node) -> int:
     if formula is not None:
         args = [_materialize(graph, a) for a in node.args]
         kwargs = {k: _materialize(graph, v) for k, v in node.kwargs}
-        out = [_meta_tensor(m) for m in outs]
+        # keep absent outputs (None) in place: formulas index outputs by position
+        out = [_meta_tensor(m) if isinstance(m, TensorMeta) else None for m in node.outputs]
         out_val = out[0] if len(out) == 1 else tuple(out)
         return int(formula(*args, out_val=out_val, **kwargs))
     ins = _input_metas(graph, node)

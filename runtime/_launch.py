@@ -124,6 +124,9 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
+_DEATH_GRACE_S = 0.2
+
+
 class Workers:
     """The controller's handle on ``n`` running workers. Use from one thread at a time.
 
@@ -228,13 +231,26 @@ class Workers:
 
     def _take(self, rank: int, message: Message, kind: str, got: dict[int, Message]) -> None:
         if message.kind == P.ERROR:
-            self._fail(self._error(rank, message.header, kind))
+            self._fail(self._dead_first(rank, kind) or self._error(rank, message.header, kind))
         if message.kind != kind or rank in got or not 0 <= rank < self.n:
             what = "a second reply" if rank in got else f"{message.kind!r}"
             self._fail(WorkerFailure(
                 f"rank {rank} sent {what} while the controller waited for {kind!r}\n"
                 f"  all {self.n} workers were stopped", reason="protocol", ranks=[rank], kind=kind))
         got[rank] = message
+
+    def _dead_first(self, rank: int, kind: str) -> WorkerFailure | None:
+        """A peer that died explains a rank's error better than the error does (a collective
+        with a dead peer fails with 'connection reset'): name the dead rank as the cause."""
+        time.sleep(_DEATH_GRACE_S)         # let the OS finish reaping a peer killed just now
+        dead = [r for r, p in enumerate(self._group.procs) if r != rank and p.poll() is not None]
+        if not dead:
+            return None
+        code = self._group.procs[dead[0]].returncode
+        return WorkerFailure(
+            f"rank {dead[0]} {_describe_exit(code)} while the controller waited for {kind!r} "
+            f"(rank {rank} then failed talking to it)\n  all {self.n} workers were stopped",
+            reason="exit", ranks=[dead[0]], kind=kind, exit_code=code)
 
     def _error(self, rank: int, header: dict[str, Any], kind: str) -> WorkerFailure:
         remote_type, text = header.get("type", "Exception"), header.get("message", "")

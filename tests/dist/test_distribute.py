@@ -74,3 +74,39 @@ def test_a_failing_rank_is_raised_on_the_controller_with_its_rank_and_line() -> 
             step(*ex.batch(2))
     text = str(err.value)
     assert "rank" in text and "mlp.py" in text, text
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_stops_the_run_and_names_it() -> None:
+    """A worker killed between steps: the next call raises RuntimeFailure naming its rank, and
+    no worker survives (the others are stopped, nothing hangs)."""
+    import os
+    import signal
+    import time
+
+    ex, _ = _models("mlp")
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100",
+                               timeout_s=60)
+    with step:
+        step(*ex.batch(0))
+        step(*ex.batch(1))
+        pids = list(step._workers.pids)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(meshplan.RuntimeFailure, match="rank 1"):
+            step(*ex.batch(2))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:     # a zombie child of this process counts as gone
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True

@@ -20,7 +20,7 @@ import meshplan
 from meshplan.backends import ThreadMesh
 from meshplan.backends._layout import assemble, local_part, rank_coords
 from meshplan.backends._lower import lower, plan_steps, reshard, run, split_inputs
-from meshplan.examples import gpt, mlp
+from meshplan.examples import cnn, gpt, mlp
 from meshplan.ir import interpret
 from meshplan.planner import Partial, Replicate, Shard, plan_graph
 
@@ -103,6 +103,8 @@ def test_every_redistribution_gives_the_target_pieces(sizes: tuple[int, ...]) ->
 @lru_cache(maxsize=None)
 def _example(name: str):
     ex = {"mlp": lambda: mlp.build(optimizer="adamw"),
+          "mlp-sgd": lambda: mlp.build(optimizer="sgd", clip=1.0),
+          "cnn": lambda: cnn.build(optimizer="sgd"),
           "gpt": lambda: gpt.build(optimizer="adamw")}[name]()
     ex.step(*ex.batch(0))            # one eager step: AdamW holds state, the steady graph
     traced = meshplan.trace(ex.step, *ex.batch(1))
@@ -111,7 +113,21 @@ def _example(name: str):
 
 CASES = [("mlp", {"dp": 2}, "dp"), ("mlp", {"tp": 2}, "megatron_tp"),
          ("mlp", {"dp": 2, "tp": 2}, "fsdp"), ("gpt", {"dp": 2}, "fsdp"),
-         ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"), ("gpt", {"dp": 2, "tp": 2}, "dp")]
+         ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"), ("gpt", {"dp": 2, "tp": 2}, "dp"),
+         ("gpt", {"dp": 4}, "fsdp"), ("gpt", {"tp": 2}, "megatron_tp"),
+         ("mlp-sgd", {"dp": 2, "tp": 2}, "megatron_tp"), ("cnn", {"dp": 2}, "dp"),
+         ("cnn", {"dp": 2, "tp": 2}, "fsdp"),
+         # the automatic plan under a memory limit that forces it to shard (half of what
+         # data parallel needs): whatever layouts it picks must run and match
+         ("gpt", {"dp": 2, "tp": 2}, "auto-half"), ("mlp", {"dp": 2, "tp": 2}, "auto-half")]
+
+
+def _plan(graph, axes, strategy):
+    if strategy != "auto-half":
+        return plan_graph(graph, axes, topology="h100", strategy=strategy)
+    dp = plan_graph(graph, axes, topology="h100", strategy="dp")
+    return plan_graph(graph, axes, topology="h100",
+                      memory_limit_bytes=int(dp.peak_memory_bytes * 0.5))
 
 
 @pytest.mark.timeout(300)
@@ -121,7 +137,7 @@ CASES = [("mlp", {"dp": 2}, "dp"), ("mlp", {"tp": 2}, "megatron_tp"),
 def test_lowered_steps_equal_the_reference_interpreter(name, axes, strategy) -> None:
     ex, traced = _example(name)
     graph = traced.graph
-    plan = plan_graph(graph, axes, topology="h100", strategy=strategy)
+    plan = _plan(graph, axes, strategy)
     world = int(torch.tensor(plan.mesh.sizes).prod())
     programs = [lower(plan, r) for r in range(world)]
     full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
@@ -153,7 +169,9 @@ def test_lowered_steps_equal_the_reference_interpreter(name, axes, strategy) -> 
         layout = programs[0].inputs[k]
         whole = assemble({rank_coords(r, sizes): local[r][k] for r in range(world)}, layout,
                          sizes)
-        torch.testing.assert_close(whole, ref_state[k], rtol=1e-5, atol=1e-6, msg=k)
+        # atol 1e-5 for state: see test_distribute.py (AdamW amplifies rounding noise where
+        # the true gradient is ~0, e.g. attention's key bias)
+        torch.testing.assert_close(whole, ref_state[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 def _inputs(traced, ex) -> list[torch.Tensor]:

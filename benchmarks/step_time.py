@@ -1,0 +1,340 @@
+"""Step-time benchmark (issue 4): meshplan's plans next to DDP and FSDP2 on gloo.
+
+    python benchmarks/step_time.py [--ranks 2 4] [--steps 12] [--warmup 3] [--quick]
+
+The GPT example (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64, global batch 16, AdamW,
+gradient clipping at 1.0) trained on N CPU processes, all variants in one invocation on the
+same global batches:
+
+- ``eager``: one process, the whole batch (reference);
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on gloo, batch/N per rank;
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and on the root, gloo;
+- ``meshplan <strategy>``: ``meshplan.distribute(step, mesh={"dp": N}, strategy=...)``.
+
+Baselines time each step on every rank after a barrier and keep the slowest rank. meshplan is
+timed around each call on the controller (split the batch, ZeroMQ round trip, gather the loss);
+a worker plugin loaded by this file times the ``step`` handler inside every worker, so the
+controller's overhead per step is the call minus the slowest rank's in-worker step. meshplan's
+first call (on the controller: it creates the optimizer state) and the second (worker launch +
+first mesh step) are reported apart and not in the medians. Peak memory is each process's peak
+RSS (``ru_maxrss``), not an allocator peak; ``+MiB`` is the growth over the RSS the process had
+before it built the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import meshplan
+from meshplan.examples import gpt
+from meshplan.examples._common import decay_groups, make_optimizer
+
+CONFIG = gpt.GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, d_model=256,
+                       batch_size=16)
+CLIP = 1.0
+SEED = 0
+STRATEGIES = ("dp", "auto", "fsdp")
+BASELINES = ("ddp", "fsdp2")
+
+_PLUGIN = "meshplan.benchmarks.step_time"     # this file, as a meshplan worker plugin
+_TIMER = "bench_step"                          # the kind of the record the plugin adds
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Result:
+    """One variant on one rank count; times in seconds, one entry per timed step."""
+
+    variant: str
+    ranks: int
+    step_s: tuple[float, ...] = ()      # slowest rank (baselines) or the controller's call
+    worker_s: tuple[float, ...] = ()    # meshplan: slowest rank's step inside its worker
+    comm_s: tuple[float, ...] = ()      # meshplan: slowest rank's time in collectives
+    collectives: str = ""               # meshplan: collectives per step on rank 0
+    rss_kib: tuple[int, ...] = ()       # peak RSS per rank
+    base_kib: tuple[int, ...] = ()      # RSS per rank before the model was built
+    first_s: float | None = None        # meshplan: first call (trace, plan, controller step)
+    launch_s: float | None = None       # meshplan: second call (launch + first mesh step)
+    loss: float | None = None           # loss of the last step (global batch)
+    error: str | None = None
+
+
+# ---- shared pieces -------------------------------------------------------------------------
+
+def _maxrss_kib() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss      # KiB on Linux
+
+
+def _batches(n: int) -> list[tuple[Tensor, Tensor]]:
+    ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
+    return [ex.batch(i) for i in range(n)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads(ranks: int) -> int:
+    """Intra-op threads per rank: the cores this process may use, shared by the ranks."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
+
+
+def _error_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:200]
+
+
+# ---- baselines: eager, DDP, FSDP2 in spawned processes -------------------------------------
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor) -> Tensor:
+    """The GPT example's step (examples/gpt.py) around a wrapped model."""
+    logits = model(x)
+    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _baseline_model(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
+    if kind == "eager":
+        return ex.model, ex.opt
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(ex.model), ex.opt
+    from torch.distributed.fsdp import fully_shard
+    model = ex.model
+    for block in model.transformer["h"]:
+        fully_shard(block)
+    fully_shard(model)       # root: embeddings, tied lm_head, final norm
+    # parameters are DTensors now: the same optimizer (groups, lr, foreach) built on them
+    return model, make_optimizer(decay_groups(model, 0.1), "adamw", foreach=False, lrs=gpt._LR)
+
+
+def _baseline_rank(rank: int, kind: str, n: int, port: int, threads: int, skip: int,
+                   steps: int, out: Any) -> None:
+    """One rank of a baseline (spawned); puts its times and RSS on ``out``."""
+    import torch.distributed as dist
+    base = _maxrss_kib()
+    torch.set_num_threads(threads)
+    if n > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=n)
+    model, opt = _baseline_model(kind)
+    batches = [(x.chunk(n)[rank], y.chunk(n)[rank]) for x, y in _batches(skip + steps)]
+    times, loss = [], torch.zeros(())
+    for i, (x, y) in enumerate(batches):
+        if n > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = _train_step(model, opt, x, y)
+        if i >= skip:
+            times.append(time.perf_counter() - t0)
+    if n > 1:
+        dist.all_reduce(loss)
+        dist.destroy_process_group()
+    out.put({"rank": rank, "times": times, "rss": _maxrss_kib(), "base": base,
+             "loss": float(loss) / n})
+
+
+def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
+    import torch.multiprocessing as mp
+    q = mp.get_context("spawn").SimpleQueue()
+    args = (kind, n, _free_port(), _threads(n) if kind != "eager" else _threads(1), skip,
+            steps, q)
+    try:
+        mp.spawn(_baseline_rank, args=args, nprocs=n, join=True)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
+        return Result(variant=kind, ranks=n, error=_error_line(exc))
+    reps = sorted((q.get() for _ in range(n)), key=lambda r: r["rank"])
+    return Result(variant=kind, ranks=n,
+                  step_s=tuple(max(ts) for ts in zip(*(r["times"] for r in reps))),
+                  rss_kib=tuple(r["rss"] for r in reps), base_kib=tuple(r["base"] for r in reps),
+                  loss=reps[0]["loss"])
+
+
+# ---- meshplan ------------------------------------------------------------------------------
+
+def _install_worker_timer() -> None:
+    """In a meshplan worker: wrap the ``step`` handler to time itself; the time and the rank's
+    RSS travel back as one extra record in the reply's ``comm`` list (``step.last_comm``)."""
+    from meshplan.runtime import _worker
+    inner, base = _worker._HANDLERS["step"], _maxrss_kib()
+
+    def timed(state: Any, header: dict[str, Any], tensors: list[Tensor]) -> Any:
+        t0 = time.perf_counter()
+        reply, out = inner(state, header, tensors)
+        rec = {"kind": _TIMER, "group": [], "nbytes": 0, "dur_s": time.perf_counter() - t0,
+               "rss": _maxrss_kib(), "base": base}
+        return {**reply, "comm": [*reply.get("comm", []), rec]}, out
+
+    _worker._HANDLERS["step"] = timed
+
+
+@contextmanager
+def _meshplan_env(threads: int) -> Iterator[bool]:
+    """Workers launched inside get ``threads`` intra-op threads and this file as a plugin.
+    Yields whether the plugin could be added (no runtime file is edited for it)."""
+    from meshplan.runtime import _distributed
+    old_env, old = os.environ.get("OMP_NUM_THREADS"), getattr(_distributed, "_HANDLERS", None)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if isinstance(old, str):
+        _distributed._HANDLERS = f"{old},{_PLUGIN}"
+    try:
+        yield isinstance(old, str)
+    finally:
+        if isinstance(old, str):
+            _distributed._HANDLERS = old
+        if old_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old_env
+
+
+def _split_records(last_comm: Sequence[Sequence[dict[str, Any]]]) -> tuple[list, list]:
+    """Per rank: (the timer record or None, the real collective records)."""
+    timers = [next((r for r in recs if r["kind"] == _TIMER), None) for recs in last_comm]
+    comms = [[r for r in recs if r["kind"] != _TIMER] for recs in last_comm]
+    return timers, comms
+
+
+def _timed_call(step: Any, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, float]:
+    t0 = time.perf_counter()
+    loss = step(*batch)
+    return loss, time.perf_counter() - t0
+
+
+def run_meshplan(strategy: str, n: int, warmup: int, steps: int) -> Result:
+    ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
+    batches = _batches(2 + warmup + steps)
+    step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu")
+    calls, workers, comm, timers, comms = [], [], [], [], []
+    try:
+        with _meshplan_env(_threads(n)), step:
+            _, first_s = _timed_call(step, batches[0])
+            _, launch_s = _timed_call(step, batches[1])
+            for i, b in enumerate(batches[2:]):
+                loss, dt = _timed_call(step, b)
+                if i < warmup:
+                    continue
+                timers, comms = _split_records(step.last_comm)
+                calls.append(dt)
+                if all(timers):
+                    workers.append(max(t["dur_s"] for t in timers))
+                comm.append(max(sum(r["dur_s"] for r in c) for c in comms))
+    except meshplan.MeshplanError as exc:
+        return Result(variant=f"meshplan {strategy}", ranks=n, error=_error_line(exc))
+    kinds = Counter(r["kind"] for r in comms[0]) if comms else Counter()
+    return Result(variant=f"meshplan {strategy}", ranks=n, step_s=tuple(calls),
+                  worker_s=tuple(workers), comm_s=tuple(comm),
+                  collectives=" ".join(f"{k}x{v}" for k, v in sorted(kinds.items())) or "none",
+                  rss_kib=tuple(t["rss"] for t in timers if t),
+                  base_kib=tuple(t["base"] for t in timers if t),
+                  first_s=first_s, launch_s=launch_s, loss=float(loss))
+
+
+# ---- the run and its tables ----------------------------------------------------------------
+
+def run(ranks: Sequence[int], warmup: int, steps: int) -> list[Result]:
+    skip = 2 + warmup       # baselines skip as many steps as meshplan does (same batches)
+    out = [run_baseline("eager", 1, skip, steps)]
+    _progress(out[-1])
+    for n in ranks:
+        if CONFIG.batch_size % n:
+            raise SystemExit(f"--ranks {n}: the global batch {CONFIG.batch_size} must divide")
+        for kind in BASELINES:
+            out.append(run_baseline(kind, n, skip, steps))
+            _progress(out[-1])
+        for strategy in STRATEGIES:
+            out.append(run_meshplan(strategy, n, warmup, steps))
+            _progress(out[-1])
+    return out
+
+
+def _progress(r: Result) -> None:
+    what = r.error or f"{_ms(r.step_s)} ms/step"
+    print(f"  {r.variant} on {r.ranks}: {what}", file=sys.stderr, flush=True)
+
+
+def _ms(xs: Sequence[float]) -> str:
+    return f"{statistics.median(xs) * 1e3:.1f}" if xs else "-"
+
+
+def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
+    if r.error:
+        return [str(r.ranks), r.variant, f"failed: {r.error}", *[""] * 10]
+    ref = ddp.get(r.ranks)
+    ratio = (f"{statistics.median(r.step_s) / statistics.median(ref.step_s):.2f}"
+             if ref and ref.step_s and r.step_s else "-")
+    over = ([c - w for c, w in zip(r.step_s, r.worker_s)]
+            if len(r.worker_s) == len(r.step_s) else [])
+    mib = lambda kib: f"{kib / 1024:.0f}"                               # noqa: E731
+    grow = max((a - b for a, b in zip(r.rss_kib, r.base_kib)), default=None)
+    return [str(r.ranks), r.variant, _ms(r.step_s), ratio, _ms(r.worker_s), _ms(over),
+            _ms(r.comm_s), r.collectives or "-", "/".join(mib(k) for k in r.rss_kib) or "-",
+            mib(grow) if grow is not None else "-",
+            f"{r.first_s:.1f}" if r.first_s is not None else "-",
+            f"{r.launch_s:.1f}" if r.launch_s is not None else "-",
+            f"{r.loss:.5f}" if r.loss is not None else "-"]
+
+
+HEAD = ("ranks", "variant", "step ms", "x DDP", "worker ms", "overhead ms", "comm ms",
+        "collectives/step (rank 0)", "peak RSS MiB/rank", "+MiB", "first call s", "launch s",
+        "last loss")
+
+
+def markdown(results: Sequence[Result]) -> str:
+    ddp = {r.ranks: r for r in results if r.variant == "ddp" and not r.error}
+    lines = ["| " + " | ".join(HEAD) + " |",
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines += ["| " + " | ".join(_cells(r, ddp)) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def plain(results: Sequence[Result]) -> str:
+    ddp = {r.ranks: r for r in results if r.variant == "ddp" and not r.error}
+    rows = [list(HEAD), *(_cells(r, ddp) for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEAD))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts (2 4)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (12)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed mesh steps (3)")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 4 timed steps, 1 warm-up")
+    args = ap.parse_args()
+    ranks = args.ranks or ([2] if args.quick else [2, 4])
+    steps = args.steps or (4 if args.quick else 12)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    print(f"GPT {CONFIG}, AdamW, clip {CLIP}; {len(os.sched_getaffinity(0))} cores; "
+          f"torch {torch.__version__}; median of {steps} steps after {warmup} warm-up",
+          file=sys.stderr)
+    results = run(ranks, warmup, steps)
+    print(plain(results))
+    print()
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
+elif __name__ == _PLUGIN and "meshplan.runtime._worker" in sys.modules:
+    _install_worker_timer()      # loaded into a meshplan worker through its plugin list
