@@ -1,12 +1,13 @@
 """Step-time benchmark (issue 4): meshplan's plans next to DDP and FSDP2 on gloo.
 
-    python benchmarks/step_time.py [--ranks 2 4] [--steps 12] [--warmup 3] [--quick]
+    python benchmarks/step_time.py [--ranks 2 4] [--steps 10] [--warmup 2] [--quick]
 
 The GPT example (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64, global batch 16, AdamW,
 gradient clipping at 1.0) trained on N CPU processes, all variants in one invocation on the
 same global batches:
 
-- ``eager``: one process, the whole batch (reference);
+- ``eager``: one process on one thread, the whole batch (reference; two threads are erratic
+  when another job holds one of the cores);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on gloo, batch/N per rank;
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and on the root, gloo;
 - ``meshplan <strategy>``: ``meshplan.distribute(step, mesh={"dp": N}, strategy=...)``.
@@ -16,9 +17,9 @@ timed around each call on the controller (split the batch, ZeroMQ round trip, ga
 a worker plugin loaded by this file times the ``step`` handler inside every worker, so the
 controller's overhead per step is the call minus the slowest rank's in-worker step. meshplan's
 first call (on the controller: it creates the optimizer state) and the second (worker launch +
-first mesh step) are reported apart and not in the medians. Peak memory is each process's peak
-RSS (``ru_maxrss``), not an allocator peak; ``+MiB`` is the growth over the RSS the process had
-before it built the model.
+first mesh step) are reported apart and not in the medians. Peak memory is each rank's peak
+RSS (``VmHWM``; see ``_rss_kib`` for why not ``ru_maxrss``), not an allocator peak; ``+MiB`` is
+its growth over the RSS the rank had before it built the model (meshplan: before setup).
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import meshplan
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-import meshplan
 from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
+from torch import Tensor, nn
 
 CONFIG = gpt.GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, d_model=256,
                        batch_size=16)
@@ -64,7 +64,7 @@ class Result:
     step_s: tuple[float, ...] = ()      # slowest rank (baselines) or the controller's call
     worker_s: tuple[float, ...] = ()    # meshplan: slowest rank's step inside its worker
     comm_s: tuple[float, ...] = ()      # meshplan: slowest rank's time in collectives
-    collectives: str = ""               # meshplan: collectives per step on rank 0
+    collectives: str = ""               # per step on rank 0 (meshplan; DDP: its buckets)
     rss_kib: tuple[int, ...] = ()       # peak RSS per rank
     base_kib: tuple[int, ...] = ()      # RSS per rank before the model was built
     first_s: float | None = None        # meshplan: first call (trace, plan, controller step)
@@ -75,8 +75,16 @@ class Result:
 
 # ---- shared pieces -------------------------------------------------------------------------
 
-def _maxrss_kib() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss      # KiB on Linux
+def _rss_kib(field: str = "VmHWM") -> int:
+    """This process's peak (``VmHWM``) or current (``VmRSS``) resident set, KiB.
+
+    Not ``getrusage().ru_maxrss``: Linux carries the parent's peak across fork + exec into it,
+    so every spawned rank would report at least the launching process's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss     # no procfs: an upper bound
 
 
 def _batches(n: int) -> list[tuple[Tensor, Tensor]]:
@@ -132,7 +140,7 @@ def _baseline_rank(rank: int, kind: str, n: int, port: int, threads: int, skip: 
                    steps: int, out: Any) -> None:
     """One rank of a baseline (spawned); puts its times and RSS on ``out``."""
     import torch.distributed as dist
-    base = _maxrss_kib()
+    base = _rss_kib("VmRSS")
     torch.set_num_threads(threads)
     if n > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -150,15 +158,25 @@ def _baseline_rank(rank: int, kind: str, n: int, port: int, threads: int, skip: 
     if n > 1:
         dist.all_reduce(loss)
         dist.destroy_process_group()
-    out.put({"rank": rank, "times": times, "rss": _maxrss_kib(), "base": base,
-             "loss": float(loss) / n})
+    out.put({"rank": rank, "times": times, "rss": _rss_kib(), "base": base,
+             "loss": float(loss) / n, "collectives": _ddp_buckets(model)})
+
+
+def _ddp_buckets(model: nn.Module) -> str:
+    """DDP's gradient all-reduces per step: its buckets (after the first step's rebuild)."""
+    try:
+        data = model._get_ddp_logging_data()        # DDP only; private, so best effort
+    except Exception:  # noqa: BLE001 - not DDP, or the API moved
+        return ""
+    sizes = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "")
+    nbytes = [int(b) for b in sizes.replace(",", " ").split()]
+    return f"all_reduce {len(nbytes)} ({sum(nbytes) / 2**20:.1f} MiB)" if nbytes else ""
 
 
 def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").SimpleQueue()
-    args = (kind, n, _free_port(), _threads(n) if kind != "eager" else _threads(1), skip,
-            steps, q)
+    args = (kind, n, _free_port(), 1 if kind == "eager" else _threads(n), skip, steps, q)
     try:
         mp.spawn(_baseline_rank, args=args, nprocs=n, join=True)
     except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
@@ -167,7 +185,7 @@ def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
     return Result(variant=kind, ranks=n,
                   step_s=tuple(max(ts) for ts in zip(*(r["times"] for r in reps))),
                   rss_kib=tuple(r["rss"] for r in reps), base_kib=tuple(r["base"] for r in reps),
-                  loss=reps[0]["loss"])
+                  collectives=reps[0]["collectives"], loss=reps[0]["loss"])
 
 
 # ---- meshplan ------------------------------------------------------------------------------
@@ -176,13 +194,13 @@ def _install_worker_timer() -> None:
     """In a meshplan worker: wrap the ``step`` handler to time itself; the time and the rank's
     RSS travel back as one extra record in the reply's ``comm`` list (``step.last_comm``)."""
     from meshplan.runtime import _worker
-    inner, base = _worker._HANDLERS["step"], _maxrss_kib()
+    inner, base = _worker._HANDLERS["step"], _rss_kib("VmRSS")
 
     def timed(state: Any, header: dict[str, Any], tensors: list[Tensor]) -> Any:
         t0 = time.perf_counter()
         reply, out = inner(state, header, tensors)
         rec = {"kind": _TIMER, "group": [], "nbytes": 0, "dur_s": time.perf_counter() - t0,
-               "rss": _maxrss_kib(), "base": base}
+               "rss": _rss_kib(), "base": base}
         return {**reply, "comm": [*reply.get("comm", []), rec]}, out
 
     _worker._HANDLERS["step"] = timed
@@ -215,6 +233,14 @@ def _split_records(last_comm: Sequence[Sequence[dict[str, Any]]]) -> tuple[list,
     return timers, comms
 
 
+def _summary(records: Sequence[dict[str, Any]]) -> str:
+    """``kind count (MiB)`` for each collective kind in one rank's step."""
+    count, nbytes = Counter(r["kind"] for r in records), Counter()
+    for r in records:
+        nbytes[r["kind"]] += r["nbytes"]
+    return ", ".join(f"{k} {count[k]} ({nbytes[k] / 2**20:.1f} MiB)" for k in sorted(count))
+
+
 def _timed_call(step: Any, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, float]:
     t0 = time.perf_counter()
     loss = step(*batch)
@@ -241,10 +267,9 @@ def run_meshplan(strategy: str, n: int, warmup: int, steps: int) -> Result:
                 comm.append(max(sum(r["dur_s"] for r in c) for c in comms))
     except meshplan.MeshplanError as exc:
         return Result(variant=f"meshplan {strategy}", ranks=n, error=_error_line(exc))
-    kinds = Counter(r["kind"] for r in comms[0]) if comms else Counter()
     return Result(variant=f"meshplan {strategy}", ranks=n, step_s=tuple(calls),
                   worker_s=tuple(workers), comm_s=tuple(comm),
-                  collectives=" ".join(f"{k}x{v}" for k, v in sorted(kinds.items())) or "none",
+                  collectives=_summary(comms[0] if comms else []),
                   rss_kib=tuple(t["rss"] for t in timers if t),
                   base_kib=tuple(t["base"] for t in timers if t),
                   first_s=first_s, launch_s=launch_s, loss=float(loss))
@@ -277,6 +302,10 @@ def _ms(xs: Sequence[float]) -> str:
     return f"{statistics.median(xs) * 1e3:.1f}" if xs else "-"
 
 
+def _mib(kib: int) -> str:
+    return f"{kib / 1024:.0f}"
+
+
 def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
     if r.error:
         return [str(r.ranks), r.variant, f"failed: {r.error}", *[""] * 10]
@@ -285,11 +314,10 @@ def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
              if ref and ref.step_s and r.step_s else "-")
     over = ([c - w for c, w in zip(r.step_s, r.worker_s)]
             if len(r.worker_s) == len(r.step_s) else [])
-    mib = lambda kib: f"{kib / 1024:.0f}"                               # noqa: E731
     grow = max((a - b for a, b in zip(r.rss_kib, r.base_kib)), default=None)
     return [str(r.ranks), r.variant, _ms(r.step_s), ratio, _ms(r.worker_s), _ms(over),
-            _ms(r.comm_s), r.collectives or "-", "/".join(mib(k) for k in r.rss_kib) or "-",
-            mib(grow) if grow is not None else "-",
+            _ms(r.comm_s), r.collectives or "-", "/".join(_mib(k) for k in r.rss_kib) or "-",
+            _mib(grow) if grow is not None else "-",
             f"{r.first_s:.1f}" if r.first_s is not None else "-",
             f"{r.launch_s:.1f}" if r.launch_s is not None else "-",
             f"{r.loss:.5f}" if r.loss is not None else "-"]
@@ -318,13 +346,13 @@ def plain(results: Sequence[Result]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=None, help="rank counts (2 4)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (12)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed mesh steps (3)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (10)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed mesh steps (2)")
     ap.add_argument("--quick", action="store_true", help="2 ranks, 4 timed steps, 1 warm-up")
     args = ap.parse_args()
     ranks = args.ranks or ([2] if args.quick else [2, 4])
-    steps = args.steps or (4 if args.quick else 12)
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    steps = args.steps or (4 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     print(f"GPT {CONFIG}, AdamW, clip {CLIP}; {len(os.sched_getaffinity(0))} cores; "
           f"torch {torch.__version__}; median of {steps} steps after {warmup} warm-up",
           file=sys.stderr)

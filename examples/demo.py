@@ -87,11 +87,10 @@ def _distributed(steps: int, console: Any) -> bool:
             b = step(*dist_ex.batch(i))
             diff = (a - b).abs().item()
             worst = max(worst, diff)
-            calls = len(step.last_comm[0]) if i > 0 else 0
             table.add_row(str(i), f"{a.item():.6f}", f"{b.item():.6f}", f"{diff:.1e}",
-                          str(calls) if i > 0 else "(first step: on the controller)")
+                          str(len(step.last_comm[0])))
     console.print(table)
-    console.print(f"4 workers started, ran {steps - 1} steps and stopped in "
+    console.print(f"4 workers started, ran {steps} steps and stopped in "
                   f"{time.perf_counter() - t0:.1f} s; largest loss difference {worst:.1e} "
                   "(fp32 sums in another order)")
     console.print("next: telemetry (a SQL store of every rank's steps and collectives) arrives "

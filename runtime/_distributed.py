@@ -5,9 +5,10 @@ the workers, and ships each rank the plan and only its own pieces of the state. 
 splits the batch as the plan lays out the data inputs, runs one step on every rank and returns
 the results as ordinary tensors on the controller.
 
-Before the optimizer holds state, the first call runs on the controller through the traced
-first-step graph (the step that creates the optimizer state), exactly as one process would;
-the mesh takes over from the second call with the steady-state plan.
+Before the optimizer holds state, the controller gives it the zeros its first step would
+create (Adam, AdamW, SGD without dampening: the steady step from them IS the first step), so
+the mesh runs from the first call. Other optimizers take their first step on the controller
+through the traced first-step graph, exactly as one process would.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class DistributedStep:
         if self._traced is None:
             self._prepare(args)
         traced = self._traced
-        if traced.first_step_graph is not None and not self._has_opt_state():
+        if not self._has_opt_state() and not self._zero_state():
             logger.info("meshplan: first step (creates optimizer state) runs on the controller")
             return traced(*args)
         if self._workers is None:
@@ -138,7 +139,26 @@ class DistributedStep:
                                     memory_limit_bytes=self.memory_limit_bytes)
 
     def _has_opt_state(self) -> bool:
-        return any(opt.state for _, opt in self._traced.inventory.optimizers)
+        graph = self.plan.graph
+        return (not graph.inputs_with_role(Role.OPT_STATE)
+                or any(opt.state for _, opt in self._traced.inventory.optimizers))
+
+    def _zero_state(self) -> bool:
+        """Give the optimizers the state their first step would create, when the steady step
+        from it is exactly that first step: Adam and AdamW create zeros (and step 0) and run
+        their usual update; SGD's first step copies the gradient into the momentum buffer,
+        which the steady update from a zero buffer reproduces only without dampening.
+        Returns False (the first step then runs on the controller) otherwise."""
+        for _, opt in self._traced.inventory.optimizers:
+            exact = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) or (
+                isinstance(opt, torch.optim.SGD)
+                and all(g.get("dampening", 0) == 0 for g in opt.param_groups))
+            if not exact:
+                return False
+        zeros = {n.target: torch.zeros(n.meta.shape, dtype=getattr(torch, n.meta.dtype))
+                 for n in self.plan.graph.inputs_with_role(Role.OPT_STATE)}
+        self._write_local(zeros)
+        return True
 
     def _state_names(self) -> list[str]:
         return [n.target for n in self.plan.graph.inputs if n.meta.role in _STATE_ROLES]
