@@ -14,6 +14,7 @@ from ._placement import Layout, R, format_layout, parse_placement
 from ._plan import NodePlacement, Plan, Redistribution
 from ._problem import STATE_POS, Problem, build_problem, reshard_steps, result_refs
 from ._solve import Solution, min_peak_memory, solve
+from ._summary import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,9 @@ def plan_graph(
                 raise
             best = min_peak_memory(problem, time_limit=time_limit_s)
             raise PlanError(
-                f"no plan of {graph.info.name} fits {limit / 2**30:.2f} GiB per device on mesh "
-                f"{mesh}: the best plan needs {best / 2**30:.2f} GiB (misses by "
-                f"{(best - limit) / 2**30:.2f} GiB); use a larger mesh, a smaller batch, or "
+                f"no plan of {graph.info.name} fits {format_bytes(limit)} per device on mesh "
+                f"{mesh}: the best plan needs {format_bytes(best)} (misses by "
+                f"{format_bytes(best - limit)}); use a larger mesh, a smaller batch, or "
                 "raise memory_limit_bytes") from None
     else:
         sol = solve(problem, float("inf"), time_limit=time_limit_s)

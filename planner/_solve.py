@@ -21,6 +21,7 @@ import numpy as np
 from .._errors import PlanError
 from ..ir import Ref, TensorMeta
 from ._placement import Layout, Partial, R, Shard, layout_fraction
+from ._summary import format_bytes
 from ._problem import INF, STATE_POS, Edge, Problem, reshard_time, result_refs
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
         if not values:
             raise PlanError(
                 "no plan fits: the solver found no assignment within the memory limit of "
-                f"{memory_limit / 2**30:.2f} GiB per device ({stats['status']})")
+                f"{format_bytes(memory_limit)} per device ({stats['status']})")
         choice: dict[str, int] = {}
         for g, names in members.items():
             best = int(np.argmax([values[v] for v in xvar[g]]))

@@ -178,7 +178,8 @@ def test_pinned_batch_is_respected() -> None:
 
 def test_memory_limit_no_plan_meets_says_by_how_much() -> None:
     g = _graph("mlp")
-    with pytest.raises(PlanError, match=r"best plan needs .* GiB \(misses by"):
+    with pytest.raises(PlanError, match=r"fits 1.00 KiB .* best plan needs [\d.]+ KiB "
+                                        r"\(misses by [\d.]+ KiB\)"):
         plan_graph(g, {"dp": 2}, topology="h100", memory_limit_bytes=1024)
 
 
