@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import meshplan
-from meshplan.examples import gpt, mlp
+from meshplan.examples import cnn, gpt, mlp
 
 STEPS = 5
 
@@ -25,6 +25,7 @@ STEPS = 5
 def _models(name: str):
     build = {"mlp": lambda: mlp.build(optimizer="adamw"),
              "mlp-sgd-dampening": lambda: _dampened(mlp.build(optimizer="sgd")),
+             "cnn": lambda: cnn.build(optimizer="sgd", clip=1.0),
              "gpt": lambda: gpt.build(optimizer="adamw", clip=1.0)}[name]
     return build(), build()
 
@@ -48,6 +49,9 @@ def _state(ex) -> dict[str, torch.Tensor]:
     ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"),
     ("gpt", {"dp": 2}, "fsdp"),
     ("mlp-sgd-dampening", {"dp": 2}, "dp"),
+    ("cnn", {"dp": 2}, "fsdp"),
+    ("gpt", {"tp": 2}, "megatron_tp"),
+    ("mlp", {"dp": 4}, "fsdp"),
 ])
 def test_distributed_steps_equal_one_process(name: str, axes: dict[str, int],
                                              strategy: str) -> None:
