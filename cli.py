@@ -181,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="trace the example GPT step and replay it against eager")
     d.add_argument("--steps", type=int, default=5)
     d.set_defaults(func=cmd_demo)
+
+    from ._cli_plan import add_plan_commands
+    from ._cli_run import add_run_commands
+    add_run_commands(sub)
+    add_plan_commands(sub)
     return p
 
 

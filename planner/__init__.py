@@ -14,6 +14,7 @@ from ._mesh import PRESETS, Link, Mesh, Topology, get_topology, parse_mesh
 from ._placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
 from ._plan import NodePlacement, Plan, Redistribution
 from ._planning import plan_graph
+from ._report import diff, explain, plan_report, render_html
 
 __all__ = [
     "HAND_STRATEGIES",
@@ -34,7 +35,11 @@ __all__ = [
     "Topology",
     "calibrate",
     "collective_time",
+    "diff",
+    "explain",
     "get_topology",
     "parse_mesh",
     "plan_graph",
+    "plan_report",
+    "render_html",
 ]

@@ -1,7 +1,9 @@
 """The Plan: where every value lives on the mesh, what moves between layouts, what it costs.
 
 Saved as versioned JSON with a content hash that ``load`` checks; the traced graph travels
-inside the plan, so a saved plan runs without re-tracing.
+inside the plan, so a saved plan runs without re-tracing. The file also records the graph's
+hash and the torch and meshplan versions it was made with (absent, i.e. unknown, in older
+files); ``check_compatible`` refuses a plan for another step, torch or mesh.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .._errors import IRError, PlanError
@@ -58,10 +62,44 @@ class Plan:
     memory_limit_bytes: int
     fallbacks: tuple[str, ...]
     solver: dict[str, Any] = field(default_factory=dict)
+    # what the plan was made with; None: unknown (a file written before these were recorded)
+    torch_version: str | None = field(default_factory=lambda: _torch_version())
+    meshplan_version: str | None = field(default_factory=lambda: _meshplan_version())
+
+    @cached_property
+    def graph_hash(self) -> str:
+        """sha256 of the plan's graph as canonical JSON (what ``check_compatible`` compares)."""
+        return graph_hash(self.graph)
 
     @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.memory_limit_bytes
+
+    def check_compatible(self, graph: Graph | None = None,
+                         mesh: Mesh | Mapping[str, int] | None = None) -> None:
+        """Raise PlanError (saying how to fix it) unless this plan can run ``graph`` (the step
+        as traced now) on ``mesh`` with the running torch."""
+        if self.torch_version is not None:
+            import torch
+
+            made, now = _major_minor(self.torch_version), _major_minor(torch.__version__)
+            if made != now:
+                raise PlanError(f"plan was compiled with torch {self.torch_version}, running "
+                                f"torch {torch.__version__}: recompile it with `meshplan "
+                                "compile FILE.py:STEP -o PLAN`")
+        if mesh is not None:
+            axes = mesh.axes if isinstance(mesh, Mesh) else tuple(dict(mesh).items())
+            if tuple(axes) != self.mesh.axes:
+                raise PlanError(f"plan is for mesh {_axes_str(self.mesh.axes)}; you asked for "
+                                f"{_axes_str(axes)}: pass --mesh {_axes_str(self.mesh.axes)} "
+                                "or recompile for the new mesh")
+        if graph is not None:
+            from ._planning import _prepare
+
+            if graph_hash(_prepare(graph)) != self.graph_hash:
+                raise PlanError(f"the step {graph.info.name!r} changed since the plan was "
+                                "compiled (its graph hash differs): recompile with `meshplan "
+                                "compile FILE.py:STEP -o PLAN`")
 
     def placement(self, node: str) -> NodePlacement:
         for p in self.placements:
@@ -94,6 +132,9 @@ class Plan:
             "memory_limit_bytes": self.memory_limit_bytes,
             "fallbacks": list(self.fallbacks),
             "solver": self.solver,
+            "graph_hash": self.graph_hash,
+            "torch_version": self.torch_version,
+            "meshplan_version": self.meshplan_version,
         }
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return {"format": FORMAT, "version": VERSION,
@@ -174,7 +215,38 @@ def _plan_from_body(b: dict[str, Any]) -> Plan:
         memory_limit_bytes=int(b["memory_limit_bytes"]),
         fallbacks=tuple(b["fallbacks"]),
         solver=dict(b["solver"]),
+        torch_version=b.get("torch_version"),
+        meshplan_version=b.get("meshplan_version"),
     )
+
+
+def graph_hash(graph: Graph) -> str:
+    """sha256 of ``graph`` as canonical JSON (sorted keys)."""
+    text = json.dumps(graph_to_dict(graph), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _meshplan_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshplan")
+    except PackageNotFoundError:
+        return None
+
+
+def _major_minor(v: str) -> tuple[str, ...]:
+    return tuple(v.split("+")[0].split(".")[:2])
+
+
+def _axes_str(axes: tuple[tuple[str, int], ...]) -> str:
+    return ",".join(f"{a}={n}" for a, n in axes)
 
 
 def layout_str(layout: Layout | None) -> str:

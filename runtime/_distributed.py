@@ -133,6 +133,8 @@ class DistributedStep:
             self._plan = self._plan_arg
         elif self._plan_arg is not None:
             self._plan = Plan.load(self._plan_arg)
+        if self._plan is not None:     # a saved plan: for this step, this mesh, this torch?
+            self._plan.check_compatible(graph=self._traced.graph, mesh=self.mesh)
         else:
             self._plan = plan_graph(self._traced.graph, self.mesh, topology=self.topology,
                                     strategy=self.strategy,

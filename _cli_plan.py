@@ -1,0 +1,210 @@
+"""``meshplan plan show|explain|diff``: reading, explaining and comparing saved plans."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from ._errors import PlanError
+
+
+def add_plan_commands(sub: argparse._SubParsersAction) -> None:
+    """Register the ``plan`` command group."""
+    p = sub.add_parser("plan", help="read, explain and compare saved plans")
+    ps = p.add_subparsers(dest="plan_command", required=True)
+
+    show = ps.add_parser("show", help="placements per layer, collectives, time, memory, solver")
+    show.add_argument("plan", help="a .plan file from `meshplan compile`")
+    out = show.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="the documented plan-report schema")
+    out.add_argument("--html", metavar="OUT.html", help="write one self-contained offline page")
+    show.set_defaults(func=cmd_plan_show)
+
+    ex = ps.add_parser("explain", help="why a node runs with its layout, and its alternatives")
+    ex.add_argument("plan")
+    ex.add_argument("--node", required=True, help="node name (see `plan show --json`)")
+    ex.add_argument("--json", action="store_true")
+    ex.set_defaults(func=cmd_plan_explain)
+
+    d = ps.add_parser("diff", help="what changed between two plans")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_plan_diff)
+
+
+def _load(path: str) -> Any:
+    from .planner import Plan
+
+    return Plan.load(path)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _ms(s: float | None) -> str:
+    if s is None:
+        return "impossible"
+    return f"{s * 1e3:.4f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def _table(title: str, cols: tuple[str, ...], rows: list[tuple], right: tuple[str, ...] = ()) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in cols:
+        t.add_column(c, justify="right" if c in right else "left")
+    for r in rows:
+        t.add_row(*(str(x) for x in r))
+    return t
+
+
+# ---- show ----------------------------------------------------------------------------------------
+
+def cmd_plan_show(args: argparse.Namespace) -> int:
+    from .planner import plan_report, render_html
+
+    plan = _load(args.plan)
+    if args.html:
+        folder = os.path.dirname(os.path.abspath(args.html))
+        if not os.path.isdir(folder):
+            raise PlanError(f"--html {args.html}: folder {folder} does not exist; create it first")
+        from .ir import atomic_write_text
+
+        atomic_write_text(args.html, render_html(plan))
+        _console().print(f"wrote {args.html}")
+        return 0
+    rep = plan_report(plan)
+    if args.json:
+        print(json.dumps(rep, indent=2, allow_nan=False))
+        return 0
+    print_report(rep)
+    return 0
+
+
+def print_report(rep: dict[str, Any], console: Any = None) -> None:
+    from .planner._summary import format_bytes as fb
+
+    con = console or _console()
+    mesh = ",".join(f"{a}={n}" for a, n in rep["mesh"]["axes"])
+    con.print(f"[bold]plan \\[{rep['strategy']}][/bold] for {rep['graph']} on mesh {mesh} "
+              f"({rep['mesh']['topology']}, {rep['mesh']['world_size']} ranks)")
+    con.print(f"  estimated step time {_ms(rep['estimated_step_time_s'])} (compute "
+              f"{_ms(rep['compute_time_s'])}, communication {_ms(rep['comm_time_s'])})")
+    con.print(f"  peak memory per rank {fb(rep['peak_memory_bytes'])} of "
+              f"{fb(rep['memory_limit_bytes'])}: {'fits' if rep['fits'] else 'DOES NOT FIT'}")
+    names = ", ".join(rep["mesh"]["names"])
+    con.print(_table(f"placements per layer ({names})", ("layer", "nodes", "compute", "parameters"),
+                     [(l["layer"], l["nodes"], _ms(l["compute_s"]),
+                       "; ".join(f"{k} {' | '.join(v)}" for k, v in l["params"].items()) or "-")
+                      for l in rep["layers"]], right=("nodes", "compute")))
+    if rep["collectives"]:
+        con.print(_table("collectives per step", ("value", "consumer", "src", "dst",
+                                                  "collective", "axis", "bytes", "time"),
+                         [(c["value"], c["consumer"], c["src"], c["dst"],
+                           " + ".join(s[0] for s in c["steps"]),
+                           " + ".join(s[1] for s in c["steps"]),
+                           " + ".join(fb(s[2]) for s in c["steps"]),
+                           _ms(c["time_s"]) + (f" x{c['count']}" if c["count"] > 1 else ""))
+                          for c in rep["collectives"]], right=("bytes", "time")))
+    else:
+        con.print("  no communication")
+    m = rep["memory"]
+    con.print(_table("memory per rank at the peak (every rank holds the same)",
+                     ("parameters", "gradients", "optimizer state", "buffers", "activations",
+                      "peak", "limit"),
+                     [tuple(fb(m[k]) for k in ("parameters_bytes", "gradients_bytes",
+                                               "optimizer_state_bytes", "buffers_bytes",
+                                               "activations_bytes", "peak_bytes",
+                                               "limit_bytes"))]))
+    if rep["fallbacks"]:
+        con.print(f"  ops without a sharding rule (run replicated): {', '.join(rep['fallbacks'])}")
+    else:
+        con.print("  fallbacks: none (every op has a sharding rule)")
+    st = rep["solver"]
+    if st:
+        con.print("  solver: " + ", ".join(
+            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
+
+
+# ---- explain -------------------------------------------------------------------------------------
+
+def cmd_plan_explain(args: argparse.Namespace) -> int:
+    from .planner import explain
+
+    ex = explain(_load(args.plan), args.node)
+    if args.json:
+        print(json.dumps(ex, indent=2, allow_nan=False))
+        return 0
+    con = _console()
+    con.print(f"[bold]{ex['node']}[/bold] ({ex['target']}, {ex['phase']}"
+              f"{', ' + ex['module'] if ex['module'] else ''}) at {ex['source'] or '?'}")
+    con.print(f"  {ex['why']}")
+    rows = [("*" if r["chosen"] else "", " ".join(r["inputs"]) or "-", " ".join(r["outputs"]),
+             _ms(r["compute_s"] + r["folded_comm_s"]), _ms(r["input_reshard_s"]),
+             _ms(r["output_reshard_s"]), _ms(r["total_s"]), r["output_bytes_per_rank"])
+            for r in ex["alternatives"]]
+    con.print(_table("choices (priced holding every other node at its chosen layout)",
+                     ("", "inputs", "outputs", "compute", "in reshard", "out reshard", "total",
+                      "out bytes/rank"), rows,
+                     right=("compute", "in reshard", "out reshard", "total", "out bytes/rank")))
+    others = [r for r in ex["alternatives"] if not r["chosen"]]
+    for label, r in (("chosen", ex["chosen"]), ("next", others[0] if others else None)):
+        if r is None:
+            continue
+        con.print(f"  layout changes of the {label} choice {' '.join(r['outputs'])}:")
+        for e in r["reshards"] or [{"direction": "", "value": "none", "other": "", "src": "",
+                                    "dst": "", "steps": [], "time_s": 0.0}]:
+            steps = " + ".join(f"{k} on {ax} {b} B" for k, ax, b in e["steps"] or [])
+            con.print(f"    {e['direction']} {e['value']} -> {e['other']} {e['src']} -> "
+                      f"{e['dst']}: {steps or '-'} ({_ms(e['time_s'])})")
+    return 0
+
+
+# ---- diff ----------------------------------------------------------------------------------------
+
+def cmd_plan_diff(args: argparse.Namespace) -> int:
+    from .planner import diff
+    from .planner._summary import format_bytes as fb
+
+    d = diff(_load(args.a), _load(args.b))
+    if args.json:
+        print(json.dumps(d, indent=2, allow_nan=False))
+        return 0
+    con = _console()
+    if d["identical"]:
+        con.print("plans are identical in placements, collectives, time and memory")
+        return 0
+    for key in ("mesh", "strategy"):
+        if d[key]:
+            con.print(f"  {key}: {d[key]['before']} -> {d[key]['after']}")
+    for key, label in (("estimated_step_time_s", "step time"), ("compute_time_s", "compute"),
+                       ("comm_time_s", "communication")):
+        v = d[key]
+        con.print(f"  {label}: {_ms(v['a'])} -> {_ms(v['b'])} ({v['delta'] * 1e3:+.4f} ms)")
+    v = d["peak_memory_bytes"]
+    sign = "+" if v["delta"] >= 0 else "-"
+    con.print(f"  peak memory: {fb(v['a'])} -> {fb(v['b'])} ({sign}{fb(abs(v['delta']))})")
+    if d["placements"]:
+        con.print(_table(f"{len(d['placements'])} placements changed", ("node", "op", "before",
+                                                                       "after"),
+                         [(p["node"], p["target"], ", ".join(p["before"]), ", ".join(p["after"]))
+                          for p in d["placements"]]))
+    for key, label in (("collectives_only_in_a", "only in A"), ("collectives_only_in_b",
+                                                                "only in B")):
+        if d[key]:
+            con.print(_table(f"collectives {label}", ("value", "consumer", "src", "dst", "steps",
+                                                      "time"),
+                             [(c["value"], c["consumer"], c["src"], c["dst"],
+                               " + ".join(f"{k}/{ax} {fb(b)}" for k, ax, b in c["steps"]),
+                               _ms(c["time_s"])) for c in d[key]]))
+    for key in ("nodes_only_in_a", "nodes_only_in_b"):
+        if d[key]:
+            con.print(f"  {key.replace('_', ' ')}: {', '.join(d[key][:20])}"
+                      + (" ..." if len(d[key]) > 20 else ""))
+    return 0

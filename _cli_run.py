@@ -1,0 +1,334 @@
+"""``meshplan compile`` and ``meshplan run``: plans made ahead of time, run later.
+
+A step's file follows the conventions of ``examples/gpt_distributed.py``: ``NAME`` is a
+``meshplan.distribute``-decorated step (or a plain step) whose ``example_inputs`` (a tuple or a
+zero-argument callable; else the module's ``example_inputs``) gives the shapes to compile for,
+and ``batches()`` returns an iterator of argument tuples, one per step, for ``run``.
+
+Every failure is one line on stderr and exit status 1; ``--debug`` also prints the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import json
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from ._errors import MeshplanError, PlanError, RuntimeFailure, TraceError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def add_run_commands(sub: argparse._SubParsersAction) -> None:
+    """Register ``compile`` and ``run``."""
+    c = sub.add_parser("compile", help="trace and plan FILE.py:STEP ahead of time; write the plan")
+    c.add_argument("target", help="FILE.py:NAME of the (meshplan.distribute-decorated) step")
+    c.add_argument("--mesh", help="AXIS=SIZE,... e.g. dp=2,tp=2 (default: the decorator's)")
+    c.add_argument("--topology", help="cpu, h100, or a file from `meshplan calibrate`")
+    c.add_argument("--strategy", help="auto (default), dp, fsdp or megatron_tp")
+    c.add_argument("--memory-limit", help="per-device memory, e.g. 70GB or 512MiB")
+    c.add_argument("--example", help="MOD:FN (or FILE.py:FN) returning the example inputs")
+    c.add_argument("--out", "-o", required=True, help="where to write the plan (atomically)")
+    c.add_argument("--json", action="store_true", help="print a JSON summary")
+    c.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    c.set_defaults(func=_guarded(cmd_compile))
+
+    r = sub.add_parser("run", help="run FILE.py:STEP with a saved plan on local processes")
+    r.add_argument("target", help="FILE.py:NAME of the step the plan was compiled from")
+    r.add_argument("--plan", required=True, help="a plan written by `meshplan compile`")
+    r.add_argument("--steps", type=int, default=1, help="how many steps to run")
+    r.add_argument("--mesh", help="the mesh to run on (checked against the plan's)")
+    r.add_argument("--launcher", default="local", help="local (others are not available yet)")
+    r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
+                   "tuples (default: the file's batches())")
+    r.add_argument("--json", action="store_true", help="print one JSON line per step")
+    r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    r.set_defaults(func=_guarded(cmd_run))
+
+
+def _guarded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Any failure -> one stderr line and exit status 1 (plus the traceback with --debug)."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return cmd(args)
+        except Exception as e:   # noqa: BLE001 - the CLI's one line, whatever failed
+            if args.debug:
+                traceback.print_exc(file=sys.stderr)
+            text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            print(f"{type(e).__name__}: {text}", file=sys.stderr, flush=True)
+            return 1
+    run.__name__ = cmd.__name__
+    return run
+
+
+# ---- compile ---------------------------------------------------------------------------------
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    import meshplan
+
+    from .planner import parse_mesh, plan_graph
+
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    limit = parse_size(args.memory_limit) if args.memory_limit else None
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise PlanError(f"-o {args.out}: folder {out_dir} does not exist; create it first")
+    with _stages() as stage:
+        stage(f"importing {args.target}")
+        module, fn, name = _load_step(args.target)
+        example = _example_inputs(module, fn, name, args.example)
+        step = _unwrap(fn)
+        if mesh is None:
+            if not isinstance(fn, meshplan.DistributedStep):
+                raise PlanError(f"{args.target} is not decorated with meshplan.distribute; "
+                                "pass --mesh AXIS=SIZE,... (e.g. --mesh dp=2)")
+            mesh = dict(fn.mesh)
+        opts = _decorator_options(fn)
+        stage("tracing")
+        traced = meshplan.trace(step, *example)
+        stage(f"planning on mesh {_mesh_str(mesh)} (rules, solve)")
+        with _quiet_stdout():                         # HiGHS prints its banner on fd 1
+            plan = plan_graph(traced.graph, mesh, topology=args.topology or opts["topology"],
+                              strategy=args.strategy or opts["strategy"],
+                              memory_limit_bytes=limit or opts["memory_limit_bytes"])
+        stage(f"writing {args.out}")
+        plan.save(args.out)
+    summary = {"path": os.path.abspath(args.out), "mesh": dict(plan.mesh.axes),
+               "strategy": plan.strategy, "estimated_step_time_s": plan.estimated_step_time_s,
+               "peak_memory_bytes": plan.peak_memory_bytes, "fits": plan.fits,
+               "graph_hash": plan.graph_hash}
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        _console().print(f"compiled {name} for mesh {plan.mesh} ({plan.strategy}): "
+                         f"{plan.estimated_step_time_s * 1e3:.3f} ms/step estimated, peak "
+                         f"{plan.peak_memory_bytes / 2**20:.2f} MiB/device, fits={plan.fits} "
+                         f"-> {args.out}")
+    return 0
+
+
+def parse_size(text: str) -> int:
+    """``70GB`` -> 70e9 bytes, ``512MiB`` -> 512 * 2**20, ``1000`` -> 1000."""
+    m = _SIZE.match(text)
+    if not m:
+        raise PlanError(f"--memory-limit {text!r}: expected a size such as 70GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+# ---- run -------------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import meshplan
+
+    from .planner import Plan, parse_mesh
+
+    if args.launcher != "local":
+        raise RuntimeFailure(f"launcher {args.launcher!r} is not available yet; use "
+                             "--launcher local")
+    if args.steps < 1:
+        raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
+    plan = Plan.load(args.plan)                       # truncated, tampered, foreign: PlanError
+    module, fn, name = _load_step(args.target)
+    if args.mesh:
+        mesh = parse_mesh(args.mesh)
+    elif isinstance(fn, meshplan.DistributedStep):
+        mesh = dict(fn.mesh)
+    else:
+        mesh = dict(plan.mesh.axes)
+    plan.check_compatible(mesh=mesh)                  # before tracing: the cheap checks first
+    data = _data(module, args.target, args.data)
+    example = _example_inputs(module, fn, name, None)
+    step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
+                               timeout_s=_decorator_options(fn)["timeout_s"])
+    table = None if args.json else _LossTable(name, plan)
+    done = 0
+    with step:
+        _ = step.plan                                 # traces; checks graph, mesh and torch
+        for i, batch in enumerate(itertools.islice(data, args.steps)):
+            loss = step(*(batch if isinstance(batch, (tuple, list)) else (batch,)))
+            value = _loss_value(loss)
+            if table is None:
+                print(json.dumps({"step": i, "loss": value}), flush=True)
+            else:
+                table.add(i, value)
+            done = i + 1
+    if table is not None:
+        table.show()
+    if done < args.steps:
+        raise RuntimeFailure(f"the data ran out after {done} of {args.steps} steps; pass "
+                             "fewer --steps or a longer batches()")
+    return 0
+
+
+def _loss_value(result: Any) -> float:
+    """The step's loss: its result, or the first item of a tuple/list, or ``result["loss"]``."""
+    if isinstance(result, dict):
+        result = result.get("loss", next(iter(result.values()), float("nan")))
+    elif isinstance(result, (tuple, list)) and result:
+        result = result[0]
+    if hasattr(result, "detach"):
+        return float(result.detach().reshape(-1)[0])
+    return float(result)
+
+
+class _LossTable:
+    def __init__(self, name: str, plan: Any) -> None:
+        from rich.table import Table
+
+        self.table = Table(title=f"{name} on mesh {plan.mesh} ({plan.strategy} plan)")
+        self.table.add_column("step", justify="right")
+        self.table.add_column("loss", justify="right")
+
+    def add(self, step: int, loss: Any) -> None:
+        self.table.add_row(str(step), f"{loss:.6f}")
+
+    def show(self) -> None:
+        _console().print(self.table)
+
+
+def _data(module: ModuleType, target: str, spec: str | None) -> Iterator[Any]:
+    if spec:
+        fn = _load_callable(spec, "--data")
+    else:
+        fn = getattr(module, "batches", None)
+        if not callable(fn):
+            raise TraceError(f"{target.rpartition(':')[0]} has no batches() function; define "
+                             "one returning an iterator of argument tuples, or pass --data MOD:FN")
+    return iter(fn())
+
+
+# ---- loading the user's code -----------------------------------------------------------------
+
+def _load_step(spec: str) -> tuple[ModuleType, Callable[..., Any], str]:
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path.endswith(".py") or not name:
+        raise TraceError(f"target {spec!r} is not of the form FILE.py:NAME "
+                         "(e.g. examples/gpt_distributed.py:train_step)")
+    module = _import_file(path)
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        raise TraceError(f"{path} has no function {name!r}")
+    return module, fn, name
+
+
+def _import_file(path: str) -> ModuleType:
+    if not os.path.isfile(path):
+        raise TraceError(f"file {path!r} does not exist")
+    folder = os.path.dirname(os.path.abspath(path))
+    mod_name = f"_meshplan_user_{abs(hash(os.path.abspath(path)))}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, folder)
+    try:
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    except MeshplanError:
+        raise
+    except Exception as e:
+        raise TraceError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+def _load_callable(spec: str, flag: str) -> Callable[..., Any]:
+    mod, sep, fn_name = spec.rpartition(":")
+    if not sep or not mod or not fn_name:
+        raise TraceError(f"{flag} {spec!r} is not of the form MOD:FN or FILE.py:FN")
+    if mod.endswith(".py"):
+        module = _import_file(mod)
+    else:
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as e:
+            raise TraceError(f"{flag} {spec!r}: cannot import {mod!r} ({e})") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise TraceError(f"{flag} {spec!r}: {mod} has no function {fn_name!r}")
+    return fn
+
+
+def _example_inputs(module: ModuleType, fn: Any, name: str, spec: str | None) -> tuple:
+    ex = _load_callable(spec, "--example") if spec else getattr(fn, "example_inputs", None)
+    if ex is None:
+        ex = getattr(module, "example_inputs", None)
+    if callable(ex):
+        ex = ex()
+    if ex is None:
+        raise TraceError(f"{name} has no example inputs; pass example_inputs= to "
+                         "meshplan.distribute, set a module-level `example_inputs`, or pass "
+                         "--example MOD:FN")
+    return tuple(ex) if isinstance(ex, (tuple, list)) else (ex,)
+
+
+def _unwrap(fn: Any) -> Callable[..., Any]:
+    import meshplan
+
+    return fn.fn if isinstance(fn, meshplan.DistributedStep) else fn
+
+
+def _decorator_options(fn: Any) -> dict[str, Any]:
+    import meshplan
+
+    if isinstance(fn, meshplan.DistributedStep):
+        return {"topology": fn.topology, "strategy": fn.strategy,
+                "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s}
+    return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0}
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True, stderr=stderr, log_path=False)
+
+
+@contextlib.contextmanager
+def _stages() -> Iterator[Callable[[str], None]]:
+    """``stage("tracing")`` shows the current stage as a spinner on stderr when it is a
+    terminal; otherwise nothing (scripts read stderr for the one error line)."""
+    if not sys.stderr.isatty():
+        yield lambda text: None
+        return
+    console = _console(stderr=True)
+    with console.status("starting") as status:
+        def stage(text: str) -> None:
+            status.update(f"{text} ...")
+            console.log(text)
+
+        yield stage
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Silence file descriptor 1 (native libraries' banners) so stdout stays parseable."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _mesh_str(mesh: dict[str, int]) -> str:
+    return ",".join(f"{a}={n}" for a, n in mesh.items())
