@@ -7,7 +7,9 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
 * ``format``, ``version``; ``graph``: the traced step's name;
 * ``mesh``: ``{"axes": [[name, size], ...], "sizes", "names", "world_size", "topology"}``
   (``topology`` is the topology's name); ``topology``: the full topology dict;
-* ``strategy``; ``estimated_step_time_s`` = ``compute_time_s`` + ``comm_time_s``;
+* ``strategy``; ``graph_hash`` (sha256 of the planned graph), ``torch_version``,
+  ``meshplan_version`` (what compiled it; null in plans saved before these were recorded);
+  ``estimated_step_time_s`` = ``compute_time_s`` + ``comm_time_s``;
   ``peak_memory_bytes``, ``memory_limit_bytes``, ``fits``;
 * ``memory``: per rank at the peak: ``parameters_bytes``, ``gradients_bytes`` (persistent
   ``.grad`` inputs; gradients made inside the step count as activations),
@@ -58,6 +60,9 @@ def plan_report(plan: Plan) -> dict[str, Any]:
                  "topology": mesh.topology.name},
         "topology": mesh.topology.to_dict(),
         "strategy": plan.strategy,
+        "graph_hash": plan.graph_hash,
+        "torch_version": plan.torch_version,
+        "meshplan_version": plan.meshplan_version,
         "estimated_step_time_s": plan.estimated_step_time_s,
         "compute_time_s": plan.compute_time_s,
         "comm_time_s": plan.comm_time_s,

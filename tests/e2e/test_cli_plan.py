@@ -229,6 +229,8 @@ def _stable(rep: dict) -> dict:
     absolute path of the source files."""
     rep = dict(rep)
     rep["solver"] = {k: v for k, v in rep["solver"].items() if not k.endswith("_s")}
+    for key in ("graph_hash", "torch_version", "meshplan_version"):   # machine / install
+        rep.pop(key, None)
     rep["nodes"] = [dict(n, source=n["source"] and Path(n["source"]).name) for n in rep["nodes"]]
     return rep
 
