@@ -16,15 +16,17 @@ Baselines time each step on every rank after a barrier and keep the slowest rank
 timed around each call on the controller (split the batch, ZeroMQ round trip, gather the loss);
 a worker plugin loaded by this file times the ``step`` handler inside every worker, so the
 controller's overhead per step is the call minus the slowest rank's in-worker step. meshplan's
-first call (on the controller: it creates the optimizer state) and the second (worker launch +
-first mesh step) are reported apart and not in the medians. Peak memory is each rank's peak
-RSS (``VmHWM``; see ``_rss_kib`` for why not ``ru_maxrss``), not an allocator peak; ``+MiB`` is
-its growth over the RSS the rank had before it built the model (meshplan: before setup).
+trace + plan (``step.plan``), its first call (worker launch + first mesh step; on a runtime
+that takes the first step on the controller, that step) and its second call (then the launch)
+are reported apart and not in the medians. Peak memory is each rank's peak RSS (``VmHWM``; see
+``_rss_kib`` for why not ``ru_maxrss``), not an allocator peak; ``+MiB`` is its growth over the
+RSS the rank had before it built the model (meshplan: before setup).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import resource
 import socket
@@ -34,7 +36,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import meshplan
@@ -50,6 +52,7 @@ CLIP = 1.0
 SEED = 0
 STRATEGIES = ("dp", "auto", "fsdp")
 BASELINES = ("ddp", "fsdp2")
+TIMEOUT_S = 180.0           # per variant; a rank that takes longer is stopped and reported
 
 _PLUGIN = "meshplan.benchmarks.step_time"     # this file, as a meshplan worker plugin
 _TIMER = "bench_step"                          # the kind of the record the plugin adds
@@ -67,9 +70,11 @@ class Result:
     collectives: str = ""               # per step on rank 0 (meshplan; DDP: its buckets)
     rss_kib: tuple[int, ...] = ()       # peak RSS per rank
     base_kib: tuple[int, ...] = ()      # RSS per rank before the model was built
-    first_s: float | None = None        # meshplan: first call (trace, plan, controller step)
-    launch_s: float | None = None       # meshplan: second call (launch + first mesh step)
+    plan_s: float | None = None         # meshplan: trace + plan
+    first_s: float | None = None        # meshplan: first call (launch + first step)
+    second_s: float | None = None       # meshplan: second call
     loss: float | None = None           # loss of the last step (global batch)
+    load: float | None = None           # the machine's 1-minute load average after the run
     error: str | None = None
 
 
@@ -140,6 +145,7 @@ def _baseline_rank(rank: int, kind: str, n: int, port: int, threads: int, skip: 
                    steps: int, out: Any) -> None:
     """One rank of a baseline (spawned); puts its times and RSS on ``out``."""
     import torch.distributed as dist
+    faulthandler.dump_traceback_later(TIMEOUT_S - 5)     # say where a hung rank is stuck
     base = _rss_kib("VmRSS")
     torch.set_num_threads(threads)
     if n > 1:
@@ -178,7 +184,13 @@ def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
     q = mp.get_context("spawn").SimpleQueue()
     args = (kind, n, _free_port(), 1 if kind == "eager" else _threads(n), skip, steps, q)
     try:
-        mp.spawn(_baseline_rank, args=args, nprocs=n, join=True)
+        ctx = mp.spawn(_baseline_rank, args=args, nprocs=n, join=False)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:     # our own children; their stacks are on stderr
+                    proc.kill()
+                return Result(variant=kind, ranks=n, error=f"timed out after {TIMEOUT_S:.0f} s")
     except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
         return Result(variant=kind, ranks=n, error=_error_line(exc))
     reps = sorted((q.get() for _ in range(n)), key=lambda r: r["rank"])
@@ -194,7 +206,10 @@ def _install_worker_timer() -> None:
     """In a meshplan worker: wrap the ``step`` handler to time itself; the time and the rank's
     RSS travel back as one extra record in the reply's ``comm`` list (``step.last_comm``)."""
     from meshplan.runtime import _worker
-    inner, base = _worker._HANDLERS["step"], _rss_kib("VmRSS")
+    handlers = getattr(_worker, "_HANDLERS", {})
+    if "step" not in handlers:      # the runtime changed: run untimed rather than fail
+        return
+    inner, base = handlers["step"], _rss_kib("VmRSS")
 
     def timed(state: Any, header: dict[str, Any], tensors: list[Tensor]) -> Any:
         t0 = time.perf_counter()
@@ -203,7 +218,7 @@ def _install_worker_timer() -> None:
                "rss": _rss_kib(), "base": base}
         return {**reply, "comm": [*reply.get("comm", []), rec]}, out
 
-    _worker._HANDLERS["step"] = timed
+    handlers["step"] = timed
 
 
 @contextmanager
@@ -250,46 +265,57 @@ def _timed_call(step: Any, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, float]
 def run_meshplan(strategy: str, n: int, warmup: int, steps: int) -> Result:
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
     batches = _batches(2 + warmup + steps)
-    step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu")
-    calls, workers, comm, timers, comms = [], [], [], [], []
+    step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",
+                               example_inputs=batches[0], timeout_s=TIMEOUT_S)
+    name = f"meshplan {strategy}"
     try:
         with _meshplan_env(_threads(n)), step:
-            _, first_s = _timed_call(step, batches[0])
-            _, launch_s = _timed_call(step, batches[1])
-            for i, b in enumerate(batches[2:]):
-                loss, dt = _timed_call(step, b)
-                if i < warmup:
-                    continue
-                timers, comms = _split_records(step.last_comm)
-                calls.append(dt)
-                if all(timers):
-                    workers.append(max(t["dur_s"] for t in timers))
-                comm.append(max(sum(r["dur_s"] for r in c) for c in comms))
+            t0 = time.perf_counter()
+            _ = step.plan                                  # trace + plan; changes no state
+            plan_s = time.perf_counter() - t0
+            first_s = _timed_call(step, batches[0])[1]
+            second_s = _timed_call(step, batches[1])[1]
+            r = _mesh_steps(step, batches[2:], warmup, Result(variant=name, ranks=n))
     except meshplan.MeshplanError as exc:
-        return Result(variant=f"meshplan {strategy}", ranks=n, error=_error_line(exc))
-    return Result(variant=f"meshplan {strategy}", ranks=n, step_s=tuple(calls),
-                  worker_s=tuple(workers), comm_s=tuple(comm),
-                  collectives=_summary(comms[0] if comms else []),
-                  rss_kib=tuple(t["rss"] for t in timers if t),
-                  base_kib=tuple(t["base"] for t in timers if t),
-                  first_s=first_s, launch_s=launch_s, loss=float(loss))
+        return Result(variant=name, ranks=n, error=_error_line(exc))
+    return replace(r, plan_s=plan_s, first_s=first_s, second_s=second_s)
+
+
+def _mesh_steps(step: Any, batches: Sequence[tuple[Tensor, Tensor]], warmup: int,
+                r: Result) -> Result:
+    """Run the steps; time those after ``warmup``; worker times and RSS from the plugin."""
+    calls, workers, comm, timers, comms = [], [], [], [], []
+    for i, b in enumerate(batches):
+        loss, dt = _timed_call(step, b)
+        if i < warmup:
+            continue
+        timers, comms = _split_records(step.last_comm)
+        calls.append(dt)
+        if all(timers):
+            workers.append(max(t["dur_s"] for t in timers))
+        comm.append(max(sum(rec["dur_s"] for rec in c) for c in comms))
+    return replace(r, step_s=tuple(calls), worker_s=tuple(workers), comm_s=tuple(comm),
+                   collectives=_summary(comms[0] if comms else []),
+                   rss_kib=tuple(t["rss"] for t in timers if t),
+                   base_kib=tuple(t["base"] for t in timers if t), loss=float(loss))
 
 
 # ---- the run and its tables ----------------------------------------------------------------
 
 def run(ranks: Sequence[int], warmup: int, steps: int) -> list[Result]:
     skip = 2 + warmup       # baselines skip as many steps as meshplan does (same batches)
-    out = [run_baseline("eager", 1, skip, steps)]
-    _progress(out[-1])
     for n in ranks:
         if CONFIG.batch_size % n:
-            raise SystemExit(f"--ranks {n}: the global batch {CONFIG.batch_size} must divide")
-        for kind in BASELINES:
-            out.append(run_baseline(kind, n, skip, steps))
-            _progress(out[-1])
-        for strategy in STRATEGIES:
-            out.append(run_meshplan(strategy, n, warmup, steps))
-            _progress(out[-1])
+            raise SystemExit(f"--ranks {n}: the global batch of {CONFIG.batch_size} does not "
+                             "split evenly; use a divisor of it")
+    todo = [lambda: run_baseline("eager", 1, skip, steps)]
+    for n in ranks:
+        todo += [lambda n=n, k=k: run_baseline(k, n, skip, steps) for k in BASELINES]
+        todo += [lambda n=n, s=s: run_meshplan(s, n, warmup, steps) for s in STRATEGIES]
+    out = []
+    for job in todo:
+        out.append(replace(job(), load=os.getloadavg()[0]))
+        _progress(out[-1])
     return out
 
 
@@ -308,7 +334,7 @@ def _mib(kib: int) -> str:
 
 def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
     if r.error:
-        return [str(r.ranks), r.variant, f"failed: {r.error}", *[""] * 10]
+        return [str(r.ranks), r.variant, f"failed: {r.error}", *[""] * (len(HEAD) - 3)]
     ref = ddp.get(r.ranks)
     ratio = (f"{statistics.median(r.step_s) / statistics.median(ref.step_s):.2f}"
              if ref and ref.step_s and r.step_s else "-")
@@ -318,20 +344,20 @@ def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
     return [str(r.ranks), r.variant, _ms(r.step_s), ratio, _ms(r.worker_s), _ms(over),
             _ms(r.comm_s), r.collectives or "-", "/".join(_mib(k) for k in r.rss_kib) or "-",
             _mib(grow) if grow is not None else "-",
-            f"{r.first_s:.1f}" if r.first_s is not None else "-",
-            f"{r.launch_s:.1f}" if r.launch_s is not None else "-",
-            f"{r.loss:.5f}" if r.loss is not None else "-"]
+            *(f"{x:.1f}" if x is not None else "-" for x in (r.plan_s, r.first_s, r.second_s)),
+            f"{r.loss:.5f}" if r.loss is not None else "-",
+            f"{r.load:.1f}" if r.load is not None else "-"]
 
 
 HEAD = ("ranks", "variant", "step ms", "x DDP", "worker ms", "overhead ms", "comm ms",
-        "collectives/step (rank 0)", "peak RSS MiB/rank", "+MiB", "first call s", "launch s",
-        "last loss")
+        "collectives/step (rank 0)", "peak RSS MiB/rank", "+MiB", "trace+plan s", "1st call s",
+        "2nd call s", "last loss", "load")
 
 
 def markdown(results: Sequence[Result]) -> str:
     ddp = {r.ranks: r for r in results if r.variant == "ddp" and not r.error}
     lines = ["| " + " | ".join(HEAD) + " |",
-             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += ["| " + " | ".join(_cells(r, ddp)) + " |" for r in results]
     return "\n".join(lines)
 
