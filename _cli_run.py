@@ -216,14 +216,16 @@ def _load_step(spec: str) -> tuple[ModuleType, Callable[..., Any], str]:
     if not sep or not path.endswith(".py") or not name:
         raise TraceError(f"target {spec!r} is not of the form FILE.py:NAME "
                          "(e.g. examples/gpt_distributed.py:train_step)")
-    module = _import_file(path)
+    module = import_file(path)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise TraceError(f"{path} has no function {name!r}")
     return module, fn, name
 
 
-def _import_file(path: str) -> ModuleType:
+def import_file(path: str) -> ModuleType:
+    """Import a user's ``FILE.py`` (its folder on ``sys.path`` while it runs) once per
+    process; an import that fails becomes one TraceError."""
     if not os.path.isfile(path):
         raise TraceError(f"file {path!r} does not exist")
     folder = os.path.dirname(os.path.abspath(path))
@@ -251,7 +253,7 @@ def _load_callable(spec: str, flag: str) -> Callable[..., Any]:
     if not sep or not mod or not fn_name:
         raise TraceError(f"{flag} {spec!r} is not of the form MOD:FN or FILE.py:FN")
     if mod.endswith(".py"):
-        module = _import_file(mod)
+        module = import_file(mod)
     else:
         try:
             module = importlib.import_module(mod)

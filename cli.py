@@ -4,7 +4,6 @@ error line (what, where, how to fix) and exits non-zero instead of a traceback."
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -31,19 +30,8 @@ def load_target(spec: str) -> tuple[Callable[..., Any], tuple]:
                          "(e.g. examples/gpt.py:train_step)")
     if not os.path.isfile(path):
         raise TraceError(f"target file {path!r} does not exist")
-    folder = os.path.dirname(os.path.abspath(path))
-    mod_name = f"_meshplan_user_{abs(hash(os.path.abspath(path)))}"
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, folder)
-    try:
-        sys.modules[mod_name] = module
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise TraceError(f"importing {path} failed: {type(e).__name__}: {e}") from e
-    finally:
-        sys.path.remove(folder)
+    from ._cli_run import import_file
+    module = import_file(path)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise TraceError(f"{path} has no function {name!r}")
