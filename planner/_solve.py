@@ -39,6 +39,7 @@ GIB = float(2**30)
 DIVE_GAP = 0.01      # a dive within 1% of the LP bound is accepted without branch and bound
 COST_SCALE = 1e6     # the LP's objective is in microseconds: well scaled for HiGHS's tolerances
 PRICE_EPS = 1e-6     # reduced cost (microseconds) below which a priced-out column enters
+PRICE_BATCH = 1000   # at most this many columns enter per round (8B: 15 s -> 11 s)
 
 
 class _Model:
@@ -134,7 +135,10 @@ class _Model:
                 enter = out                            # infeasible without them: all in
             else:
                 reduced = np.asarray(h.getSolution().col_dual)[out]
-                enter = out[reduced < -PRICE_EPS]
+                neg = np.flatnonzero(reduced < -PRICE_EPS)
+                if len(neg) > PRICE_BATCH:      # partial pricing: the most negative first
+                    neg = neg[np.argsort(reduced[neg])[:PRICE_BATCH]]
+                enter = out[neg]
             if not len(enter):
                 return out, rounds
             h.changeColsBounds(len(enter), enter, np.zeros(len(enter)), np.ones(len(enter)))
