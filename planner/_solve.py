@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -190,7 +192,7 @@ class _Model:
                            np.ones(len(cols)))
 
     def _highs(self, time_limit: float, gap: float) -> highspy.Highs:
-        h = highspy.Highs()
+        h = _new_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(time_limit))
         h.setOptionValue("mip_rel_gap", float(gap))
@@ -220,6 +222,28 @@ class _Model:
         if not ok or info.primal_solution_status != 2:
             return [], stats
         return list(h.getSolution().col_value), stats
+
+
+_banner_shown = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A HiGHS instance; the first in a process prints a banner on the C-level stdout, before
+    any option can silence it, which would corrupt ``--json`` output: it goes to /dev/null."""
+    global _banner_shown
+    if _banner_shown:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    _banner_shown = True
+    return h
 
 
 def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
