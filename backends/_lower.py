@@ -24,12 +24,13 @@ import torch
 from torch import Tensor
 
 from .._errors import LoweringError
-from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, last_uses, resolve_op
+from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, last_uses
 from ..ir._interpret import constant_tensor
 from ..ir._ops import resolve
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
+from ..planner._placement import local_shape
 from ..planner.rules import rule_for
-from ._layout import axis_group, local_part, piece, rank_coords
+from ._layout import axis_group, local_part, rank_coords
 
 Value = Any
 
@@ -84,11 +85,6 @@ class Program:
     input_nodes: dict[str, str]           # input node name -> target
     state_out: dict[str, tuple[Ref, Layout]]   # state name -> (new value, its stored layout)
     results: tuple[Ref, ...]
-
-    def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        layout = self.inputs[name]
-        return tuple(s // piece(layout, self.sizes, self.coords, d)[1]
-                     for d, s in enumerate(shape))
 
 
 def lower(plan: Plan, rank: int) -> Program:
@@ -157,11 +153,7 @@ def _compute(graph: Graph, node: Node, ins: tuple[Layout | None, ...],
 def _local(meta: Any, layout: Layout | None, sizes: tuple[int, ...]) -> tuple[int, ...] | None:
     if not isinstance(meta, TensorMeta) or layout is None:
         return None
-    f = [1] * len(meta.shape)
-    for p, n in zip(layout, sizes):
-        if isinstance(p, Shard):
-            f[p.dim] *= n
-    return tuple(s // k for s, k in zip(meta.shape, f))
+    return local_shape(meta.shape, layout, sizes)
 
 
 # ---- redistribution ---------------------------------------------------------------------------
@@ -296,7 +288,7 @@ def _call(ins: Compute, values: list[Any]) -> tuple:
     it = iter(values)
     args = [_fill(a, it) for a in ins.args]
     kwargs = {k: _fill(v, it) for k, v in ins.kwargs}
-    fn = resolve_op(node.target) if node.kind is NodeKind.OP else _host(node)
+    fn = resolve(node)
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
@@ -306,10 +298,6 @@ def _call(ins: Compute, values: list[Any]) -> tuple:
         err.meshplan_where = str(node.source) if node.source else None  # type: ignore[attr-defined]
         raise err from e
     return tuple(_flatten(out))
-
-
-def _host(node: Node) -> Any:
-    return resolve(node)
 
 
 def _fill(a: Any, vals: Iterator[Any]) -> Any:
@@ -332,8 +320,7 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
     """This rank's pieces of whole input tensors (by input name), per the plan's layouts."""
     sizes = plan.mesh.sizes
     coords = rank_coords(rank, sizes)
-    layouts = {p.target: p.outputs[0] for p in plan.placements
-               if plan.graph.node(p.node).kind is NodeKind.INPUT}
+    layouts = plan.input_layouts
     return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
 
 

@@ -8,6 +8,7 @@ files); ``check_compatible`` refuses a plan for another step, torch or mesh.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -100,6 +101,12 @@ class Plan:
                 raise PlanError(f"the step {graph.info.name!r} changed since the plan was "
                                 "compiled (its graph hash differs): recompile with `meshplan "
                                 "compile FILE.py:STEP -o PLAN`")
+
+    @functools.cached_property
+    def input_layouts(self) -> dict[str, Layout]:
+        """Input name (state or data) -> the layout ranks hold it in."""
+        inputs = {n.name for n in self.graph.inputs}
+        return {p.target: p.outputs[0] for p in self.placements if p.node in inputs}
 
     def placement(self, node: str) -> NodePlacement:
         for p in self.placements:

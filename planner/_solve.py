@@ -289,7 +289,7 @@ def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: i
     """The smallest per-rank peak any plan reaches: minimise the largest memory over the
     constrained liveness points, add the exact peak's point, repeat (as ``solve`` does)."""
     points = _memory_points(problem, 6)
-    live = live_ranges(problem)
+    live = problem.live_ranges
     best = None
     for _ in range(max_rounds):
         model, xvar, members, transients = _build(problem, INF, points)
@@ -340,7 +340,7 @@ def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
         model.group(xvar[g])
     transients = _edge_rows(problem, model, xvar, points)
     _result_costs(problem, model, xvar)
-    live = live_ranges(problem)
+    live = problem.live_ranges
     for t in points if memory_limit < INF else ():
         terms = _memory_terms(problem, xvar, t, live, transients)
         # in units of the limit: bytes next to seconds would leave the LP badly scaled
@@ -491,12 +491,6 @@ def _result_costs(problem: Problem, model: _Model, xvar: dict[int, list[int]]) -
 
 # ---- memory --------------------------------------------------------------------------------
 
-def live_ranges(problem: Problem) -> list[tuple[int, int, str, int]]:
-    """(start, end, producer, output index) of every tensor value a rank holds; persistent state
-    lives through the whole step; a state's new value is written in place of the old one."""
-    return problem.live_ranges
-
-
 def _memory_points(problem: Problem, k: int) -> list[int]:
     """Liveness points to constrain: the peaks of the unsharded profile."""
     prof = _profile(problem, lambda name, idx: None)
@@ -522,7 +516,7 @@ def _value_bytes(problem: Problem, name: str, idx: int, layout: Layout | None) -
 def _profile(problem: Problem, layout_of) -> list[float]:  # noqa: ANN001
     n = len(problem.graph.nodes) + 1
     delta = [0.0] * (n + 1)
-    for start, end, name, idx in live_ranges(problem):
+    for start, end, name, idx in problem.live_ranges:
         b = _value_bytes(problem, name, idx, layout_of(name, idx))
         delta[start] += b
         delta[end + 1 if end + 1 <= n else n] -= b

@@ -25,7 +25,7 @@ from .._errors import RuntimeFailure
 from ..backends import assemble, rank_coords, split_inputs
 from ..frontend import trace
 from ..frontend._traced import _pack
-from ..ir import NodeKind, OutputKind, Role
+from ..ir import OutputKind, Role
 from ..planner import Plan, plan_graph
 from ._launch import LocalLauncher, Workers
 
@@ -218,15 +218,11 @@ class DistributedStep:
         workers.broadcast("get_state")
         replies = workers.gather("get_state", self.timeout_s)
         sizes = plan.mesh.sizes
-        layouts = {p.target: p.outputs[0] for p in plan.placements
-                   if plan.graph.node(p.node).kind is NodeKind.INPUT}
-        out = {}
-        for name in replies[0].header["names"]:
-            parts = {}
-            for rank, msg in enumerate(replies):
-                parts[rank_coords(rank, sizes)] = dict(zip(msg.header["names"], msg.tensors))[name]
-            out[name] = assemble(parts, layouts[name], sizes)
-        return out
+        pieces = [(rank_coords(rank, sizes), dict(zip(msg.header["names"], msg.tensors)))
+                  for rank, msg in enumerate(replies)]
+        return {name: assemble({c: held[name] for c, held in pieces},
+                               plan.input_layouts[name], sizes)
+                for name in replies[0].header["names"]}
 
     def _write_local(self, values: Mapping[str, torch.Tensor]) -> None:
         traced = self._traced
