@@ -87,8 +87,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise PlanError(f"-o {args.out}: folder {out_dir} does not exist; create it first")
     with _stages() as stage:
         stage(f"importing {args.target}")
-        module, fn, name = _load_step(args.target)
-        example = _example_inputs(module, fn, name, args.example)
+        module, fn, name = load_step(args.target)
+        example = example_inputs(module, fn, name, args.example)
         step = _unwrap(fn)
         if mesh is None:
             if not isinstance(fn, meshplan.DistributedStep):
@@ -140,7 +140,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
     plan = Plan.load(args.plan)                       # truncated, tampered, foreign: PlanError
-    module, fn, name = _load_step(args.target)
+    module, fn, name = load_step(args.target)
     if args.mesh:
         mesh = parse_mesh(args.mesh)
     elif isinstance(fn, meshplan.DistributedStep):
@@ -149,7 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         mesh = dict(plan.mesh.axes)
     plan.check_compatible(mesh=mesh)                  # before tracing: the cheap checks first
     data = _data(module, args.target, args.data)
-    example = _example_inputs(module, fn, name, None)
+    example = example_inputs(module, fn, name, None)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
                                timeout_s=_decorator_options(fn)["timeout_s"])
     table = None if args.json else _LossTable(name, plan)
@@ -211,11 +211,14 @@ def _data(module: ModuleType, target: str, spec: str | None) -> Iterator[Any]:
 
 # ---- loading the user's code -----------------------------------------------------------------
 
-def _load_step(spec: str) -> tuple[ModuleType, Callable[..., Any], str]:
+def load_step(spec: str) -> tuple[ModuleType, Callable[..., Any], str]:
+    """``FILE.py:NAME`` -> (the imported file, the object named NAME, NAME)."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path.endswith(".py") or not name:
         raise TraceError(f"target {spec!r} is not of the form FILE.py:NAME "
-                         "(e.g. examples/gpt_distributed.py:train_step)")
+                         "(e.g. examples/gpt.py:train_step)")
+    if not os.path.isfile(path):
+        raise TraceError(f"target file {path!r} does not exist")
     module = import_file(path)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
@@ -265,7 +268,9 @@ def _load_callable(spec: str, flag: str) -> Callable[..., Any]:
     return fn
 
 
-def _example_inputs(module: ModuleType, fn: Any, name: str, spec: str | None) -> tuple:
+def example_inputs(module: ModuleType, fn: Any, name: str, spec: str | None) -> tuple:
+    """The step's example inputs: ``--example`` (``spec``), else ``fn.example_inputs``, else
+    the file's ``example_inputs`` (a tuple, or a zero-argument callable returning one)."""
     ex = _load_callable(spec, "--example") if spec else getattr(fn, "example_inputs", None)
     if ex is None:
         ex = getattr(module, "example_inputs", None)
@@ -273,8 +278,8 @@ def _example_inputs(module: ModuleType, fn: Any, name: str, spec: str | None) ->
         ex = ex()
     if ex is None:
         raise TraceError(f"{name} has no example inputs; pass example_inputs= to "
-                         "meshplan.distribute, set a module-level `example_inputs`, or pass "
-                         "--example MOD:FN")
+                         f"meshplan.distribute, set `{name}.example_inputs = (x, y)` or a "
+                         "module-level `example_inputs`, or pass --example MOD:FN")
     return tuple(ex) if isinstance(ex, (tuple, list)) else (ex,)
 
 

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from ._errors import MeshplanError, TraceError
+from ._errors import MeshplanError
 
 
 def _console() -> Any:
@@ -24,26 +24,10 @@ def load_target(spec: str) -> tuple[Callable[..., Any], tuple]:
     Example inputs come from ``NAME.example_inputs`` or the file's module-level
     ``example_inputs`` (a tuple, or a zero-argument callable returning one).
     """
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path.endswith(".py") or not name:
-        raise TraceError(f"target {spec!r} is not of the form FILE.py:NAME "
-                         "(e.g. examples/gpt.py:train_step)")
-    if not os.path.isfile(path):
-        raise TraceError(f"target file {path!r} does not exist")
-    from ._cli_run import import_file
-    module = import_file(path)
-    fn = getattr(module, name, None)
-    if fn is None or not callable(fn):
-        raise TraceError(f"{path} has no function {name!r}")
-    ex = getattr(fn, "example_inputs", None)
-    if ex is None:
-        ex = getattr(module, "example_inputs", None)
-    if callable(ex):
-        ex = ex()
-    if ex is None:
-        raise TraceError(f"{path}:{name} has no example inputs; set `{name}.example_inputs = "
-                         "(x, y)` or a module-level `example_inputs` tuple")
-    return fn, tuple(ex) if isinstance(ex, (tuple, list)) else (ex,)
+    from ._cli_run import example_inputs, load_step
+
+    module, fn, name = load_step(spec)
+    return fn, example_inputs(module, fn, name, None)
 
 
 # ---- commands ------------------------------------------------------------------------------
