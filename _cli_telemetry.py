@@ -1,0 +1,159 @@
+"""``meshplan telemetry``: query, summarise and export what the ranks recorded.
+
+``sql`` answers a query (a table, or JSON rows with ``--json``); ``summary`` shows a run's step
+times, stragglers, collectives against the plan, and failures; ``trace`` writes a Chrome/Perfetto
+trace; ``ingest`` loads new segments into the database. Every command reads ``--db`` (default
+``$MESHPLAN_TELEMETRY`` or ``.meshplan/telemetry.duckdb``); when another process holds that
+database, they read its Parquet segments instead and say so on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import decimal
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._cli_run import _guarded
+from ._errors import TelemetryError
+
+
+def add_telemetry_commands(sub: argparse._SubParsersAction) -> None:
+    """Register the ``telemetry`` command group."""
+    p = sub.add_parser("telemetry", help="query, summarise and export recorded runs (SQL)")
+    ts = p.add_subparsers(dest="telemetry_command", required=True)
+
+    def common(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--db", help="the telemetry database (default: $MESHPLAN_TELEMETRY or "
+                       ".meshplan/telemetry.duckdb)")
+        c.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+
+    q = ts.add_parser("sql", help="run a SQL query over the tables (see telemetry/SCHEMA.md)")
+    q.add_argument("query", help='e.g. "SELECT rank, avg(dur_us) FROM steps GROUP BY rank"')
+    q.add_argument("--json", action="store_true", help="print the rows as a JSON list of objects")
+    q.add_argument("--max-rows", type=int, default=200, help="rows shown in the table view")
+    common(q)
+    q.set_defaults(func=_guarded(cmd_sql))
+
+    s = ts.add_parser("summary", help="step times per rank, stragglers, plan vs measured")
+    s.add_argument("--run", help="run id (default: the latest run)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    common(s)
+    s.set_defaults(func=_guarded(cmd_summary))
+
+    t = ts.add_parser("trace", help="write a run as a Chrome/Perfetto trace JSON")
+    t.add_argument("--out", "-o", required=True, help="where to write the trace (atomically)")
+    t.add_argument("--run", help="run id (default: the latest run)")
+    common(t)
+    t.set_defaults(func=_guarded(cmd_trace))
+
+    i = ts.add_parser("ingest", help="load new Parquet segments into the database")
+    common(i)
+    i.set_defaults(func=_guarded(cmd_ingest))
+
+
+def _open(args: argparse.Namespace, *, must_exist: bool = True) -> Any:
+    from .telemetry._schema import default_db_path, segments_dir
+    from .telemetry._store import Store
+
+    db = Path(args.db) if args.db else default_db_path()
+    if must_exist and not db.exists() and not segments_dir(db).exists():
+        raise TelemetryError(f"no telemetry database at {db} and no segments at "
+                             f"{segments_dir(db)}; run a step with telemetry on, or pass --db")
+    store = Store.open(db)
+    if store.fallback:
+        print(f"reading {store.source}", file=sys.stderr, flush=True)
+    for path, why in store.last_ingest.skipped:
+        print(f"skipped unreadable segment {path} ({why})", file=sys.stderr, flush=True)
+    return store
+
+
+def json_safe(v: Any) -> Any:
+    """A query value as JSON: NaN/inf -> null, dates ISO 8601, decimals floats, bytes base64."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, (datetime.date, datetime.time, datetime.datetime)):
+        return v.isoformat()
+    if isinstance(v, datetime.timedelta):
+        return v.total_seconds()
+    if isinstance(v, decimal.Decimal):
+        return float(v)
+    if isinstance(v, bytes):
+        return base64.b64encode(v).decode()
+    if isinstance(v, dict):
+        return {str(k): json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    return str(v)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    with _open(args) as store:
+        table = store.sql(args.query)
+    rows = table.to_pylist()
+    if args.json:
+        print(json.dumps(json_safe(rows), allow_nan=False))
+        return 0
+    from rich.table import Table
+
+    out = Table(show_lines=False)
+    for name in table.column_names:
+        out.add_column(name)
+    for r in rows[:args.max_rows]:
+        out.add_row(*("NULL" if v is None else str(v) for v in r.values()))
+    console = _console()
+    console.print(out)
+    more = f"; {len(rows) - args.max_rows} not shown (--max-rows, or --json for all)" \
+        if len(rows) > args.max_rows else ""
+    console.print(f"{len(rows)} rows{more}")
+    return 0
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    from .telemetry._summary import render_summary, summary
+
+    with _open(args) as store:
+        d = summary(store, args.run)
+    if args.json:
+        print(json.dumps(json_safe(d), indent=2, allow_nan=False))
+    else:
+        _console().print(render_summary(d))
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .telemetry._trace import write_trace
+
+    with _open(args) as store:
+        n = write_trace(store, args.out, args.run)
+    print(f"wrote {n} trace events to {args.out}; open it in https://ui.perfetto.dev")
+    return 0
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from .telemetry._schema import default_db_path
+    from .telemetry._store import Store
+
+    db = Path(args.db) if args.db else default_db_path()
+    with Store.open(db, ingest=False) as store:
+        if store.fallback:
+            raise TelemetryError(f"cannot ingest: {store.source}; close that process first")
+        r = store.ingest()
+    for path, why in r.skipped:
+        print(f"skipped unreadable segment {path} ({why})", file=sys.stderr, flush=True)
+    print(f"ingested {r.rows} rows from {r.segments} segments into {db}"
+          + (f"; skipped {len(r.skipped)} unreadable segments" if r.skipped else ""))
+    return 0
