@@ -14,6 +14,7 @@ import base64
 import datetime
 import decimal
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -57,10 +58,16 @@ def add_telemetry_commands(sub: argparse._SubParsersAction) -> None:
     i.set_defaults(func=_guarded(cmd_ingest))
 
 
+def _quiet_store_log() -> None:
+    """The commands say themselves where they read from and what they skipped, once."""
+    logging.getLogger("meshplan.telemetry").setLevel(logging.ERROR)
+
+
 def _open(args: argparse.Namespace, *, must_exist: bool = True) -> Any:
     from .telemetry._schema import default_db_path, segments_dir
     from .telemetry._store import Store
 
+    _quiet_store_log()
     db = Path(args.db) if args.db else default_db_path()
     if must_exist and not db.exists() and not segments_dir(db).exists():
         raise TelemetryError(f"no telemetry database at {db} and no segments at "
@@ -68,7 +75,7 @@ def _open(args: argparse.Namespace, *, must_exist: bool = True) -> Any:
     store = Store.open(db)
     if store.fallback:
         print(f"reading {store.source}", file=sys.stderr, flush=True)
-    for path, why in store.last_ingest.skipped:
+    for path, why in store.skipped:
         print(f"skipped unreadable segment {path} ({why})", file=sys.stderr, flush=True)
     return store
 
@@ -147,6 +154,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from .telemetry._schema import default_db_path
     from .telemetry._store import Store
 
+    _quiet_store_log()
     db = Path(args.db) if args.db else default_db_path()
     with Store.open(db, ingest=False) as store:
         if store.fallback:

@@ -108,6 +108,8 @@ class Store:
         self.segments = segments
         self.fallback = fallback
         self.last_ingest = IngestResult()
+        # segments it could not read: at open (reading segments) or in the last ingest
+        self.skipped: tuple[tuple[str, str], ...] = ()
 
     # ---- opening -------------------------------------------------------------------------
 
@@ -147,7 +149,9 @@ class Store:
     def _open_segments(cls, path: Path, root: Path, lock_msg: str) -> Store:
         pid_match = _LOCK_PID.search(lock_msg)
         holder = f"PID {pid_match.group(1)}" if pid_match else "another process"
-        segs = [s for s in find_segments(root) if _check_segment(s) is None] if root.is_dir() else []
+        found = find_segments(root) if root.is_dir() else []
+        bad = {s: why for s in found if (why := _check_segment(s))}
+        segs = [s for s in found if s not in bad]
         if not segs:
             raise TelemetryError(
                 f"telemetry database {path} is locked by {holder} and there are no segments at "
@@ -159,8 +163,12 @@ class Store:
             con.execute(f"CREATE VIEW {_quote(table)} AS {_select_as_schema(con, schema, files)}")
         _create_views(con)
         source = f"segments {root} (database {path} locked by {holder})"
-        logger.warning("telemetry: %s", source)
-        return cls(con, source=source, db_path=path, segments=root, fallback=True)
+        logger.warning("telemetry: reading %s", source)
+        store = cls(con, source=source, db_path=path, segments=root, fallback=True)
+        store.skipped = tuple((str(s.path), why) for s, why in bad.items())
+        for p, why in store.skipped:
+            logger.warning("telemetry: skipped unreadable segment %s (%s)", p, why)
+        return store
 
     def _create(self) -> None:
         con = self._con
@@ -219,12 +227,14 @@ class Store:
             logger.warning("telemetry: skipped unreadable segment %s (%s); it is retried on the "
                            "next ingest", path, why)
         self.last_ingest = IngestResult(sum(rows[s] for s in good), len(good), tuple(skipped))
+        self.skipped = self.last_ingest.skipped
         return self.last_ingest
 
     def _load(self, segs: list[Segment], rows: dict[Segment, int]) -> None:
         if not segs:
             return
         con = self._con
+        con.execute("SET preserve_insertion_order = false")   # parallel inserts; ~15% faster
         con.execute("BEGIN")
         try:
             for table, schema in TABLES.items():
@@ -243,6 +253,8 @@ class Store:
         except BaseException:
             con.execute("ROLLBACK")
             raise
+        finally:
+            con.execute("RESET preserve_insertion_order")
 
     def _probe(self, seg: Segment) -> str | None:
         """None when every row of the segment reads; else why not."""

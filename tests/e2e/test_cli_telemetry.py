@@ -115,3 +115,25 @@ def test_no_database(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     err = capsys.readouterr().err
     assert "no telemetry database at" in err and len(err.strip().splitlines()) == 1
     assert not missing.exists()
+
+
+def test_locked_database_reads_the_segments(db: Path, capsys: pytest.CaptureFixture) -> None:
+    """While another process holds the database, queries read the segments and say so on
+    stderr; ingest cannot, and says who holds the lock."""
+    hold = subprocess.Popen([sys.executable, "-c", "import duckdb, sys; c = duckdb.connect("
+                             "sys.argv[1]); print('ready', flush=True); sys.stdin.read()",
+                             str(db)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hold.stdout.readline().strip() == "ready"
+        assert main(["telemetry", "sql", "SELECT count(*) AS n FROM steps", "--json",
+                     "--db", str(db)]) == 0
+        out = capsys.readouterr()
+        assert json.loads(out.out) == [{"n": 8}]
+        assert out.err.strip() == (f"reading segments {segments_dir(db)} (database {db} locked "
+                                   f"by PID {hold.pid})")
+        assert main(["telemetry", "ingest", "--db", str(db)]) == 1
+        err = capsys.readouterr().err
+        assert "cannot ingest" in err and f"PID {hold.pid}" in err and err.count("\n") == 1
+    finally:
+        hold.stdin.close()
+        hold.wait(timeout=10)

@@ -245,9 +245,11 @@ def test_locked_database_reads_segments(db: tuple[Path, int], locked) -> None:
     path, n = db
     with Store.open(path) as s:                       # the database holds run r1 and r2
         assert s.last_ingest.rows == n
+    junk = segments_dir(path) / "r2" / "rank-00000" / "steps-1-000009.parquet"
+    junk.write_bytes(b"PAR1 truncated")
     pid = locked(path)
     with Store.open(path) as s:
-        assert s.fallback
+        assert s.fallback and [p for p, _ in s.skipped] == [str(junk)]
         assert s.source == f"segments {segments_dir(path)} (database {path} locked by PID {pid})"
         assert one(s, "SELECT count(*) AS c FROM steps")["c"] == 4 * 6 + 4 * 3
         assert one(s, "SELECT count(*) AS c FROM plan_nodes")["c"] == 2
