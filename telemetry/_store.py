@@ -195,8 +195,8 @@ class Store:
 
     def ingest(self) -> IngestResult:
         """Load every finished segment not yet ingested (by path and size), all in one
-        transaction with its bookkeeping rows. Unreadable segments are skipped, reported and
-        retried next time."""
+        transaction with its bookkeeping rows. Segments that cannot be read or inserted (truncated,
+        a column of the wrong type) are skipped, reported and retried next time."""
         if self.fallback:
             raise TelemetryError(f"cannot ingest: {self.source}; close that process, then ingest")
         if not self.segments.is_dir():
@@ -214,8 +214,8 @@ class Store:
         good = [s for s in new if s in rows]
         try:
             self._load(good, rows)
-        except duckdb.Error:                      # a file whose footer reads but whose data doesn't
-            bad = {s: why for s in good if (why := self._probe(s))}
+        except duckdb.Error:      # a file whose footer reads but whose rows don't read or insert
+            bad = {s: why for s in good if (why := self._probe(s, rows))}
             skipped += [(str(s.path), why) for s, why in bad.items()]
             good = [s for s in good if s not in bad]
             try:
@@ -230,7 +230,9 @@ class Store:
         self.skipped = self.last_ingest.skipped
         return self.last_ingest
 
-    def _load(self, segs: list[Segment], rows: dict[Segment, int]) -> None:
+    def _load(self, segs: list[Segment], rows: dict[Segment, int], *, commit: bool = True) -> None:
+        """Insert ``segs`` and their bookkeeping rows in one transaction (rolled back instead of
+        committed with ``commit=False``)."""
         if not segs:
             return
         con = self._con
@@ -246,20 +248,18 @@ class Store:
                 cols = ", ".join(_quote(c) for c in have if c in schema.names)
                 if cols:
                     con.execute(f"INSERT INTO {_quote(table)} BY NAME SELECT {cols} FROM {scan}")
-            now = int(time.time() * 1e6)
-            con.executemany(f"INSERT INTO {BOOKKEEPING} VALUES (?, ?, ?, ?, ?)",
-                            [(s.key, s.table, rows[s], s.size, now) for s in segs])
-            con.execute("COMMIT")
+            _record(con, segs, rows)
+            con.execute("COMMIT" if commit else "ROLLBACK")
         except BaseException:
             con.execute("ROLLBACK")
             raise
         finally:
             con.execute("RESET preserve_insertion_order")
 
-    def _probe(self, seg: Segment) -> str | None:
-        """None when every row of the segment reads; else why not."""
+    def _probe(self, seg: Segment, rows: dict[Segment, int]) -> str | None:
+        """None when the segment reads and inserts on its own (then rolled back); else why not."""
         try:
-            self._con.sql(f"SELECT * FROM read_parquet({_literal(str(seg.path))})").to_arrow_table()
+            self._load([seg], rows, commit=False)
         except duckdb.Error as e:
             return str(e).splitlines()[0]
         return None
@@ -290,6 +290,13 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.source})"
+
+
+def _record(con: duckdb.DuckDBPyConnection, segs: list[Segment], rows: dict[Segment, int]) -> None:
+    """The bookkeeping rows of ``segs``, inside the ingest's transaction."""
+    now = int(time.time() * 1e6)
+    con.executemany(f"INSERT INTO {BOOKKEEPING} VALUES (?, ?, ?, ?, ?)",
+                    [(s.key, s.table, rows[s], s.size, now) for s in segs])
 
 
 def _create_views(con: duckdb.DuckDBPyConnection) -> None:

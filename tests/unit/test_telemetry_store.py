@@ -174,19 +174,38 @@ def test_truncated_segment_skipped_reported_and_retried(db: tuple[Path, int]) ->
         assert s.ingest().rows == 3 * 2
 
 
-def test_ingest_is_all_or_nothing(db: tuple[Path, int]) -> None:
-    """A segment that reads but cannot be inserted (a step that is not a number) fails the
-    whole ingest, and nothing of it -- rows or bookkeeping -- stays behind."""
-    path, _ = db
+def test_segment_of_the_wrong_type_is_skipped(db: tuple[Path, int]) -> None:
+    """A segment that reads but cannot be inserted (a step that is not a number) is skipped and
+    reported; everything else is ingested."""
+    path, n = db
     schema = pa.schema([f if f.name != "step" else pa.field("step", pa.string())
                         for f in TABLES["steps"]])
-    write_segment(segments_dir(path), "r3", 0, "steps", [dict(run_id="r3", rank=0, step="x")],
-                  schema=schema)
+    bad = write_segment(segments_dir(path), "r3", 0, "steps", [dict(run_id="r3", rank=0,
+                                                                    step="x")], schema=schema)
     with Store.open(path, ingest=False) as s:
-        with pytest.raises(TelemetryError, match="ingesting"):
+        r = s.ingest()
+        assert r.rows == n and [p for p, _ in r.skipped] == [str(bad)]
+        assert "Conversion Error" in r.skipped[0][1]
+        assert one(s, "SELECT count(*) AS c FROM steps WHERE run_id = 'r3'")["c"] == 0
+
+
+def test_ingest_is_all_or_nothing(db: tuple[Path, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash after the rows went in but before the bookkeeping did leaves nothing behind;
+    the next ingest loads everything once."""
+    from meshplan.telemetry import _store
+
+    def crash(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    path, n = db
+    with Store.open(path, ingest=False) as s:
+        monkeypatch.setattr(_store, "_record", crash)
+        with pytest.raises(KeyboardInterrupt):
             s.ingest()
         assert one(s, "SELECT (SELECT count(*) FROM steps) + (SELECT count(*) FROM runs) + "
                       f"(SELECT count(*) FROM {BOOKKEEPING}) AS c")["c"] == 0
+        monkeypatch.undo()
+        assert s.ingest().rows == n and s.ingest().rows == 0
 
 
 def test_older_and_newer_segment_columns(tmp_path: Path) -> None:
