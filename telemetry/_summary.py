@@ -105,7 +105,7 @@ def _stragglers(store: Store, run: str, ranks: list[dict[str, Any]]) -> list[dic
             and r["compute_p50_us"] > STRAGGLER_RATIO * median]
     out = []
     for r in slow:
-        since = _slow_since(store, run, r["rank"])
+        since, slower_since = _slow_since(store, run, r["rank"])
         wait = _rows(store, """
             SELECT kind, axis, node, avg(dur_us) AS mean_us, count(*) AS calls
             FROM collectives WHERE run_id = ? AND rank <> ? AND step >= ?
@@ -114,26 +114,31 @@ def _stragglers(store: Store, run: str, ranks: list[dict[str, Any]]) -> list[dic
         out.append({"rank": r["rank"], "host": r["host"], "compute_p50_us": r["compute_p50_us"],
                     "median_compute_us": median,
                     "slower_by": r["compute_p50_us"] / median - 1 if median else None,
-                    "since_step": since, "others_wait_in": wait[0] if wait else None})
+                    "since_step": since, "slower_since": slower_since,
+                    "others_wait_in": wait[0] if wait else None})
     return out
 
 
-def _slow_since(store: Store, run: str, rank: int) -> int | None:
+def _slow_since(store: Store, run: str, rank: int) -> tuple[int | None, float | None]:
     """The first step of the rank's final run of consecutive slow steps (a step is slow when
-    its compute time exceeds the median over ranks of that step by > 10%)."""
+    its compute time exceeds the median over ranks of that step by > 10%), and how much slower
+    it is since then (median over those steps of compute / that step's median, minus 1)."""
     rows = _rows(store, f"""
         WITH s AS (SELECT rank, step, dur_us - coalesce(comm_us, 0) AS compute
                    FROM steps WHERE run_id = ?),
              m AS (SELECT step, median(compute) AS med FROM s GROUP BY step)
-        SELECT s.step, s.compute > {STRAGGLER_RATIO} * m.med AS slow
+        SELECT s.step, s.compute > {STRAGGLER_RATIO} * m.med AS slow,
+               s.compute / nullif(m.med, 0) AS ratio
         FROM s JOIN m USING (step) WHERE s.rank = ? ORDER BY s.step""", [run, rank])
-    since = None
+    since, ratios = None, []
     for row in reversed(rows):
         if row["slow"]:
             since = row["step"]
+            ratios.append(row["ratio"])
         elif since is not None:
             break
-    return since
+    ratios = [x for x in ratios if x is not None]
+    return since, (_median(ratios) - 1 if ratios else None)
 
 
 def _collectives(store: Store, run: str) -> list[dict[str, Any]]:
@@ -205,7 +210,7 @@ def render_summary(d: dict[str, Any]) -> Any:
         line = (f"straggler: rank {s['rank']} computes {_pct(s['slower_by'])} slower than the "
                 f"median ({_us(s['compute_p50_us'])} vs {_us(s['median_compute_us'])})")
         if s["since_step"] is not None:
-            line += f" since step {s['since_step']}"
+            line += f"; since step {s['since_step']} it is {_pct(s['slower_since'])} slower"
         w = s["others_wait_in"]
         if w:
             line += (f"; the other ranks wait longest in {w['kind']} on {w['axis']} at "

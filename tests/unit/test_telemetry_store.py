@@ -304,7 +304,7 @@ def test_summary_straggler_comm_share_and_plan(db: tuple[Path, int]) -> None:
     assert ranks[1]["host"] == "host0" and ranks[1]["coords"] == "dp=0,tp=1"
     [st] = d["stragglers"]
     assert (st["rank"], st["since_step"]) == (2, 3)
-    assert st["slower_by"] == pytest.approx(0.15)
+    assert st["slower_by"] == pytest.approx(0.15) and st["slower_since"] == pytest.approx(0.30)
     w = st["others_wait_in"]
     assert (w["kind"], w["axis"], w["node"], w["mean_us"]) == ("all_reduce", "dp", "<state w1>",
                                                               4000)
