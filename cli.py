@@ -154,11 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=5)
     d.set_defaults(func=cmd_demo)
 
+    from ._cli_files import add_files_commands
     from ._cli_plan import add_plan_commands
     from ._cli_run import add_run_commands
     from ._cli_telemetry import add_telemetry_commands
     add_run_commands(sub)
     add_plan_commands(sub)
+    add_files_commands(sub)
     add_telemetry_commands(sub)
     return p
 

@@ -9,17 +9,22 @@ messages travel over ZeroMQ signed with a per-run HMAC secret. May import every 
 from typing import Any
 
 from ._channel import ControllerChannel, Message, Secret, WorkerChannel
+from ._files import FILES_PLUGIN, PushResult, RankStatus, push_files
 from ._launch import LocalLauncher, WorkerFailure, Workers
 
 __all__ = [
     "ControllerChannel",
+    "FILES_PLUGIN",
     "LocalLauncher",
     "Message",
+    "PushResult",
+    "RankStatus",
     "Secret",
     "WorkerChannel",
     "WorkerFailure",
     "WorkerState",
     "Workers",
+    "push_files",
     "register",
 ]
 
