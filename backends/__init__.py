@@ -8,7 +8,7 @@ kernels) and the communicators and transfers: torch.distributed (gloo on CPU, NC
 
 from ._comm import CollectiveKind, CommRecord, Communicator, TorchCommunicator
 from ._layout import all_axis_groups, assemble, local_part, rank_coords
-from ._lower import Program, lower, run, split_inputs
+from ._lower import Program, RunObserver, lower, run, split_inputs
 from ._threadcomm import ThreadMesh
 
 __all__: list[str] = [
@@ -16,6 +16,7 @@ __all__: list[str] = [
     "CommRecord",
     "Communicator",
     "Program",
+    "RunObserver",
     "ThreadMesh",
     "TorchCommunicator",
     "all_axis_groups",

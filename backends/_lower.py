@@ -16,9 +16,10 @@ value and slices it: always correct, and the bytes it moves differ from the plan
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -242,10 +243,24 @@ def reshard(t: Tensor, steps: Sequence[Step], comm: Any, coords: tuple[int, ...]
 
 # ---- running ----------------------------------------------------------------------------------
 
+class RunObserver(Protocol):
+    """What ``run`` tells an observer (telemetry). ``time_ops``: call ``compute`` for every op
+    (two clock reads per op); ``reshard`` is always called, after the instruction, with the
+    slice ``comm.records[first:last]`` of collectives it made."""
+
+    time_ops: bool
+
+    def reshard(self, ins: Reshard, first: int, last: int) -> None: ...
+
+    def compute(self, node: Node, start_s: float, dur_s: float) -> None: ...
+
+
 def run(program: Program, comm: Any, state: Mapping[str, Tensor],
-        data: Mapping[str, Tensor]) -> tuple[list[Tensor], dict[str, Tensor]]:
+        data: Mapping[str, Tensor], observer: RunObserver | None = None,
+        ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
-    Returns the results (whole, on every rank) and the new state pieces."""
+    Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
+    each redistribution's collectives and, if it asks, each op's time (``perf_counter``)."""
     env: dict[str, tuple] = {}
     copies: dict[tuple[str, int, Layout], Tensor] = {}
     graph_inputs = {**state, **data}
@@ -261,15 +276,24 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
             return v
         return copies.get((ref.node, ref.index, layout), v)
 
+    timed = observer is not None and observer.time_ops
     with torch.no_grad():
         for ins in program.instructions:
             if isinstance(ins, Reshard):
                 v = env[ins.ref.node][ins.ref.index]
+                first = len(comm.records)
                 copies[(ins.ref.node, ins.ref.index, ins.dst)] = reshard(v, ins.steps, comm,
                                                                          program.coords)
+                if observer is not None:
+                    observer.reshard(ins, first, len(comm.records))
             elif isinstance(ins, Compute):
-                env[ins.node.name] = _call(ins, [read(r, l) for r, l in
-                                                 zip(ins.node.refs(), ins.reads)])
+                args = [read(r, l) for r, l in zip(ins.node.refs(), ins.reads)]
+                if timed:
+                    t0 = time.perf_counter()
+                    env[ins.node.name] = _call(ins, args)
+                    observer.compute(ins.node, t0, time.perf_counter() - t0)
+                else:
+                    env[ins.node.name] = _call(ins, args)
             else:
                 for name in ins.names:
                     env.pop(name, None)
@@ -324,5 +348,5 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
     return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
 
 
-__all__ = ["Compute", "Free", "Program", "Reshard", "Step", "lower", "plan_steps", "reshard",
-           "run", "split_inputs"]
+__all__ = ["Compute", "Free", "Program", "Reshard", "RunObserver", "Step", "lower",
+           "plan_steps", "reshard", "run", "split_inputs"]

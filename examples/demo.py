@@ -2,7 +2,8 @@
 and replay the traced step next to the eager single-process run of the same code.
 
 Then the same step runs on 4 local worker processes (``meshplan.distribute``) next to the
-single-process run. The telemetry query arrives with its issue.
+single-process run, and two telemetry queries show what every rank did: one asked live of the
+running workers, one of the DuckDB store after the run.
 """
 
 from __future__ import annotations
@@ -89,10 +90,47 @@ def _distributed(steps: int, console: Any) -> bool:
             worst = max(worst, diff)
             table.add_row(str(i), f"{a.item():.6f}", f"{b.item():.6f}", f"{diff:.1e}",
                           str(len(step.last_comm[0])))
+        live = (step.query(_LIVE_SQL, merge=_MERGE_SQL) if step.telemetry is not None
+                else None)
     console.print(table)
     console.print(f"4 workers started, ran {steps} steps and stopped in "
                   f"{time.perf_counter() - t0:.1f} s; largest loss difference {worst:.1e} "
                   "(fp32 sums in another order)")
-    console.print("next: telemetry (a SQL store of every rank's steps and collectives) arrives "
-                  "with its issue (see README)")
+    if live is not None:
+        _print_arrow(console, "5. telemetry, asked live of the 4 workers (step.query)",
+                     f"{_LIVE_SQL}\nmerged: {_MERGE_SQL}", live.table)
+        _stored(console, step)
     return worst < 1e-4
+
+
+_LIVE_SQL = ("SELECT kind, axis, count(*) AS calls, sum(bytes) AS bytes, "
+             "sum(dur_us) AS us FROM collectives GROUP BY ALL")
+_MERGE_SQL = ("SELECT kind, axis, sum(calls) AS calls, sum(bytes) AS bytes, "
+              "round(sum(us) / sum(calls)) AS avg_us FROM result GROUP BY ALL "
+              "ORDER BY calls DESC")
+_STORE_SQL = ("SELECT rank, count(*) AS steps, quantile_cont(dur_us, 0.5) AS p50_us, "
+              "round(sum(comm_us) / sum(dur_us), 2) AS comm_share FROM steps "
+              "WHERE run_id = '{run}' AND rank >= 0 GROUP BY rank ORDER BY rank")
+
+
+def _stored(console: Any, step: Any) -> None:
+    """The same run, read back from the DuckDB store the controller loaded at shutdown."""
+    from meshplan.telemetry import Store
+
+    with Store.open(step.telemetry.db) as store:
+        run = store.sql("SELECT run_id FROM runs ORDER BY start_us DESC LIMIT 1")
+        run_id = run.column("run_id")[0].as_py()
+        sql = _STORE_SQL.format(run=run_id)
+        _print_arrow(console, f"6. telemetry store {step.telemetry.db} (meshplan telemetry sql)",
+                     sql, store.sql(sql))
+
+
+def _print_arrow(console: Any, title: str, sql: str, table: Any) -> None:
+    from rich.table import Table
+
+    out = Table(title=title, caption=sql, caption_justify="left")
+    for name in table.column_names:
+        out.add_column(name, justify="right")
+    for row in table.to_pylist():
+        out.add_row(*(f"{v:,}" if isinstance(v, int) else str(v) for v in row.values()))
+    console.print(out)

@@ -13,10 +13,13 @@ through the traced first-step graph, exactly as one process would.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +30,9 @@ from ..frontend import trace
 from ..frontend._traced import _pack
 from ..ir import OutputKind, Role
 from ..planner import Plan, plan_graph
-from ._launch import LocalLauncher, Workers
+from ..telemetry import TelemetryConfig, now_us
+from ._launch import LocalLauncher, Workers, WorkerFailure
+from ._telemetry import ControllerTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +40,28 @@ _HANDLERS = "meshplan.runtime._handlers"
 _STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
 
 
+@dataclass(frozen=True)
+class QueryResult:
+    """A live query's answer: every answering rank's rows in one Arrow table (``table``),
+    the ranks that did not answer in time (``missing``) and those whose query failed
+    (``errors``: rank -> message)."""
+
+    table: Any                     # pyarrow.Table
+    missing: tuple[int, ...] = ()
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.errors
+
+
 class DistributedStep:
     """A training step bound to a mesh; see ``distribute``."""
 
     def __init__(self, fn: Callable[..., Any], *, mesh: Mapping[str, int], launcher: str,
                  topology: Any, strategy: str, plan: str | Plan | None,
-                 example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float) -> None:
+                 example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
+                 telemetry: Any = None) -> None:
         if launcher != "local":
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local'")
@@ -57,6 +78,9 @@ class DistributedStep:
         self._traced = None
         self._workers: Workers | None = None
         self.last_comm: list[list[dict[str, Any]]] = []
+        self.telemetry: TelemetryConfig | None = TelemetryConfig.resolve(telemetry)
+        self._tel: ControllerTelemetry | None = None
+        self._step_no = 0
 
     # ---- the public surface --------------------------------------------------------------------
 
@@ -110,10 +134,60 @@ class DistributedStep:
         if self._workers is not None:
             self._write_local(self._gather_state())
 
+    @property
+    def run_id(self) -> str | None:
+        """The running mesh's id (the ``run_id`` of its telemetry rows); None before launch."""
+        return None if self._workers is None else self._workers.run_id
+
+    def query(self, sql: str, *, merge: str | None = None,
+              timeout_s: float = 10.0) -> QueryResult:
+        """Run ``sql`` on every live worker over its recent in-memory events (the tables of
+        ``telemetry/SCHEMA.md``; each rank holds only its own rows) and concatenate the
+        answers; ``merge``, if given, is SQL run on the controller over that concatenation,
+        named ``result`` (e.g. ``SELECT kind, sum(n) FROM result GROUP BY kind``). Workers
+        that do not answer within ``timeout_s`` are listed in ``missing``, not fatal.
+        Workers answer between steps: call it from the thread that runs the steps."""
+        import pyarrow as pa
+
+        workers = self._workers
+        if workers is None:
+            raise RuntimeFailure(f"{self.__name__}: no mesh is running; call the step first "
+                                 "(or query the store: meshplan telemetry sql)")
+        if self.telemetry is None:
+            raise RuntimeFailure(f"{self.__name__}: telemetry is off for this run; pass "
+                                 "telemetry=None (the default) or a path to distribute")
+        workers.broadcast("telemetry_query", {"sql": sql})
+        got, errors, missing = workers.gather_some("telemetry_query", timeout_s)
+        tables = [pa.ipc.open_stream(got[r].tensors[0].numpy().tobytes()).read_all()
+                  for r in sorted(got)]
+        if tables:
+            table = pa.concat_tables(tables, promote_options="permissive")
+        else:
+            table = pa.table({})
+        if merge is not None:
+            table = _merge(table, merge)
+        if missing:
+            logger.warning("meshplan: %s did not answer the live query within %s s",
+                           ", ".join(f"rank {r}" for r in missing), timeout_s)
+        return QueryResult(table, tuple(missing),
+                           {r: f"{h.get('type')}: {h.get('message')}" for r, h in errors.items()})
+
+    def flush_telemetry(self, timeout_s: float = 30.0) -> None:
+        """Make every rank (and the controller) write its pending telemetry rows now."""
+        if self._workers is not None and self.telemetry is not None:
+            self._workers.broadcast("telemetry_flush")
+            self._workers.gather("telemetry_flush", timeout_s)
+        if self._tel is not None:
+            self._tel.rec.flush()
+
     def shutdown(self) -> None:
         if self._workers is not None:
-            self._workers.shutdown()
+            self._workers.shutdown()       # workers flush their telemetry as they exit
             self._workers = None
+        if self._tel is not None:
+            self._tel.close()
+            self._tel = None
+            _ingest(self.telemetry)
 
     def __enter__(self) -> DistributedStep:
         return self
@@ -181,15 +255,22 @@ class DistributedStep:
         world = math.prod(plan.mesh.sizes)
         state = self._local_state()
         data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
-        self._workers = LocalLauncher().launch(world, env={"MESHPLAN_WORKER_PLUGINS": _HANDLERS})
+        self._workers = workers = LocalLauncher().launch(
+            world, env={"MESHPLAN_WORKER_PLUGINS": _HANDLERS})
+        header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s}
+        if self.telemetry is not None:
+            self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
+                                            step_name=self.__name__, strategy=plan.strategy)
+            header["telemetry"] = {**self.telemetry.to_json(), "run_id": workers.run_id}
+        self._step_no = 0
         text = plan.to_json()
-        for rank in range(world):
-            pieces = split_inputs(plan, rank, state)
-            names = sorted(pieces)
-            self._workers.send(rank, "setup", {"plan": text, "state": names, "data": data,
-                                               "timeout_s": self.timeout_s},
-                               [pieces[n] for n in names])
-        self._workers.gather("setup", self.timeout_s)
+        with self._recording_failures():
+            for rank in range(world):
+                pieces = split_inputs(plan, rank, state)
+                names = sorted(pieces)
+                workers.send(rank, "setup", {**header, "plan": text, "state": names},
+                             [pieces[n] for n in names])
+            workers.gather("setup", self.timeout_s)
 
     def _step(self, args: tuple) -> Any:
         plan, workers = self.plan, self._workers
@@ -200,13 +281,29 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: expected {len(names)} tensor arguments "
                                  f"({', '.join(names)}), got {len(flat)}")
         batch = dict(zip(names, flat))
-        for rank in range(workers.n):
-            pieces = split_inputs(plan, rank, batch)
-            workers.send(rank, "step", {}, [pieces[n] for n in names])
-        replies = workers.gather("step", self.timeout_s)
+        start_us, t0 = now_us(), time.perf_counter()
+        with self._recording_failures():
+            for rank in range(workers.n):
+                pieces = split_inputs(plan, rank, batch)
+                workers.send(rank, "step", {"step": self._step_no}, [pieces[n] for n in names])
+            replies = workers.gather("step", self.timeout_s)
         self.last_comm = [list(r.header["comm"]) for r in replies]
         results = list(replies[0].tensors)
+        if self._tel is not None:
+            loss = next((float(r) for r in results if r.ndim == 0 and r.is_floating_point()),
+                        None)
+            self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6), loss)
+        self._step_no += 1
         return _pack(plan.graph.info.result, results)
+
+    @contextlib.contextmanager
+    def _recording_failures(self):
+        try:
+            yield
+        except WorkerFailure as exc:
+            if self._tel is not None:
+                self._tel.failure(exc, self._step_no)
+            raise
 
     def _traced_args(self, args: tuple) -> list[torch.Tensor]:
         from ..frontend._traced import _Args
@@ -236,18 +333,56 @@ class DistributedStep:
 def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                launcher: str = "local", topology: Any = None, strategy: str = "auto",
                plan: str | Plan | None = None, example_inputs: Any = None,
-               memory_limit_bytes: int | None = None, timeout_s: float = 300.0) -> Any:
+               memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
+               telemetry: Any = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
     ``strategy``: ``"auto"`` (the planner's search) or a hand family (``"dp"``, ``"fsdp"``,
     ``"megatron_tp"``); ``plan``: a saved plan (path) or a ``Plan`` to run instead of
     planning; ``topology``: the cost model's machine (default ``"cpu"``); ``timeout_s``: how
-    long any rank may take to answer before the run is stopped with ``RuntimeFailure``.
+    long any rank may take to answer before the run is stopped with ``RuntimeFailure``;
+    ``telemetry``: where and how much every rank records (``telemetry/SCHEMA.md``): None (the
+    default: level ``collectives`` into ``.meshplan/telemetry.duckdb``, or wherever
+    ``$MESHPLAN_TELEMETRY`` says; ``off`` there turns it off), False, a database path, or a
+    ``meshplan.telemetry.TelemetryConfig``.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
-                               memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s)
+                               memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
+                               telemetry=telemetry)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _ingest(config: TelemetryConfig | None) -> None:
+    """Load the run's segments into the DuckDB store, best effort: a store another process
+    holds open is left for later (``meshplan telemetry ingest``); the segments stay either way."""
+    if config is None:
+        return
+    from .._errors import TelemetryError
+    from ..telemetry import Store
+
+    try:
+        with Store.open(config.db) as store:
+            logger.info("meshplan: telemetry in %s", store.source)
+    except TelemetryError as exc:
+        logger.warning("meshplan: telemetry not loaded into %s yet (%s); its segments are "
+                       "in %s", config.db, exc, config.segments)
+
+
+def _merge(result: Any, sql: str) -> Any:
+    """``sql`` over the workers' concatenated answers (the table ``result``), in DuckDB."""
+    import duckdb
+
+    from .._errors import TelemetryError
+
+    con = duckdb.connect(":memory:")
+    try:
+        con.register("result", result)
+        return con.sql(sql).to_arrow_table()
+    except duckdb.Error as exc:
+        raise TelemetryError(f"the merge query failed: {exc}") from None
+    finally:
+        con.close()

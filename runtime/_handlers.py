@@ -1,15 +1,19 @@
 """What a worker does for the controller: set up its program and communicator from a plan,
-run steps, and hand out or take in its pieces of the state. Loaded into every worker through
-``MESHPLAN_WORKER_PLUGINS``."""
+run steps, hand out or take in its pieces of the state, and answer live telemetry queries.
+Loaded into every worker through ``MESHPLAN_WORKER_PLUGINS``."""
 
 from __future__ import annotations
 
+import time
+import traceback
 from typing import Any
 
 import torch
 
 from ..backends import TorchCommunicator, all_axis_groups, lower, run
 from ..planner import Plan
+from ..telemetry import TelemetryConfig
+from ._telemetry import WorkerTelemetry, state_device, steps_timer
 from ._worker import WorkerState, register
 
 
@@ -26,6 +30,10 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
             state.rank, state.world_size, all_axis_groups(plan.mesh.sizes),
             timeout_s=float(header.get("timeout_s", 300.0)),
             init_method=f"tcp://{state.master_addr}:{state.master_port}")
+    tel = header.get("telemetry")
+    if tel is not None and getattr(ns, "telemetry", None) is None:
+        ns.telemetry = WorkerTelemetry(TelemetryConfig.from_json(tel), tel["run_id"],
+                                       state.rank, plan, state_device(ns.state))
     return {"rank": state.rank}, []
 
 
@@ -33,9 +41,21 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
 def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     ns = state.ns
     data = dict(zip(ns.data_names, tensors))
+    tel: WorkerTelemetry | None = getattr(ns, "telemetry", None)
     ns.comm.records.clear()
-    results, new_state = run(ns.program, ns.comm, ns.state, data)
+    if tel is not None:
+        tel.begin(int(header.get("step", tel.step + 1)))
+    start_us, perf0 = steps_timer()
+    try:
+        results, new_state = run(ns.program, ns.comm, ns.state, data, observer=tel)
+    except Exception as exc:
+        if tel is not None:
+            tel.failure(exc, traceback.format_exc())
+        raise
+    dur_us = int((time.perf_counter() - perf0) * 1e6)
     ns.state.update(new_state)
+    if tel is not None:
+        tel.end(ns.comm.records, start_us, perf0, dur_us, results, ns.state)
     comm = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,
              "dur_s": r.dur_s} for r in ns.comm.records]
     if state.rank == 0:
@@ -53,3 +73,26 @@ def _get_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.T
 def _set_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     state.ns.state.update(dict(zip(header["names"], tensors)))
     return {}, []
+
+
+@register("telemetry_query")
+def _telemetry_query(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Run the controller's SQL over this rank's recent events; the answer travels as an Arrow
+    IPC stream in a uint8 tensor."""
+    import pyarrow as pa
+
+    tel: WorkerTelemetry | None = getattr(state.ns, "telemetry", None)
+    if tel is None:
+        raise RuntimeError(f"rank {state.rank} records no telemetry (the run has telemetry off)")
+    table = tel.rec.query(str(header["sql"]))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = sink.getvalue().to_pybytes()
+    return {"rows": table.num_rows}, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+
+
+@register("telemetry_flush")
+def _telemetry_flush(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    tel: WorkerTelemetry | None = getattr(state.ns, "telemetry", None)
+    return {"rows": tel.rec.flush() if tel is not None else 0}, []

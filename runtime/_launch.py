@@ -125,6 +125,8 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 _DEATH_GRACE_S = 0.2
+_PEER_LOST = ("reset by peer", "connection closed", "broken pipe", "connection refused",
+              "end of file", "timed out", "timeout")
 
 
 class Workers:
@@ -144,6 +146,7 @@ class Workers:
         self.run_id, self.master_addr, self.master_port = run_id, master_addr, master_port
         self.log_dir = log_dir
         self.hostnames: tuple[str, ...] = ()
+        self._late: dict[int, list[str]] = {}   # per rank: kinds of replies given up on
         self._finalizer = weakref.finalize(self, group.stop)
 
     @property
@@ -198,11 +201,55 @@ class Workers:
             except TimeoutError:
                 pass
             else:
-                self._take(rank, message, kind_expected, got)
+                if not self._is_late(rank, message):
+                    self._take(rank, message, kind_expected, got)
             self._check_exits(kind_expected)
             if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
                 self._timeout(kind_expected, timeout_s, got)
         return [got[rank] for rank in range(self.n)]
+
+    def gather_some(self, kind_expected: str, timeout_s: float
+                    ) -> tuple[dict[int, Message], dict[int, dict[str, Any]], list[int]]:
+        """Best effort: the ``kind_expected`` replies that arrive within ``timeout_s``.
+
+        Returns ``(replies, errors, missing)``: replies by rank, the ``error`` reply headers of
+        ranks whose handler raised (not fatal here), and the ranks that did not answer in time.
+        A missing rank's reply, when it comes later, is dropped, so later requests still pair
+        with their own replies. A worker process that exits still stops the run.
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, Message] = {}
+        errors: dict[int, dict[str, Any]] = {}
+        while len(got) + len(errors) < self.n and (left := deadline - time.monotonic()) > 0:
+            try:
+                rank, message = self.channel.recv(min(_POLL_S, left))
+            except TimeoutError:
+                pass
+            else:
+                if self._is_late(rank, message):
+                    continue
+                if message.kind == P.ERROR and message.header.get("kind") == kind_expected \
+                        and rank not in got and rank not in errors:
+                    errors[rank] = dict(message.header)
+                else:
+                    self._take(rank, message, kind_expected, got)
+            self._check_exits(kind_expected)
+        missing = [r for r in range(self.n) if r not in got and r not in errors]
+        for rank in missing:
+            self._late.setdefault(rank, []).append(kind_expected)
+        return got, errors, missing
+
+    def _is_late(self, rank: int, message: Message) -> bool:
+        """Is this the reply to a request ``gather_some`` gave up on? (Then drop it.)"""
+        late = self._late.get(rank)
+        if not late:
+            return False
+        kind = message.header.get("kind") if message.kind == P.ERROR else message.kind
+        if kind != late[0]:
+            return False
+        late.pop(0)
+        return True
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask every worker to exit, wait up to ``timeout_s``, then terminate the rest. Idempotent."""
@@ -231,7 +278,8 @@ class Workers:
 
     def _take(self, rank: int, message: Message, kind: str, got: dict[int, Message]) -> None:
         if message.kind == P.ERROR:
-            self._fail(self._dead_first(rank, kind) or self._error(rank, message.header, kind))
+            self._fail(self._dead_first(rank, kind, message.header)
+                       or self._error(rank, message.header, kind))
         if message.kind != kind or rank in got or not 0 <= rank < self.n:
             what = "a second reply" if rank in got else f"{message.kind!r}"
             self._fail(WorkerFailure(
@@ -239,11 +287,21 @@ class Workers:
                 f"  all {self.n} workers were stopped", reason="protocol", ranks=[rank], kind=kind))
         got[rank] = message
 
-    def _dead_first(self, rank: int, kind: str) -> WorkerFailure | None:
+    def _dead_first(self, rank: int, kind: str,
+                    header: dict[str, Any] | None = None) -> WorkerFailure | None:
         """A peer that died explains a rank's error better than the error does (a collective
         with a dead peer fails with 'connection reset'): name the dead rank as the cause."""
-        time.sleep(_DEATH_GRACE_S)         # let the OS finish reaping a peer killed just now
-        dead = [r for r, p in enumerate(self._group.procs) if r != rank and p.poll() is not None]
+        # A peer killed just now may still be tearing down (its sockets close before it
+        # becomes a zombie); an error that says a connection broke waits longer for that.
+        text = str(header.get("message", "")).lower() if header else ""
+        grace = _DEATH_GRACE_S * (10 if any(w in text for w in _PEER_LOST) else 1)
+        deadline = time.monotonic() + grace
+        while True:
+            dead = [r for r, p in enumerate(self._group.procs)
+                    if r != rank and p.poll() is not None]
+            if dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         if not dead:
             return None
         code = self._group.procs[dead[0]].returncode
@@ -268,8 +326,8 @@ class Workers:
         exited = [r for r, p in enumerate(self._group.procs) if p.poll() is not None]
         if not exited:
             return
-        self._drain_errors()       # an error sent just before dying explains more than the exit
         rank = exited[0]
+        self._drain_errors(exited)  # an error a rank sent before dying explains more than its exit
         code = self._group.procs[rank].returncode
         lines = [f"rank {rank} {_describe_exit(code)} while the controller waited for {kind!r}"]
         tail = _tail(self.log_dir / f"rank{rank}.err" if self.log_dir else None)
@@ -281,14 +339,16 @@ class Workers:
         self._fail(WorkerFailure("\n".join(lines), reason="exit", ranks=[rank], kind=kind,
                                  exit_code=code))
 
-    def _drain_errors(self) -> None:
+    def _drain_errors(self, exited: Sequence[int]) -> None:
+        """Report an error an exited rank sent before it died. Errors of ranks still alive
+        are effects (a collective lost its peer), not the cause: the exit is reported."""
         deadline = time.monotonic() + _DRAIN_S
         while (left := deadline - time.monotonic()) > 0:
             try:
                 rank, message = self.channel.recv(left)
             except TimeoutError:
                 return
-            if message.kind == P.ERROR:
+            if message.kind == P.ERROR and rank in exited:
                 self._fail(self._error(rank, message.header, message.header.get("kind", "?")))
 
     def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:

@@ -9,6 +9,7 @@ Tables and columns: ``telemetry/SCHEMA.md``. ``Store.open()`` opens the database
 new segments; ``summary``, ``chrome_trace`` and ``meshplan telemetry`` read it.
 """
 
+from ._recorder import Recorder, TelemetryConfig, now_us
 from ._schema import TABLES, VIEWS, Level, default_db_path, segments_dir
 
 # The store, summary and trace load DuckDB on first use: recording ranks never need it.
@@ -27,11 +28,14 @@ def __getattr__(name: str):  # noqa: ANN202
 __all__: list[str] = [
     "IngestResult",
     "Level",
+    "Recorder",
     "Store",
     "TABLES",
+    "TelemetryConfig",
     "VIEWS",
     "chrome_trace",
     "default_db_path",
+    "now_us",
     "render_summary",
     "segments_dir",
     "summary",

@@ -28,6 +28,17 @@ def _skip_root_package_setup(items: list[pytest.Item]) -> None:
                 node.setup = lambda: None  # type: ignore[method-assign]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Runs started by tests record telemetry into a throwaway store, never into the
+    repository's ``.meshplan/`` (tests that check telemetry pass their own path)."""
+    import os
+    import tempfile
+
+    if "MESHPLAN_TELEMETRY" not in os.environ:
+        root = tempfile.mkdtemp(prefix="meshplan-test-telemetry-")
+        os.environ["MESHPLAN_TELEMETRY"] = os.path.join(root, "telemetry.duckdb")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_root_package_setup(items)
     for item in items:

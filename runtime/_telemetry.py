@@ -1,0 +1,243 @@
+"""The runtime's side of telemetry: what the controller and every worker record, as rows of the
+tables in ``telemetry/SCHEMA.md``.
+
+The controller (rank -1) records the run, the plan's estimates (``plan_nodes``,
+``plan_collectives``), its own view of each step (split, send, wait for every rank: the
+controller's overhead is its ``dur_us`` minus the ranks'), and the failures it sees (a rank that
+exits or stops answering cannot record its own). Each worker records its rank, and per step its
+time, loss, every collective (tagged with the IR value and the consumer the plan priced it for),
+sampled op timings and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..backends import CommRecord, rank_coords
+from ..backends._lower import Reshard
+from ..ir import Node
+from ..planner import Plan
+from ..planner._comm import Collective, collective_time
+from ..planner._plan import layout_str
+from ..telemetry import Level, Recorder, TelemetryConfig, now_us
+
+logger = logging.getLogger(__name__)
+
+
+def _value(ref: Any) -> str:
+    return ref.node if ref.index == 0 else f"{ref.node}[{ref.index}]"
+
+
+# ---- the controller ----------------------------------------------------------------------------
+
+class ControllerTelemetry:
+    """Rows the controller writes for one run."""
+
+    def __init__(self, config: TelemetryConfig, run_id: str, plan: Plan, *, step_name: str,
+                 strategy: str) -> None:
+        self.config, self.run_id = config, run_id
+        self.rec = Recorder(config.segments, run_id, -1, level=config.level,
+                            flush_interval_s=config.flush_interval_s, live_rows=config.live_rows)
+        mesh = plan.mesh
+        self.rec.add("runs", (
+            now_us(), step_name, json.dumps(dict(mesh.axes)), mesh.size, strategy,
+            mesh.topology.name, plan.graph_hash, plan.estimated_step_time_s * 1e6,
+            int(plan.peak_memory_bytes), config.level.name.lower(), socket.gethostname(),
+            os.getpid(), plan.meshplan_version, plan.torch_version))
+        self.rec.add_many("plan_nodes", plan_node_rows(plan))
+        self.rec.add_many("plan_collectives", plan_collective_rows(plan))
+        self.rec.flush()         # the run's description survives whatever happens next
+
+    def step(self, step: int, start_us: int, dur_us: int, loss: float | None) -> None:
+        self.rec.add("steps", (step, start_us, dur_us, loss, None, None, None))
+
+    def failure(self, exc: BaseException, step: int | None) -> None:
+        ranks = getattr(exc, "ranks", ()) or (-1,)
+        kind = getattr(exc, "reason", "error")
+        tb = getattr(exc, "remote_traceback", None)
+        for rank in ranks:
+            self.rec.add("failures", (now_us(), step, kind, str(exc), getattr(exc, "where", None),
+                                      tb), rank=rank)
+        self.rec.flush()
+
+    def close(self) -> None:
+        self.rec.close()
+
+
+def plan_node_rows(plan: Plan) -> list[tuple]:
+    graph = plan.graph
+    rows = []
+    for p in plan.placements:
+        n = graph.node(p.node)
+        rows.append((p.node, p.target, n.kind.value, n.phase.value, n.module_path,
+                     f"{n.source.file}:{n.source.line}" if n.source else None,
+                     " ".join(layout_str(x) for x in p.inputs),
+                     " ".join(layout_str(x) for x in p.outputs), p.compute_s * 1e6))
+    return rows
+
+
+def plan_collective_rows(plan: Plan) -> list[tuple]:
+    """One row per collective of each redistribution the plan priced, with the cost model's
+    time for that one collective."""
+    mesh = plan.mesh
+    rows = []
+    for r in plan.redistributions:
+        for seq, (kind, axis, nbytes) in enumerate(r.collectives):
+            a = mesh.index(axis)
+            n = mesh.sizes[a]
+            est = collective_time(Collective(kind), nbytes, n, mesh.link(a)) * 1e6
+            rows.append((r.value, r.consumer, seq, kind, axis, n, int(nbytes), est))
+    return rows
+
+
+# ---- a worker ----------------------------------------------------------------------------------
+
+class WorkerTelemetry:
+    """A rank's recorder and the ``RunObserver`` its program runs with (see ``backends.run``)."""
+
+    def __init__(self, config: TelemetryConfig, run_id: str, rank: int, plan: Plan,
+                 device: str) -> None:
+        self.config = config
+        self.rec = Recorder(config.segments, run_id, rank, level=config.level,
+                            flush_interval_s=config.flush_interval_s, live_rows=config.live_rows)
+        self.sizes = plan.mesh.sizes
+        self.names = plan.mesh.names
+        self.coords = rank_coords(rank, self.sizes)
+        self.device = device
+        self.step = -1
+        self.time_ops = False
+        self._axes: dict[tuple[int, ...], str] = {}
+        self._reshards: list[tuple[int, int, str, str]] = []
+        self._ops: list[tuple[str, str, float, float]] = []
+        coords = ",".join(f"{a}={c}" for a, c in zip(self.names, self.coords))
+        self.rec.add("ranks", (socket.gethostname(), os.getpid(), coords, device, now_us()))
+
+    # RunObserver
+    def reshard(self, ins: Reshard, first: int, last: int) -> None:
+        if last > first:
+            self._reshards.append((first, last, _value(ins.ref), ins.consumer))
+
+    def compute(self, node: Node, start_s: float, dur_s: float) -> None:
+        self._ops.append((node.name, node.target, start_s, dur_s))
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self._reshards.clear()
+        self._ops.clear()
+        self.time_ops = (self.rec.wants(Level.OPS) and step % self.config.ops_every == 0)
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak_rss()
+
+    def end(self, records: Sequence[CommRecord], start_us: int, perf0: float, dur_us: int,
+            results: Sequence[Any], state: Mapping[str, torch.Tensor]) -> None:
+        step = self.step
+        comm_us = sum(int(r.dur_s * 1e6) for r in records)
+        comm_bytes = sum(r.nbytes for r in records)
+        self.rec.add("steps", (step, start_us, dur_us, _loss(results), comm_us, comm_bytes,
+                               len(records)))
+        if self.rec.wants(Level.COLLECTIVES) and records:
+            self.rec.add_many("collectives", self._collective_rows(records))
+        if self._ops:
+            self.rec.add_many("ops", [
+                (step, seq, name, target, start_us + int((t0 - perf0) * 1e6), int(d * 1e6))
+                for seq, (name, target, t0, d) in enumerate(self._ops)])
+        self.rec.add("memory", (step, self.device, *_memory(self.device, state)))
+
+    def failure(self, exc: BaseException, tb: str) -> None:
+        self.rec.add("failures", (now_us(), self.step, "error", f"{type(exc).__name__}: {exc}",
+                                  getattr(exc, "meshplan_where", None), tb))
+        self.rec.flush()
+
+    def close(self) -> None:
+        self.rec.close()
+
+    def _collective_rows(self, records: Sequence[CommRecord]) -> list[tuple]:
+        owner: list[tuple[str | None, str | None]] = [(None, None)] * len(records)
+        for first, last, value, consumer in self._reshards:
+            for i in range(first, min(last, len(records))):
+                owner[i] = (value, consumer)
+        return [(self.step, seq, r.kind.value, self._axis(r.group), len(r.group), r.nbytes,
+                 int(r.start_s * 1e6), int(r.dur_s * 1e6), *owner[seq])
+                for seq, r in enumerate(records)]
+
+    def _axis(self, group: tuple[int, ...]) -> str:
+        """The mesh axes along which the group's ranks differ (``dp``, ``tp``, ``dp+tp``)."""
+        name = self._axes.get(group)
+        if name is None:
+            coords = [rank_coords(r, self.sizes) for r in group]
+            name = "+".join(a for i, a in enumerate(self.names)
+                            if len({c[i] for c in coords}) > 1) or "-"
+            self._axes[group] = name
+        return name
+
+
+def _loss(results: Sequence[Any]) -> float | None:
+    for r in results:
+        if isinstance(r, torch.Tensor) and r.ndim == 0 and r.is_floating_point():
+            return float(r)
+    return None
+
+
+def _reset_peak_rss() -> None:
+    """Start the process's peak-RSS count (``VmHWM``) afresh (Linux >= 4.0); else a no-op."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _rss() -> tuple[int, int]:
+    """(RSS, peak RSS since the last reset) of this process in bytes."""
+    rss = hwm = 0
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) * 1024
+    except OSError:       # not Linux: the lifetime peak (which, on Linux, would include the
+        import resource   # parent's peak from before exec)
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        hwm *= 1 if sys.platform == "darwin" else 1024
+        rss = hwm
+    return rss, max(hwm, rss)
+
+
+def _memory(device: str, state: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
+    """(state bytes, allocated, peak within the step): the CUDA allocator's numbers, or on CPU
+    the process's RSS and its peak RSS since the step began."""
+    state_bytes = sum(t.numel() * t.element_size() for t in state.values()
+                      if isinstance(t, torch.Tensor))
+    if device.startswith("cuda"):
+        return state_bytes, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    rss, peak = _rss()
+    return state_bytes, rss, peak
+
+
+def state_device(state: Mapping[str, torch.Tensor]) -> str:
+    for t in state.values():
+        if isinstance(t, torch.Tensor):
+            return str(t.device) if t.device.type != "cuda" else f"cuda:{t.device.index or 0}"
+    return "cpu"
+
+
+def steps_timer() -> tuple[int, float]:
+    """(wall-clock µs, perf_counter) at the start of a step."""
+    return now_us(), time.perf_counter()
+
+
+__all__ = ["ControllerTelemetry", "WorkerTelemetry", "plan_collective_rows", "plan_node_rows",
+           "state_device", "steps_timer"]
