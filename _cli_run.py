@@ -53,6 +53,10 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--launcher", default="local", help="local (others are not available yet)")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
+    r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "
+                   ".meshplan/telemetry.duckdb)")
+    r.add_argument("--telemetry", metavar="LEVEL",
+                   help="off, steps, collectives (default) or ops")
     r.add_argument("--json", action="store_true", help="print one JSON line per step")
     r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     r.set_defaults(func=_guarded(cmd_run))
@@ -151,7 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     data = _data(module, args.target, args.data)
     example = example_inputs(module, fn, name, None)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
-                               timeout_s=_decorator_options(fn)["timeout_s"])
+                               timeout_s=_decorator_options(fn)["timeout_s"],
+                               telemetry=_telemetry(args))
     table = None if args.json else _LossTable(name, plan)
     done = 0
     with step:
@@ -164,12 +169,30 @@ def cmd_run(args: argparse.Namespace) -> int:
             else:
                 table.add(i, value)
             done = i + 1
+        run_id = step.run_id
     if table is not None:
         table.show()
+        if step.telemetry is not None and run_id is not None:
+            db = step.telemetry.db
+            _console().print(f"telemetry: run {run_id} in {db} (meshplan telemetry summary "
+                             f"--db {db} --run {run_id})")
     if done < args.steps:
         raise RuntimeFailure(f"the data ran out after {done} of {args.steps} steps; pass "
                              "fewer --steps or a longer batches()")
     return 0
+
+
+def _telemetry(args: argparse.Namespace) -> Any:
+    """``distribute(telemetry=...)`` from ``--db`` and ``--telemetry``."""
+    from .telemetry import Level, TelemetryConfig
+
+    if args.telemetry is None and args.db is None:
+        return None                               # the defaults (and $MESHPLAN_TELEMETRY*)
+    level = Level.parse(args.telemetry or "collectives")
+    if level is Level.OFF:
+        return False
+    return TelemetryConfig(level=level) if args.db is None else \
+        TelemetryConfig(db=args.db, level=level)
 
 
 def _loss_value(result: Any) -> float:

@@ -132,5 +132,12 @@ def _print_arrow(console: Any, title: str, sql: str, table: Any) -> None:
     for name in table.column_names:
         out.add_column(name, justify="right")
     for row in table.to_pylist():
-        out.add_row(*(f"{v:,}" if isinstance(v, int) else str(v) for v in row.values()))
+        out.add_row(*(_cell(v) for v in row.values()))
     console.print(out)
+
+
+def _cell(v: Any) -> str:
+    """Whole numbers (DuckDB sums are decimals) with thousands separators."""
+    if isinstance(v, (int, float)) or type(v).__name__ == "Decimal":
+        return f"{int(v):,}" if v == int(v) else f"{float(v):,.2f}"
+    return str(v)

@@ -101,7 +101,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         good = pool.submit(cli, folder, "run", STEP, "--plan", "gpt.plan", "--steps", "3",
-                           "--json")
+                           "--json", "--db", "tel.duckdb", "--telemetry", "ops")
         for case in ("truncated", "tampered", "foreign", "old-torch"):
             results[f"bad:{case}"] = run(plan=str(folder / f"{case}.plan"))
         results["bad:missing-plan"] = run(plan=str(folder / "nosuch.plan"))
@@ -220,3 +220,19 @@ def test_a_plan_without_metadata_still_loads_and_runs_checks(runs: dict[str, Res
     new = Plan.load(runs["folder"] / "gpt.plan")        # type: ignore[operator]
     assert plan.graph_hash == new.graph_hash
     assert Plan.from_json(new.to_json()).to_json() == new.to_json()
+
+
+def test_run_records_telemetry_the_sql_command_reads(runs: dict[str, Result]) -> None:
+    """``run --db D --telemetry ops`` records every rank's steps (with the losses it printed)
+    and op timings into D; ``telemetry sql --db D --json`` reads them back."""
+    folder = runs["folder"]
+    losses = [json.loads(line)["loss"] for line in runs["run"].stdout.splitlines()]
+    db = str(folder / "tel.duckdb")          # type: ignore[operator]
+    r = in_process("telemetry", "sql", "SELECT rank, step, loss FROM steps WHERE rank >= 0 "
+                   "ORDER BY step, rank", "--db", db, "--json")
+    assert r.returncode == 0, r
+    rows = json.loads(r.stdout)
+    assert [(x["step"], x["rank"]) for x in rows] == [(i, k) for i in range(3) for k in (0, 1)]
+    assert [x["loss"] for x in rows] == [v for v in losses for _ in (0, 1)]
+    r = in_process("telemetry", "sql", "SELECT count(*) AS n FROM ops", "--db", db, "--json")
+    assert json.loads(r.stdout)[0]["n"] > 0, r
