@@ -222,6 +222,7 @@ class Push:
                 raise LinkError(f"{self.pred_name} did not connect within "
                                 f"{self.io_timeout_s} s") from None
             sock.settimeout(self.io_timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = Link(sock, self.key, self.id, self.pos, self.pos - 1, self.chunk_bytes,
                         self.pred_name)
             try:
