@@ -62,6 +62,7 @@ def summary(store: Store, run_id: str | None = None) -> dict[str, Any]:
                         "ORDER BY start_us LIMIT 1", [run])
     ranks = _ranks(store, run)
     return {"run_id": run, "run": info[0] if info else None, "ranks": ranks,
+            "controller": _controller(store, run),
             "stragglers": _stragglers(store, run, ranks),
             "collectives": _collectives(store, run),
             "failures": _rows(store, "SELECT rank, time_us, step, kind, error, source "
@@ -72,7 +73,7 @@ def summary(store: Store, run_id: str | None = None) -> dict[str, Any]:
 def _ranks(store: Store, run: str) -> list[dict[str, Any]]:
     return _rows(store, """
         WITH s AS (SELECT rank, step, dur_us, coalesce(comm_us, 0) AS comm_us
-                   FROM steps WHERE run_id = ?),
+                   FROM steps WHERE run_id = ? AND rank >= 0),
              m AS (SELECT rank, max(peak_bytes) AS peak_bytes, arg_max(state_bytes, step)
                    AS state_bytes FROM memory WHERE run_id = ? GROUP BY rank),
              r AS (SELECT rank, any_value(host) AS host, any_value(device) AS device,
@@ -86,6 +87,19 @@ def _ranks(store: Store, run: str) -> list[dict[str, Any]]:
                any_value(m.peak_bytes) AS peak_bytes, any_value(m.state_bytes) AS state_bytes
         FROM s LEFT JOIN r USING (rank) LEFT JOIN m USING (rank)
         GROUP BY s.rank ORDER BY s.rank""", [run, run, run])
+
+
+def _controller(store: Store, run: str) -> dict[str, Any] | None:
+    """The controller's step (split the batch, send it, wait for every rank, take the result)
+    and its overhead: that time minus the slowest rank's own step time, per step."""
+    rows = _rows(store, """
+        WITH c AS (SELECT step, dur_us FROM steps WHERE run_id = ? AND rank < 0),
+             w AS (SELECT step, max(dur_us) AS slowest FROM steps
+                   WHERE run_id = ? AND rank >= 0 GROUP BY step)
+        SELECT count(*) AS steps, quantile_cont(c.dur_us, 0.5) AS step_p50_us,
+               quantile_cont(c.dur_us - w.slowest, 0.5) AS overhead_p50_us
+        FROM c JOIN w USING (step)""", [run, run])
+    return rows[0] if rows and rows[0]["steps"] else None
 
 
 def _median(xs: list[float]) -> float:
@@ -125,7 +139,7 @@ def _slow_since(store: Store, run: str, rank: int) -> tuple[int | None, float | 
     it is since then (median over those steps of compute / that step's median, minus 1)."""
     rows = _rows(store, f"""
         WITH s AS (SELECT rank, step, dur_us - coalesce(comm_us, 0) AS compute
-                   FROM steps WHERE run_id = ?),
+                   FROM steps WHERE run_id = ? AND rank >= 0),
              m AS (SELECT step, median(compute) AS med FROM s GROUP BY step)
         SELECT s.step, s.compute > {STRAGGLER_RATIO} * m.med AS slow,
                s.compute / nullif(m.med, 0) AS ratio
@@ -144,7 +158,8 @@ def _slow_since(store: Store, run: str, rank: int) -> tuple[int | None, float | 
 def _collectives(store: Store, run: str) -> list[dict[str, Any]]:
     """Per kind and axis, per rank per step: the plan's bytes and time next to the measured."""
     return _rows(store, """
-        WITH n AS (SELECT nullif(count(*), 0) AS rank_steps FROM steps WHERE run_id = ?)
+        WITH n AS (SELECT nullif(count(*), 0) AS rank_steps FROM steps
+                   WHERE run_id = ? AND rank >= 0)
         SELECT v.kind, v.axis, count(*) AS planned_calls,
                sum(v.measured_calls) / any_value(n.rank_steps) AS calls_per_step,
                sum(v.predicted_bytes) AS predicted_bytes,
@@ -203,6 +218,11 @@ def render_summary(d: dict[str, Any]) -> Any:
                   _us(r["step_p50_us"]), _us(r["step_p95_us"]), _us(r["compute_p50_us"]),
                   _pct(r["comm_share"]), _bytes(r["peak_bytes"]))
     parts.append(t)
+    ctl = d.get("controller")
+    if ctl:
+        parts.append(Text(f"controller: step p50 {_us(ctl['step_p50_us'])} (split, send, wait, "
+                          f"gather), overhead over the slowest rank p50 "
+                          f"{_us(ctl['overhead_p50_us'])}"))
 
     if not d["stragglers"]:
         parts.append(Text("no stragglers (no rank's median compute is >10% over the median)"))

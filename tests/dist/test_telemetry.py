@@ -199,3 +199,20 @@ def test_telemetry_off_records_nothing(tmp_path) -> None:
         with pytest.raises(meshplan.RuntimeFailure, match="telemetry is off"):
             step.query("SELECT 1")
     assert step.telemetry is None
+
+
+@pytest.mark.timeout(240)
+def test_the_summary_of_a_real_run(gpt_run) -> None:
+    """Per-rank rows are the mesh's ranks (the controller is reported apart), and the plan
+    vs measured table counts each rank's calls per step as the communicator made them."""
+    from meshplan.telemetry import summary
+
+    with Store.open(gpt_run["db"]) as store:
+        d = summary(store)
+    assert d["run_id"] == gpt_run["run_id"]
+    assert [r["rank"] for r in d["ranks"]] == [0, 1, 2, 3]
+    assert all(r["steps"] == STEPS for r in d["ranks"])
+    assert d["controller"]["steps"] == STEPS
+    calls = sum(row["calls_per_step"] for row in d["collectives"])
+    assert calls == pytest.approx(sum(gpt_run["comm"][0]) / 4)
+    assert d["failures"] == []
