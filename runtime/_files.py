@@ -497,21 +497,15 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
     feed: dict[str, Any] = {}
     try:
         for rank in range(workers.n):
+            header = {"push": push, "role": "shared"}
             if rank in chain:
-                workers.send(rank, "files.prepare", dict(
-                    common, dest=dests[rank], pos=chain.index(rank),
-                    corrupt_frame=corrupt.get(rank), delay_s=delay.get(rank, 0.0)))
-            else:
-                workers.send(rank, "files.prepare", {"push": push, "role": "shared"})
+                header = dict(common, dest=dests[rank], pos=chain.index(rank),
+                              corrupt_frame=corrupt.get(rank), delay_s=delay.get(rank, 0.0))
+            workers.send(rank, "files.prepare", header)
         prepared = [m.header for m in workers.gather("files.prepare", timeout_s)]
         plan = _plan(tree, [prepared[r]["need"] for r in chain])
         for rank in range(workers.n):
-            pos = chain.index(rank) if rank in chain else None
-            last = pos is None or pos + 1 == len(chain)
-            workers.send(rank, "files.start", {
-                "push": push, "succ": None if last else prepared[chain[pos + 1]]["addr"],
-                "succ_rank": None if last else chain[pos + 1],
-                "pred_rank": None if not pos else chain[pos - 1]})
+            workers.send(rank, "files.start", _neighbours(push, rank, chain, prepared))
         workers.gather("files.start", timeout_s)
         t1 = time.perf_counter()
         thread = threading.Thread(target=_feed, name="meshplan-files-feed", daemon=True, args=(
@@ -533,6 +527,16 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
         raise RuntimeFailure(f"files push: {feed['error']}") from feed["error"]
     return _result(tree, plan, chain, hosts, dests, owner, done, t0, scan_s,
                    time.perf_counter() - t1)
+
+
+def _neighbours(push: str, rank: int, chain: Sequence[int],
+                prepared: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The ``files.start`` header of ``rank``: its successor's address, both neighbours' ranks."""
+    pos = chain.index(rank) if rank in chain else None
+    last = pos is None or pos + 1 == len(chain)
+    return {"push": push, "succ": None if last else prepared[chain[pos + 1]]["addr"],
+            "succ_rank": None if last else chain[pos + 1],
+            "pred_rank": None if not pos else chain[pos - 1]}
 
 
 def _plan(tree: Tree, needs: Sequence[dict[str, list[list[int]]]]) -> list[tuple[int, int, int]]:
