@@ -151,8 +151,9 @@ class Push:
         try:
             with open(part + ".json") as f:
                 side = json.load(f)
-            ok = (side.get("hash") == entry.hash and side.get("chunk_bytes") == self.chunk_bytes
-                  and os.path.getsize(part) == entry.size)
+            ok = (isinstance(side, dict) and side.get("hash") == entry.hash
+                  and side.get("chunk_bytes") == self.chunk_bytes
+                  and isinstance(side.get("chunks"), list) and os.path.getsize(part) == entry.size)
         except (OSError, ValueError):
             ok = False
         if not ok:
@@ -162,7 +163,7 @@ class Push:
             return set()
         have = set()
         with open(part, "rb") as f:
-            for c in side.get("chunks", []):
+            for c in side["chunks"]:
                 if isinstance(c, int) and 0 <= c < len(entry.chunks):
                     data = os.pread(f.fileno(), self.chunk_bytes, c * self.chunk_bytes)
                     if hashlib.sha256(data).hexdigest() == entry.chunks[c]:
