@@ -131,7 +131,8 @@ def test_push_tree_then_skip_unchanged(tree: Path, tmp_path: Path, n: int,
 def test_corrupt_chunks_are_detected_and_resent(tmp_path: Path, workers3) -> None:
     """One byte flipped after signing, once on the controller -> rank 0 link and once on the
     rank 0 -> rank 1 link: each receiver rejects the chunk and its sender resends it. Also a
-    template without {rank}: the ranks share one destination, so only rank 0 writes it."""
+    template without {rank}: the ranks share one destination, so only rank 0 writes it (with a
+    progress callback); and SRC given as one file lands as DEST/NAME."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "data.bin").write_bytes(os.urandom(10 * 64 * 1024))
@@ -143,11 +144,19 @@ def test_corrupt_chunks_are_detected_and_resent(tmp_path: Path, workers3) -> Non
     for rank in range(3):
         _assert_same_tree(src, tmp_path / f"dst{rank}")
 
-    shared = push_files(src, str(tmp_path / "one" / "{host}"), workers=workers)
+    seen: list[tuple[int, int]] = []
+    shared = push_files(src, str(tmp_path / "one" / "{host}"), workers=workers,
+                        progress=lambda done, total: seen.append((done, total)))
+    assert seen[0] == (0, 10 * 64 * 1024) and seen[-1] == (10 * 64 * 1024,) * 2
     assert [r.role for r in shared.ranks] == ["writer", "shared", "shared"]
     assert [r.shares_with for r in shared.ranks] == [None, 0, 0]
     assert shared.ranks[0].files_written == 1
     _assert_same_tree(src, tmp_path / "one" / workers.hostnames[0])
+
+    single = push_files(src / "data.bin", str(tmp_path / "single{rank}"), workers=workers)
+    assert (single.files, single.files_sent) == (1, 1)
+    for rank in range(3):
+        assert _digest(tmp_path / f"single{rank}" / "data.bin") == _digest(src / "data.bin")
 
 
 @pytest.mark.timeout(90)
