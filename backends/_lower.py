@@ -31,6 +31,7 @@ from ..ir._ops import resolve
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
 from ..planner._placement import local_shape
 from ..planner.rules import rule_for
+from ._bucket import DEFAULT_BUCKET_BYTES, Bucket, bucket, run_bucket
 from ._layout import axis_group, local_part, rank_coords
 
 Value = Any
@@ -71,7 +72,7 @@ class Free:
     names: tuple[str, ...]
 
 
-Instruction = Reshard | Compute | Free
+Instruction = Reshard | Compute | Free | Bucket
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,10 @@ class Program:
     results: tuple[Ref, ...]
 
 
-def lower(plan: Plan, rank: int) -> Program:
-    """The program of ``rank`` (row-major over the plan's mesh axes)."""
+def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Program:
+    """The program of ``rank`` (row-major over the plan's mesh axes). All-reduces of values
+    that exist together are merged into buckets of up to ``bucket_bytes`` (``_bucket.py``;
+    0 turns that off and every collective is then exactly the plan's)."""
     graph, sizes = plan.graph, plan.mesh.sizes
     world = math.prod(sizes)
     if not 0 <= rank < world:
@@ -136,6 +139,7 @@ def lower(plan: Plan, rank: int) -> Program:
         else:
             need(o.ref, rep, "<result>")
             results.append(o.ref)
+    instrs = bucket(instrs, graph, sizes, bucket_bytes)
     return Program(rank, coords, sizes, tuple(instrs), inputs,
                    {n.name: n.target for n in graph.inputs}, state_out, tuple(results))
 
@@ -250,7 +254,7 @@ class RunObserver(Protocol):
 
     time_ops: bool
 
-    def reshard(self, ins: Reshard, first: int, last: int) -> None: ...
+    def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None: ...
 
     def compute(self, node: Node, start_s: float, dur_s: float) -> None: ...
 
@@ -284,6 +288,13 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                 first = len(comm.records)
                 copies[(ins.ref.node, ins.ref.index, ins.dst)] = reshard(v, ins.steps, comm,
                                                                          program.coords)
+                if observer is not None:
+                    observer.reshard(ins, first, len(comm.records))
+            elif isinstance(ins, Bucket):
+                first = len(comm.records)
+                values = [env[m.ref.node][m.ref.index] for m in ins.members]
+                for m, v in zip(ins.members, run_bucket(ins, values, comm)):
+                    copies[(m.ref.node, m.ref.index, m.dst)] = v
                 if observer is not None:
                     observer.reshard(ins, first, len(comm.records))
             elif isinstance(ins, Compute):
@@ -348,5 +359,5 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
     return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
 
 
-__all__ = ["Compute", "Free", "Program", "Reshard", "RunObserver", "Step", "lower",
+__all__ = ["Bucket", "Compute", "Free", "Program", "Reshard", "RunObserver", "Step", "lower",
            "plan_steps", "reshard", "run", "split_inputs"]

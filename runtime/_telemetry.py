@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..backends import CommRecord, rank_coords
-from ..backends._lower import Reshard
+from ..backends._lower import Bucket, Reshard
 from ..ir import Node
 from ..planner import Plan
 from ..planner._comm import Collective, collective_time
@@ -31,6 +31,8 @@ from ..planner._plan import layout_str
 from ..telemetry import Level, Recorder, TelemetryConfig, now_us
 
 logger = logging.getLogger(__name__)
+
+BUCKET = "<bucket>"      # the value of a bucketed all-reduce's row (it serves many values)
 
 
 def _value(ref: Any) -> str:
@@ -122,8 +124,12 @@ class WorkerTelemetry:
         self.rec.add("ranks", (socket.gethostname(), os.getpid(), coords, device, now_us()))
 
     # RunObserver
-    def reshard(self, ins: Reshard, first: int, last: int) -> None:
-        if last > first:
+    def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None:
+        if last <= first:
+            return
+        if isinstance(ins, Bucket):
+            self._reshards.append((first, last, BUCKET, f"<{len(ins.members)} values>"))
+        else:
             self._reshards.append((first, last, _value(ins.ref), ins.consumer))
 
     def compute(self, node: Node, start_s: float, dur_s: float) -> None:

@@ -156,24 +156,27 @@ def _slow_since(store: Store, run: str, rank: int) -> tuple[int | None, float | 
 
 
 def _collectives(store: Store, run: str) -> list[dict[str, Any]]:
-    """Per kind and axis, per rank per step: the plan's bytes and time next to the measured."""
+    """Per kind and axis, per rank per step: the plan's calls, bytes and time next to the
+    measured ones. Measured from every ``collectives`` row, so calls the plan priced apart and
+    the runtime merged (a gradient bucket: value ``<bucket>``) count as the runtime made them."""
     return _rows(store, """
         WITH n AS (SELECT nullif(count(*), 0) AS rank_steps FROM steps
-                   WHERE run_id = ? AND rank >= 0)
-        SELECT v.kind, v.axis, count(*) AS planned_calls,
-               sum(v.measured_calls) / any_value(n.rank_steps) AS calls_per_step,
-               sum(v.predicted_bytes) AS predicted_bytes,
-               sum(coalesce(v.measured_bytes, 0) * v.measured_calls)
-                   / any_value(n.rank_steps) AS measured_bytes,
-               sum(v.predicted_us) AS predicted_us,
-               sum(coalesce(v.measured_us, 0) * v.measured_calls)
-                   / any_value(n.rank_steps) AS measured_us
-        FROM collectives_vs_plan v, n WHERE v.run_id = ?
-        GROUP BY v.kind, v.axis ORDER BY measured_us DESC NULLS LAST, v.kind, v.axis""",
-                 [run, run])
+                   WHERE run_id = ? AND rank >= 0),
+             p AS (SELECT kind, axis, count(*) AS planned_calls, sum(bytes) AS predicted_bytes,
+                          sum(est_us) AS predicted_us
+                   FROM plan_collectives WHERE run_id = ? GROUP BY kind, axis),
+             m AS (SELECT kind, axis, count(*) AS calls, sum(bytes) AS bytes,
+                          sum(dur_us) AS us
+                   FROM collectives WHERE run_id = ? GROUP BY kind, axis)
+        SELECT kind, axis, coalesce(p.planned_calls, 0) AS planned_calls,
+               coalesce(m.calls, 0) / n.rank_steps AS calls_per_step,
+               p.predicted_bytes,
+               coalesce(m.bytes, 0) / n.rank_steps AS measured_bytes,
+               p.predicted_us,
+               coalesce(m.us, 0) / n.rank_steps AS measured_us
+        FROM p FULL JOIN m USING (kind, axis) CROSS JOIN n
+        ORDER BY measured_us DESC NULLS LAST, kind, axis""", [run, run, run])
 
-
-# ---- rendering -----------------------------------------------------------------------------
 
 def _us(v: float | None) -> str:
     if v is None:
