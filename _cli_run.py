@@ -50,7 +50,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--plan", required=True, help="a plan written by `meshplan compile`")
     r.add_argument("--steps", type=int, default=1, help="how many steps to run")
     r.add_argument("--mesh", help="the mesh to run on (checked against the plan's)")
-    r.add_argument("--launcher", default="local", help="local (others are not available yet)")
+    r.add_argument("--launcher", default="local",
+                   help="local (default) or mpi (mpiexec; pip install 'meshplan[mpi]')")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
     r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "
@@ -138,9 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from .planner import Plan, parse_mesh
 
-    if args.launcher != "local":
+    if args.launcher not in ("local", "mpi"):
         raise RuntimeFailure(f"launcher {args.launcher!r} is not available yet; use "
-                             "--launcher local")
+                             "--launcher local or mpi")
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
     plan = Plan.load(args.plan)                       # truncated, tampered, foreign: PlanError
@@ -155,6 +156,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     data = _data(module, args.target, args.data)
     example = example_inputs(module, fn, name, None)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
+                               launcher=args.launcher,
                                timeout_s=_decorator_options(fn)["timeout_s"],
                                telemetry=_telemetry(args))
     table = None if args.json else _LossTable(name, plan)

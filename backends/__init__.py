@@ -9,16 +9,21 @@ kernels) and the communicators and transfers: torch.distributed (gloo on CPU, NC
 from ._comm import CollectiveKind, CommRecord, Communicator, TorchCommunicator
 from ._layout import all_axis_groups, assemble, local_part, rank_coords
 from ._lower import Program, RunObserver, lower, run, split_inputs
+from ._mpi import MPICommunicator
+from ._rma import Transfer, TransferRecord
 from ._threadcomm import ThreadMesh
 
 __all__: list[str] = [
     "CollectiveKind",
     "CommRecord",
     "Communicator",
+    "MPICommunicator",
     "Program",
     "RunObserver",
     "ThreadMesh",
     "TorchCommunicator",
+    "Transfer",
+    "TransferRecord",
     "all_axis_groups",
     "assemble",
     "local_part",

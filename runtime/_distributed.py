@@ -32,6 +32,7 @@ from ..ir import OutputKind, Role
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig, now_us
 from ._launch import LocalLauncher, Workers, WorkerFailure
+from ._mpi_launch import MPILauncher
 from ._telemetry import ControllerTelemetry
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ class DistributedStep:
                  topology: Any, strategy: str, plan: str | Plan | None,
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
                  telemetry: Any = None) -> None:
-        if launcher != "local":
+        if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
-                                 "launcher='local'")
+                                 "launcher='local' or 'mpi'")
+        self.launcher = launcher
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
@@ -255,7 +257,8 @@ class DistributedStep:
         world = math.prod(plan.mesh.sizes)
         state = self._local_state()
         data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
-        self._workers = workers = LocalLauncher().launch(
+        launcher = MPILauncher() if self.launcher == "mpi" else LocalLauncher()
+        self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": _HANDLERS})
         header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s}
         if self.telemetry is not None:
@@ -312,11 +315,15 @@ class DistributedStep:
     def _gather_state(self) -> dict[str, torch.Tensor]:
         workers, plan = self._workers, self.plan
         assert workers is not None
-        workers.broadcast("get_state")
+        workers.broadcast("get_state", {"rma": self.launcher == "mpi"})
         replies = workers.gather("get_state", self.timeout_s)
         sizes = plan.mesh.sizes
-        pieces = [(rank_coords(rank, sizes), dict(zip(msg.header["names"], msg.tensors)))
-                  for rank, msg in enumerate(replies)]
+        held = [dict(zip(msg.header["names"], msg.tensors)) for msg in replies]
+        if replies[0].header.get("ranks"):      # mpi: rank 0 read every rank's pieces by RMA
+            names, ts = replies[0].header["names"], replies[0].tensors
+            held = [dict(zip(names, ts[r * len(names):(r + 1) * len(names)]))
+                    for r in range(workers.n)]
+        pieces = [(rank_coords(rank, sizes), h) for rank, h in enumerate(held)]
         return {name: assemble({c: held[name] for c, held in pieces},
                                plan.input_layouts[name], sizes)
                 for name in replies[0].header["names"]}

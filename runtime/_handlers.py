@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..backends import TorchCommunicator, all_axis_groups, lower, run
+from ..backends import MPICommunicator, TorchCommunicator, Transfer, all_axis_groups, lower, run
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
@@ -25,7 +25,10 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     ns.program = lower(plan, state.rank)
     ns.state = dict(zip(header["state"], tensors))
     ns.data_names = header["data"]
-    if getattr(ns, "comm", None) is None:
+    if getattr(ns, "comm", None) is None and state.env.get("MESHPLAN_MPI") == "1":
+        ns.comm = MPICommunicator(all_axis_groups(plan.mesh.sizes),     # the mpi launcher
+                                  timeout_s=float(header.get("timeout_s", 300.0)))
+    elif getattr(ns, "comm", None) is None:
         ns.comm = TorchCommunicator(
             state.rank, state.world_size, all_axis_groups(plan.mesh.sizes),
             timeout_s=float(header.get("timeout_s", 300.0)),
@@ -66,7 +69,23 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
 @register("get_state")
 def _get_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     names = sorted(state.ns.state)
+    comm = getattr(state.ns, "comm", None)
+    if header.get("rma") and isinstance(comm, MPICommunicator):
+        return _get_state_rma(comm, state.ns.state, names)
     return {"names": names}, [state.ns.state[n] for n in names]
+
+
+def _get_state_rma(comm: MPICommunicator, held: dict[str, torch.Tensor], names: list[str]):
+    """The mpi launcher: every rank exposes its pieces in RMA windows and rank 0 reads them all
+    one-sidedly, then replies with every rank's pieces (rank-major, ``ranks`` of them); the
+    other ranks reply with none. Freeing the windows (collective) waits for rank 0's reads."""
+    with Transfer(comm) as tr:
+        for name in names:                      # same names, same order on every rank
+            tr.expose(name, held[name])
+        if comm.rank != 0:
+            return {"names": names, "ranks": 0}, []
+        pieces = [tr.get(r, name) for r in range(comm.world_size) for name in names]
+    return {"names": names, "ranks": comm.world_size}, pieces
 
 
 @register("set_state")

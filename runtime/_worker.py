@@ -204,8 +204,14 @@ def main() -> int:
     env = os.environ
     try:
         parent = int(env[ENV_PARENT_PID]) if ENV_PARENT_PID in env else None
-        secret = _guard_against_orphaning(parent, env.get(ENV_PDEATHSIG) == "1")
-        rank, world_size = int(env[ENV_RANK]), int(env[ENV_WORLD_SIZE])
+        if env.get("MESHPLAN_MPI") == "1":     # started by mpiexec: see _mpi_launch
+            from ._mpi_launch import worker_start
+
+            secret, rank = worker_start(env, parent, env.get(ENV_PDEATHSIG) == "1")
+        else:
+            secret = _guard_against_orphaning(parent, env.get(ENV_PDEATHSIG) == "1")
+            rank = int(env[ENV_RANK])
+        world_size = int(env[ENV_WORLD_SIZE])
         address, run_id = env[ENV_ADDRESS], env[ENV_RUN_ID]
     except (KeyError, ValueError, OSError) as exc:
         print(f"meshplan worker: bad start ({exc!r}); start workers with a meshplan launcher",

@@ -108,7 +108,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
         results["bad:mesh"] = run("--mesh", "dp=4")
         results["bad:no-function"] = run(target=str(folder / "gpt_distributed.py:nosuch"))
         results["bad:no-file"] = run(target=str(folder / "nofile.py:train_step"))
-        results["bad:launcher"] = run("--launcher", "mpi")
+        results["bad:launcher"] = run("--launcher", "slurm")
         results["bad:compile-no-function"] = in_process(
             "compile", str(folder / "gpt_distributed.py:nosuch"), "-o", str(folder / "x.plan"))
         results["bad:data"] = run("--data", "no_such_module_xyz:batches")

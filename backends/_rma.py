@@ -1,0 +1,221 @@
+"""One-sided transfers (MPI RMA): read or write another rank's tensor without it posting a receive.
+
+``Transfer(comm)`` works over an ``MPICommunicator`` (all ranks) or one of its groups::
+
+    with Transfer(comm) as tr:
+        tr.expose("w", local_shard)          # collective: every member, same names, same order
+        tr.sync()                            # optional; exposure itself is collective
+        full = [tr.get(r, "w") for r in range(comm.world_size)]   # no call on rank r
+        tr.put(1, "w", patch, offset=8)      # write into rank 1's tensor, in place
+        tr.sync()                            # everyone: puts done, visible to their targets
+
+- ``expose`` puts a tensor's own memory in an MPI window (``MPI.Win.Create``; a contiguous CPU
+  tensor is exposed in place, anything else as a contiguous copy, which ``expose`` returns).
+  Shape and dtype of every member's tensor are exchanged once, at exposure (JSON through
+  ``Allgatherv``), so a ``get`` needs nothing from its target: it knows what to read.
+- ``get``/``put`` are passive-target: ``Win.Lock(target, SHARED)``, ``Rget``/``Rput``
+  (polled against the communicator's ``timeout_s``), ``Win.Unlock(target)``, after which the
+  data is in our buffer (get) or in the target's memory (put). Several ranks may put to
+  DISJOINT parts of one tensor concurrently; overlapping puts without ordering are undefined,
+  as in MPI. ``offset``/``numel`` count elements of the flattened tensor.
+- ``sync()`` is a barrier of the group plus ``Win.Sync`` on every window: after it every member
+  sees the puts that completed before it, and its local writes are visible to later gets.
+- ``close()`` (or leaving the ``with`` block) frees every window (``Win.Free``, collective, in
+  exposure order); ``unexpose(name)`` frees one. A window must not outlive its tensor: the
+  ``Transfer`` holds a reference until it is freed.
+
+On one host MPICH maps the windows onto shared memory; on a cluster with an RDMA network they
+are RDMA reads and writes. Used by the runtime for ``get_state`` on the MPI launcher (rank 0
+reads every rank's state pieces one-sidedly; see ``runtime/_handlers.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Self
+
+import numpy as np
+import torch
+
+from .._errors import LoweringError, RuntimeFailure
+from ._comm import check_group
+from ._mpi import MPICommunicator
+
+__all__ = ["Transfer", "TransferRecord"]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRecord:
+    """One get or put: ``rank`` is the target (global rank)."""
+
+    op: str
+    rank: int
+    name: str
+    nbytes: int
+    start_s: float
+    dur_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    win: Any
+    tensor: torch.Tensor                       # keeps the exposed memory alive
+    shapes: tuple[tuple[int, ...], ...]        # per group member
+    dtypes: tuple[torch.dtype, ...]
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise LoweringError(f"Transfer: unknown dtype {name!r} from a peer")
+    return dt
+
+
+class Transfer:
+    """One-sided gets and puts between the members of ``group`` (default: every rank)."""
+
+    def __init__(self, comm: MPICommunicator, group: tuple[int, ...] | None = None) -> None:
+        if not isinstance(comm, MPICommunicator):
+            raise LoweringError(f"Transfer needs an MPICommunicator, got {type(comm).__name__}: "
+                                "one-sided transfers are MPI RMA windows")
+        self.comm, self._MPI = comm, comm._MPI
+        self.group = check_group(group, comm.rank, comm.world_size, "Transfer")
+        self._sub = comm._sub(self.group) if len(self.group) > 1 else comm._MPI.COMM_SELF
+        self._windows: dict[str, _Window] = {}
+        self.records: list[TransferRecord] = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._windows)
+
+    def expose(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective over the group: put ``tensor`` (this member's) in window ``name``.
+        Returns the exposed tensor (``tensor`` itself when it is a contiguous CPU tensor)."""
+        if name in self._windows:
+            raise LoweringError(f"Transfer.expose: {name!r} is already exposed; unexpose it first")
+        t = tensor.detach()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.to("cpu").contiguous()
+        meta = json.dumps([list(t.shape), str(t.dtype).removeprefix("torch."), name]).encode()
+        metas = self._allgather_bytes(meta)
+        names = {m[2] for m in metas}
+        if names != {name}:
+            raise LoweringError(f"Transfer.expose: the members of {self.group} exposed different "
+                                f"names at once: {sorted(names)}; expose in the same order")
+        memory = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+        win = self._MPI.Win.Create(memory, 1, comm=self._sub)
+        self._windows[name] = _Window(win, t, tuple(tuple(m[0]) for m in metas),
+                                      tuple(_dtype(m[1]) for m in metas))
+        return t
+
+    def shape(self, rank: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of ``rank``'s tensor in window ``name``."""
+        w, i = self._window(name, "shape"), self._index(rank, "shape")
+        return w.shapes[i], w.dtypes[i]
+
+    def get(self, rank: int, name: str, *, offset: int = 0,
+            numel: int | None = None) -> torch.Tensor:
+        """A copy of ``rank``'s exposed tensor (or ``numel`` elements of it from ``offset``, as a
+        flat tensor); ``rank`` does nothing."""
+        w, i = self._window(name, "get"), self._index(rank, "get")
+        shape, dtype = w.shapes[i], w.dtypes[i]
+        total = torch.Size(shape).numel()
+        count = total - offset if numel is None else numel
+        self._check_range("get", rank, name, offset, count, total)
+        whole = offset == 0 and count == total and numel is None
+        out = torch.empty(shape if whole else (count,), dtype=dtype)
+        self._rma("get", w, rank, i, name, out, offset * dtype.itemsize)
+        return out
+
+    def put(self, rank: int, name: str, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Write ``tensor`` (flattened) into ``rank``'s exposed tensor from element ``offset``;
+        ``rank`` does nothing. Returns once the data is in the target's memory."""
+        w, i = self._window(name, "put"), self._index(rank, "put")
+        shape, dtype = w.shapes[i], w.dtypes[i]
+        if tensor.dtype != dtype:
+            raise LoweringError(f"Transfer.put: {name!r} on rank {rank} holds {dtype}, got a "
+                                f"{tensor.dtype} tensor; convert it first")
+        self._check_range("put", rank, name, offset, tensor.numel(), torch.Size(shape).numel())
+        src = tensor.detach().to("cpu").contiguous()
+        self._rma("put", w, rank, i, name, src, offset * dtype.itemsize)
+
+    def sync(self) -> None:
+        """Collective over the group: every put that completed before is visible everywhere."""
+        self.comm.barrier(self.group) if len(self.group) > 1 else None
+        for w in self._windows.values():
+            w.win.Lock_all()
+            w.win.Sync()
+            w.win.Unlock_all()
+
+    def unexpose(self, name: str) -> None:
+        """Collective over the group: free window ``name``."""
+        self._window(name, "unexpose").win.Free()
+        del self._windows[name]
+
+    def close(self) -> None:
+        """Collective over the group: free every window, in exposure order. Idempotent."""
+        for name in list(self._windows):
+            self.unexpose(name)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _window(self, name: str, where: str) -> _Window:
+        w = self._windows.get(name)
+        if w is None:
+            raise LoweringError(f"Transfer.{where}: nothing is exposed as {name!r} (exposed: "
+                                f"{sorted(self._windows)}); call expose on every member first")
+        return w
+
+    def _index(self, rank: int, where: str) -> int:
+        if rank not in self.group:
+            raise LoweringError(f"Transfer.{where}: rank {rank!r} is not in the group "
+                                f"{self.group}")
+        return self.group.index(rank)
+
+    @staticmethod
+    def _check_range(op: str, rank: int, name: str, offset: int, count: int, total: int) -> None:
+        if not (0 <= offset and 0 <= count and offset + count <= total):
+            raise LoweringError(f"Transfer.{op}: elements [{offset}, {offset + count}) are "
+                                f"outside {name!r} on rank {rank}, which has {total} elements")
+
+    def _rma(self, op: str, w: _Window, rank: int, i: int, name: str, buf: torch.Tensor,
+             disp: int) -> None:
+        MPI, nbytes = self._MPI, buf.nbytes
+        start, t0 = time.time(), time.perf_counter()
+        if nbytes:
+            spec = [buf.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE]
+            target = (disp, nbytes, MPI.BYTE)
+            try:
+                w.win.Lock(i, MPI.LOCK_SHARED)
+                req = (w.win.Rget if op == "get" else w.win.Rput)(spec, i, target)
+                self.comm.wait(req, f"Transfer.{op} of {name!r} on rank {rank}")
+                w.win.Unlock(i)
+            except MPI.Exception as exc:
+                raise RuntimeFailure(f"Transfer.{op} of {name!r} on rank {rank} failed on rank "
+                                     f"{self.comm.rank} (MPI): {exc.Get_error_string()}") from exc
+        self.records.append(TransferRecord(op, rank, name, nbytes, start,
+                                           time.perf_counter() - t0))
+
+    def _allgather_bytes(self, data: bytes) -> list[Any]:
+        """Every member's ``data`` (JSON), in group order, without pickle."""
+        MPI = self._MPI
+        n = len(self.group)
+        sizes = np.zeros(n, dtype=np.int64)
+        self.comm.wait(self._sub.Iallgather(np.array([len(data)], dtype=np.int64), sizes),
+                       "Transfer.expose")
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        send = np.frombuffer(data, dtype=np.uint8)
+        self.comm.wait(self._sub.Iallgatherv(
+            [send, MPI.BYTE], [out, (sizes.tolist(), displs.tolist()), MPI.BYTE]),
+            "Transfer.expose")
+        return [json.loads(out[int(d):int(d) + int(s)].tobytes())
+                for d, s in zip(displs, sizes)]

@@ -1,0 +1,270 @@
+"""The ``mpi`` launcher: workers started by ``mpiexec``, driven like local ones.
+
+``MPILauncher().launch(n)`` runs ONE ``mpiexec -n N python -m meshplan.runtime._worker`` as a
+child of the controller and returns the same :class:`Workers` as ``LocalLauncher``: the
+controller model (signed ZeroMQ channel, hello, send / gather, failures) does not change. What
+does:
+
+- **Rank.** The worker takes its rank from MPI (``PMI_RANK``, set by hydra for every process;
+  ``MESHPLAN_MPI=1`` tells it to), not from ``MESHPLAN_RANK``. Its communicator is then an
+  ``MPICommunicator`` (``runtime/_handlers.py``).
+- **Secret.** Hydra forwards stdin to rank 0 only, so the secret cannot come on stdin. It is
+  written to a file in a fresh private directory (``mkdtemp``: 0700; the file 0600) whose path is
+  in ``MESHPLAN_SECRET_FILE``; every worker reads it before it connects, and the controller
+  deletes it as soon as all ranks said hello (or the launch failed). Trade-off: for those
+  seconds the key rests on disk readable by this user (who can also read our memory and
+  ``/proc``); it never appears in argv or the environment. On several hosts the directory must
+  be on a shared filesystem (``secret_dir=``).
+- **Orphans.** The controller does not hold the workers' stdin, so the stdin-EOF guard of
+  ``_worker`` is replaced by a watcher thread that polls the controller's pid (twice a second)
+  and exits the worker when it is gone; on Linux ``PR_SET_PDEATHSIG`` additionally kills each
+  worker when its hydra proxy dies, and mpiexec itself gets ``PR_SET_PDEATHSIG=SIGTERM``
+  (from ``preexec_fn``) so a killed controller takes mpiexec down, which takes down its ranks.
+  ``tests/dist/test_mpi.py`` kills a controller with ``kill -9`` and checks that every rank exits.
+- **Exits.** The controller sees one process, mpiexec. A rank counts as exited when its pid
+  (from its hello) is gone; its exit code is mpiexec's if mpiexec then ends within a moment
+  (hydra aborts the job when a rank exits non-zero and returns that code), else 0. Each rank's
+  stdout/stderr go to ``log_dir/rank{r}.out|.err`` (``-outfile-pattern``), as locally.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from .._errors import RuntimeFailure
+from . import _channel as P
+from ._channel import ControllerChannel, Secret
+from ._launch import LocalLauncher, Workers, _free_port, _Group
+
+__all__ = ["MPILauncher", "find_mpiexec", "worker_start"]
+
+ENV_MPI = "MESHPLAN_MPI"                  # "1": started by mpiexec; rank from MPI
+ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
+MPI_FIX = "pip install 'meshplan[mpi]' (mpi4py and the mpich wheel, which brings mpiexec)"
+_EXIT_WAIT_S = 1.5        # after a rank's pid vanished: how long mpiexec may take to end the job
+_WATCH_S = 0.5
+
+
+def find_mpiexec(explicit: str | os.PathLike | None = None) -> str:
+    """``explicit``, or ``mpiexec`` next to ``sys.executable`` (the mpich wheel), or on PATH."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise RuntimeFailure(f"mpiexec {str(path)!r} does not exist or is not executable; "
+                                 f"{MPI_FIX}, or pass mpiexec= the path of yours")
+        return str(path)
+    near = Path(sys.executable).parent / "mpiexec"
+    found = str(near) if near.is_file() else shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeFailure(f"the mpi launcher needs mpiexec, which is neither next to "
+                             f"{sys.executable} nor on PATH; {MPI_FIX}")
+    return found
+
+
+class _RankProc:
+    """What ``Workers`` sees of one rank: a Popen-like view over the shared mpiexec process."""
+
+    stdin = None
+
+    def __init__(self, mpiexec: subprocess.Popen) -> None:
+        self.mpiexec = mpiexec
+        self.pid: int | None = None         # known after hello
+        self.returncode: int | None = None
+        self._gone_at: float | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        code = self.mpiexec.poll()
+        if code is not None:
+            self.returncode = code
+        elif self.pid is not None and not _alive(self.pid):
+            now = time.monotonic()
+            self._gone_at = self._gone_at or now
+            if now - self._gone_at >= _EXIT_WAIT_S:
+                self.returncode = 0        # mpiexec did not end the job: a clean exit
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.mpiexec.wait(timeout)
+        return self.poll() or 0
+
+    def terminate(self) -> None:
+        if self.mpiexec.poll() is None:
+            self.mpiexec.terminate()
+
+    def kill(self) -> None:
+        if self.mpiexec.poll() is None:
+            self.mpiexec.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+class _MPIGroup(_Group):
+    """The mpiexec process, the per-rank views and the secret's directory."""
+
+    def __init__(self, channel: ControllerChannel, secret_dir: Path) -> None:
+        super().__init__(channel)
+        self.mpiexec: subprocess.Popen | None = None
+        self.secret_dir = secret_dir
+
+    def forget_secret(self) -> None:
+        shutil.rmtree(self.secret_dir, ignore_errors=True)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.forget_secret()
+        proc = self.mpiexec
+        if proc is not None and proc.poll() is None:
+            proc.terminate()                # hydra forwards it to every rank and cleans up
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self.logs:
+            log.close()
+        self.channel.close()
+
+
+def _pdeathsig_setter():
+    """A ``preexec_fn`` that asks for SIGTERM when the controller dies (None off Linux). The
+    libc lookup happens here, in the parent: between fork and exec the child only calls prctl,
+    nothing that takes a lock another thread might hold."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    term = int(signal.SIGTERM)
+    return lambda: prctl(1, term, 0, 0, 0)                # 1 = PR_SET_PDEATHSIG
+
+
+class MPILauncher(LocalLauncher):
+    """Start ``n`` workers with ``mpiexec`` on this host (see the module docstring).
+
+    ``mpiexec``: its path (default: next to ``sys.executable``, then PATH); ``mpiexec_args``:
+    extra arguments placed before ``-n`` (e.g. ``["-hosts", "a,b"]``); ``secret_dir``: where the
+    secret's private directory is made (default: the system temp dir)."""
+
+    def __init__(self, *, mpiexec: str | os.PathLike | None = None,
+                 mpiexec_args: tuple[str, ...] = (), secret_dir: str | os.PathLike | None = None,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mpiexec_arg, self.mpiexec_args = mpiexec, tuple(mpiexec_args)
+        self.secret_dir = secret_dir
+
+    def launch(self, n: int, *, env: Mapping[str, str] | None = None,
+               cwd: str | os.PathLike | None = None) -> Workers:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"launch needs at least one worker, got n={n!r}")
+        mpiexec = find_mpiexec(self.mpiexec_arg)
+        if importlib.util.find_spec("mpi4py") is None:
+            raise RuntimeFailure(f"the mpi launcher needs mpi4py in {self.python}; {MPI_FIX}")
+        secret, run_id = Secret.new(), secrets.token_hex(8)
+        group = _MPIGroup(ControllerChannel(secret, run_id, self.host),
+                          Path(tempfile.mkdtemp(prefix="meshplan-", dir=self.secret_dir)))
+        try:
+            secret_file = group.secret_dir / "secret"
+            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secret.hex() + "\n")
+            master_port = _free_port(self.host)
+            base = self._environment(n, env, run_id, group.channel.address, master_port)
+            base.update({ENV_MPI: "1", ENV_SECRET_FILE: str(secret_file)})
+            self._start_mpiexec(mpiexec, n, base, cwd, group)
+            workers = Workers(group, run_id=run_id, master_addr=self.host,
+                              master_port=master_port, log_dir=self.log_dir)
+            hellos = workers.gather(P.HELLO, timeout_s=self.hello_timeout_s)
+        except BaseException:
+            group.stop()
+            raise
+        group.forget_secret()                   # every rank has read it
+        for proc, hello in zip(group.procs, hellos):
+            proc.pid = int(hello.header["pid"])
+        workers.pids = tuple(p.pid for p in group.procs)
+        workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
+        return workers
+
+    def _start_mpiexec(self, mpiexec: str, n: int, env: dict[str, str],
+                       cwd: str | os.PathLike | None, group: _MPIGroup) -> None:
+        cmd = [mpiexec, *self.mpiexec_args, "-n", str(n)]
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            cmd += ["-outfile-pattern", str(self.log_dir / "rank%r.out"),
+                    "-errfile-pattern", str(self.log_dir / "rank%r.err")]
+        cmd += [self.python, "-m", "meshplan.runtime._worker"]
+        main_thread = threading.current_thread() is threading.main_thread()
+        try:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, env=env, cwd=cwd, close_fds=True,
+                preexec_fn=_pdeathsig_setter() if main_thread else None)  # noqa: PLW1509
+        except OSError as exc:
+            raise RuntimeFailure(f"could not start {' '.join(cmd)}: {exc}; {MPI_FIX}") from exc
+        group.mpiexec = proc
+        group.procs.extend(_RankProc(proc) for _ in range(n))
+
+
+# ---- the worker's side -----------------------------------------------------------------------
+
+def mpi_rank(env: Mapping[str, str]) -> int:
+    """This process's rank in MPI_COMM_WORLD, from the process manager's environment."""
+    for name in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        if name in env:
+            return int(env[name])
+    from ..backends._mpi import import_mpi
+
+    return import_mpi().COMM_WORLD.Get_rank()
+
+
+def _watch_controller(pid: int) -> None:
+    while _alive(pid):
+        time.sleep(_WATCH_S)
+    os._exit(86)                                  # _worker.EXIT_ORPHANED
+
+
+def worker_start(env: Mapping[str, str], parent_pid: int | None,
+                 pdeathsig: bool) -> tuple[Secret, int]:
+    """For ``_worker.main`` under mpiexec: (the secret from its file, the rank from MPI). Starts
+    the controller watcher and, on Linux, SIGKILL on the death of the hydra proxy."""
+    if pdeathsig and sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    if parent_pid is not None:
+        if not _alive(parent_pid):
+            os._exit(86)
+        threading.Thread(target=_watch_controller, args=(parent_pid,), daemon=True,
+                         name="meshplan-orphan-guard").start()
+    with open(env[ENV_SECRET_FILE], encoding="ascii") as f:
+        secret = Secret.from_hex(f.readline())
+    rank = mpi_rank(env)
+    os.environ[P.ENV_RANK] = os.environ["RANK"] = str(rank)
+    return secret, rank

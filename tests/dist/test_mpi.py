@@ -1,0 +1,263 @@
+"""MPI: ``MPICommunicator``, one-sided ``Transfer`` (RMA) and the ``mpi`` launcher.
+
+- The communicator runs ``test_comm._program`` (every op, six dtypes, dims, sum / avg / max,
+  groups, p2p ring, one-member no-ops, the error messages, the records) under ``mpiexec -n 2`` and
+  ``-n 4`` and is checked with ``test_comm._check`` against the same reference, with the same
+  tolerance: bit-equal except floating sums over four ranks, which MPI may associate in its own
+  order (bounded by n * eps * sum|x_i|). float16/bfloat16 reduce in float32 and round once,
+  which is inside that bound and, for two ranks, bit-equal to torch's a + b.
+- RMA: every rank puts a disjoint row into rank 0's (and its neighbour's) exposed tensor and
+  gets every other rank's tensors (different shapes, int64, bfloat16, empty): bit-equal, since
+  nothing is reduced.
+- The launcher: ``meshplan.distribute(..., launcher="mpi")`` against one process, with the
+  tolerances of ``test_distribute.py``; a missing mpiexec / mpi4py; a failing rank; orphans.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from test_comm import _check
+
+
+def _mpiexec() -> str | None:
+    near = Path(sys.executable).parent / "mpiexec"
+    return str(near) if near.exists() else shutil.which("mpiexec")
+
+
+MPIEXEC = _mpiexec()
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
+    reason="needs mpi4py and mpiexec: pip install 'meshplan[mpi]'")
+
+
+def _mpirun(n: int, script: str, *args: str, timeout_s: float = 100) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(HERE / "mpi_scripts" / script),
+                           *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env=env, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} {script} exited with {proc.returncode}:\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def mpi_run(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    world, outdir = request.param, tmp_path_factory.mktemp(f"mpi{request.param}")
+    _mpirun(world, "comm_check.py", str(outdir))
+    return world, [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.timeout(120)
+def test_mpi_communicator_matches_the_reference(mpi_run) -> None:
+    world, outs = mpi_run
+    _check(outs, world, exact=False)
+    assert all(out["is_communicator"] for out in outs)
+
+
+@pytest.mark.timeout(120)
+def test_rma_put_and_get(mpi_run) -> None:
+    """Disjoint puts from several ranks land in one window; gets need no call on the target."""
+    world, outs = mpi_run
+    row = lambda r: torch.arange(5, dtype=torch.float32) + 10 * r
+    for r, out in enumerate(outs):
+        rma = out["rma"]
+        board = rma["board"]
+        writers = set(range(world)) if r == 0 else {(r - 1) % world}
+        for q in range(world):
+            want = row(q) if q in writers else torch.full((5,), -1.0)
+            assert torch.equal(board[q], want), (r, q)
+        for q in range(world):
+            assert torch.equal(rma["got"][q], torch.arange(3 + q) * (q + 1)), (r, q)
+            want_bf = (torch.arange(4, dtype=torch.float32) + q).to(torch.bfloat16)
+            assert rma["got_bf"][q].dtype == torch.bfloat16
+            assert torch.equal(rma["got_bf"][q], want_bf), (r, q)
+        nxt = (r + 1) % world
+        assert torch.equal(rma["part"], (torch.arange(3 + nxt) * (nxt + 1))[1:3])
+        assert rma["empty"] == [(0,)] * world
+        assert rma["shape"] == ((3 + nxt,), torch.int64)
+        assert rma["closed_names"] == ()
+        assert "elements [2, 7) are outside 'mine' on rank 0, which has 3" in rma["errors"]["range"]
+        assert "holds torch.int64, got a torch.float32" in rma["errors"]["dtype"]
+        assert "nothing is exposed as 'nosuch'" in rma["errors"]["unknown"]
+
+
+@pytest.mark.timeout(120)
+def test_mpi_a_rank_that_never_joins_raises_within_the_timeout(mpi_run) -> None:
+    world, outs = mpi_run
+    if world != 2:
+        pytest.skip("checked once, in the world-2 job")
+    message, seconds = outs[0]["timeout"]
+    assert "all_reduce on group (0, 1) timed out on rank 0 after 1 s (MPI)" in message, message
+    assert 0.9 <= seconds <= 5, seconds
+    assert "is closed" in outs[0]["after_timeout"]
+
+
+def test_missing_mpi4py_is_one_clear_error(monkeypatch) -> None:
+    from meshplan._errors import RuntimeFailure
+    from meshplan.backends import MPICommunicator
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)     # import mpi4py -> ImportError
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    with pytest.raises(RuntimeFailure, match=r"MPI is not available.*pip install 'meshplan\[mpi\]'"):
+        MPICommunicator()
+
+
+# ---- the mpi launcher ------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "axes", "strategy"), [
+    ("mlp", {"dp": 2}, "dp"),
+    ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"),
+    ("mlp", {"dp": 4}, "fsdp"),
+])
+def test_mpi_launcher_steps_equal_one_process(name: str, axes: dict[str, int],
+                                              strategy: str) -> None:
+    """``launcher="mpi"``: MPICommunicator collectives; ``state_dict()`` gathered by RMA onto
+    rank 0. Tolerances as ``test_distribute.py`` (rtol 1e-5 / atol 1e-6 on losses, atol 1e-5
+    on weights: cross-rank sums run in MPI's order, not one process's)."""
+    import meshplan
+    from test_distribute import STEPS, _models, _state
+
+    ex, ref = _models(name)
+    step = meshplan.distribute(ex.step, mesh=axes, strategy=strategy, topology="h100",
+                               launcher="mpi", telemetry=False, timeout_s=60)
+    with step:
+        for i in range(STEPS):
+            got, want = step(*ex.batch(i)), ref.step(*ref.batch(i))
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=f"loss at step {i}")
+        assert all(c["kind"] != "send" for rank in step.last_comm for c in rank)
+        sd = step.state_dict()
+        step.sync()
+    want = _state(ref)
+    for k, v in want.items():
+        if k not in sd["model"]:
+            continue
+        torch.testing.assert_close(sd["model"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+        torch.testing.assert_close(_state(ex)[k], v, rtol=1e-5, atol=1e-5, msg=f"synced {k}")
+    assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in sd["optim"])
+
+
+@pytest.mark.timeout(60)
+def test_mpi_a_failing_rank_is_raised_on_the_controller() -> None:
+    import meshplan
+    from test_distribute import _models
+
+    ex, _ = _models("mlp")
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100",
+                               launcher="mpi", telemetry=False, timeout_s=30)
+    with step:
+        step(*ex.batch(0))
+        sd = step.state_dict()
+        bad = {k: torch.zeros(3, 3) if k.endswith("fc1.weight") else v
+               for k, v in sd["model"].items()}
+        step.load_state_dict({"model": bad})
+        with pytest.raises(meshplan.RuntimeFailure) as err:
+            step(*ex.batch(1))
+        workers = step._workers
+    text = str(err.value)
+    assert "rank" in text and "mlp.py" in text, text
+    assert workers is None or workers.closed
+
+
+def test_missing_mpiexec_or_mpi4py_is_one_clear_error(monkeypatch, tmp_path) -> None:
+    import importlib.util as iu
+
+    import meshplan
+    from meshplan.runtime import _mpi_launch
+    from meshplan.runtime._mpi_launch import MPILauncher
+
+    with pytest.raises(meshplan.RuntimeFailure,
+                       match=r"mpiexec '/nonexistent/mpiexec' does not exist.*"
+                             r"pip install 'meshplan\[mpi\]'"):
+        MPILauncher(mpiexec="/nonexistent/mpiexec").launch(2)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(_mpi_launch.sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(meshplan.RuntimeFailure, match=r"needs mpiexec.*meshplan\[mpi\]"):
+        MPILauncher().launch(2)
+    monkeypatch.undo()
+    real = iu.find_spec
+    monkeypatch.setattr(_mpi_launch.importlib.util, "find_spec",
+                        lambda n, *a: None if n == "mpi4py" else real(n, *a))
+    with pytest.raises(meshplan.RuntimeFailure, match=r"needs mpi4py.*meshplan\[mpi\]"):
+        MPILauncher().launch(2)
+    assert not list(Path(tempfile.gettempdir()).glob("meshplan-*/secret"))
+
+
+CONTROLLER = '''
+import sys, threading, time
+from meshplan.runtime._mpi_launch import MPILauncher
+
+box = {}
+def go():
+    box["w"] = MPILauncher().launch(2)
+if sys.argv[1] == "thread":
+    t = threading.Thread(target=go)
+    t.start()
+    t.join()
+else:
+    go()
+w = box["w"]
+w.broadcast("ping")
+w.gather("ping", timeout_s=30)
+print(w._group.mpiexec.pid, *w.pids, flush=True)
+time.sleep(600)
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launched_from", ["main", "thread"])
+def test_mpi_workers_die_with_a_killed_controller(launched_from: str, tmp_path: Path) -> None:
+    """kill -9 of the controller: from the main thread mpiexec gets SIGTERM (PR_SET_PDEATHSIG)
+    and ends its ranks; from a thread (no PDEATHSIG) each rank's watcher sees the controller's
+    pid vanish and exits, after which hydra ends mpiexec. Either way nothing survives."""
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    ctrl = subprocess.Popen([sys.executable, str(script), launched_from], stdout=subprocess.PIPE,
+                            text=True)
+    pids: list[int] = []
+    try:
+        line = ctrl.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3 and all(_alive(p) for p in pids), line
+        assert not list(Path(tempfile.gettempdir()).glob("meshplan-*/secret"))
+        os.kill(ctrl.pid, signal.SIGKILL)
+        ctrl.wait(10)
+        assert not _wait_gone(pids, 10)
+    finally:
+        ctrl.kill()
+        ctrl.wait()
+        ctrl.stdout.close()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if _alive(p)]
