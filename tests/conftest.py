@@ -38,6 +38,14 @@ def pytest_configure(config: pytest.Config) -> None:
         root = tempfile.mkdtemp(prefix="meshplan-test-telemetry-")
         os.environ["MESHPLAN_TELEMETRY"] = os.path.join(root, "telemetry.duckdb")
 
+    # Without a GPU, meshplan.kernels' Triton kernels run under Triton's interpreter, which Triton
+    # reads when a kernel is defined: set it before any test module imports one.
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _skip_root_package_setup(items)

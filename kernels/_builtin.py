@@ -1,0 +1,73 @@
+"""The built-in kernels, registered when ``meshplan.kernels`` is imported."""
+
+from __future__ import annotations
+
+from ..ir import Graph
+from ._patterns import (
+    match_adamw, match_bias_gelu, match_cross_entropy, match_grad_buckets, match_layer_norm,
+    match_rms_norm, match_sgd, match_swiglu,
+)
+from ._registry import Backend, Device, KernelSpec, Match, register_kernel
+
+__all__ = ["BUILTIN_KERNELS"]
+
+_GPU = frozenset({Device.CUDA})
+_FLOATS = frozenset({"float32", "float16", "bfloat16"})
+_ALL_WIDTHS = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+                         "int8", "uint8", "bool", "complex64"})
+
+
+def _called_directly(graph: Graph) -> list[Match]:
+    """Packing has no IR pattern of its own: the lowering calls it around collectives."""
+    return []
+
+
+BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
+    KernelSpec(name="adamw", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.addcdiv.default", "aten.lerp.Scalar",
+                                  "aten.addcmul.default", "aten.sqrt.default",
+                                  "aten.div.Tensor", "aten.add.Tensor", "aten.mul.Tensor"}),
+               matcher=match_adamw, entry="._triton_optim:adamw_step_",
+               doc="fused AdamW update of one shard per launch (torch.optim.AdamW semantics)"),
+    KernelSpec(name="sgd", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.add.Tensor", "aten.mul.Tensor"}),
+               matcher=match_sgd, entry="._triton_optim:sgd_step_",
+               doc="fused SGD (momentum, dampening, nesterov, weight decay) update"),
+    KernelSpec(name="bias_gelu", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.gelu.default", "aten.gelu_backward.default"}),
+               matcher=match_bias_gelu, entry="._triton_act:bias_gelu",
+               doc="gelu(x + bias), erf and tanh forms, forward and backward"),
+    KernelSpec(name="swiglu", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.silu.default", "aten.mul.Tensor",
+                                  "aten.silu_backward.default"}),
+               matcher=match_swiglu, entry="._triton_act:swiglu",
+               doc="silu(gate) * up, forward and backward"),
+    KernelSpec(name="layer_norm", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.native_layer_norm.default",
+                                  "aten.native_layer_norm_backward.default"}),
+               matcher=match_layer_norm, entry="._triton_norm:layer_norm",
+               doc="LayerNorm over the last dim, forward and backward"),
+    KernelSpec(name="rms_norm", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor",
+                                  "aten.rsqrt.default", "aten.mul.Tensor"}),
+               matcher=match_rms_norm, entry="._triton_norm:rms_norm",
+               doc="RMSNorm over the last dim, forward and backward"),
+    KernelSpec(name="cross_entropy", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten._log_softmax.default", "aten.nll_loss_forward.default",
+                                  "aten.nll_loss_backward.default",
+                                  "aten._log_softmax_backward_data.default"}),
+               matcher=match_cross_entropy, entry="._triton_xent:cross_entropy",
+               doc="chunked online-logsumexp cross-entropy; vocab-shardable (combine_shard_stats)"),
+    KernelSpec(name="pack_views", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset(), matcher=_called_directly, entry="._triton_pack:pack_views",
+               doc="gather strided shards into one buffer (unpack_views scatters back)"),
+    KernelSpec(name="grad_buckets", backend=Backend.NUMBA, devices=frozenset({Device.CPU}),
+               dtypes=_ALL_WIDTHS, targets=frozenset(), matcher=match_grad_buckets,
+               entry="._numba:flatten_into",
+               doc="flatten gradients into all-reduce buckets (unflatten_from copies back)"),
+    KernelSpec(name="grad_buckets_torch", backend=Backend.TORCH,
+               devices=frozenset({Device.CPU, Device.CUDA}), dtypes=_ALL_WIDTHS | {"complex128"},
+               targets=frozenset(), matcher=match_grad_buckets,
+               entry="._flatten_torch:flatten_into_torch",
+               doc="torch.cat/copy_ fallback of grad_buckets, any device"),
+))
