@@ -323,7 +323,7 @@ def _call(ins: Compute, values: list[Any]) -> tuple:
     it = iter(values)
     args = [_fill(a, it) for a in ins.args]
     kwargs = {k: _fill(v, it) for k, v in ins.kwargs}
-    fn = resolve(node)
+    fn = _LOCAL_OPS.get(node.target) or resolve(node)
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
@@ -333,6 +333,14 @@ def _call(ins: Compute, values: list[Any]) -> tuple:
         err.meshplan_where = str(node.source) if node.source else None  # type: ignore[attr-defined]
         raise err from e
     return tuple(_flatten(out))
+
+
+# A view in the traced graph may rely on the strides its input had in the traced run (a
+# ``.contiguous()`` that was a no-op there is not in the graph); a local piece that came out of
+# a collective is contiguous in its own order. The graph is functional, so a copy where a view
+# is impossible changes nothing a later op can observe.
+_LOCAL_OPS = {"aten.view.default": torch.ops.aten.reshape.default,
+              "aten._unsafe_view.default": torch.ops.aten.reshape.default}
 
 
 def _fill(a: Any, vals: Iterator[Any]) -> Any:

@@ -109,6 +109,10 @@ def _example(name: str):
           # big enough a batch that the data-parallel plan computes on split batches
           "gpt-b16": lambda: gpt.build(optimizer="adamw", config=gpt.GPTConfig(
               vocab_size=256, seq_len=32, n_layer=2, n_head=2, d_model=64, batch_size=16)),
+          # 4 heads: the Megatron plan reshards attention's output, whose traced strides made
+          # the model's `.contiguous()` a no-op that the graph does not hold
+          "gpt-h4": lambda: gpt.build(optimizer="adamw", config=gpt.GPTConfig(
+              vocab_size=256, seq_len=64, n_layer=1, n_head=4, d_model=256, batch_size=16)),
           }[name]()
     ex.step(*ex.batch(0))            # one eager step: AdamW holds state, the steady graph
     traced = meshplan.trace(ex.step, *ex.batch(1))
@@ -270,3 +274,27 @@ def test_bucketed_all_reduces_give_the_same_step_in_fewer_calls(axes, strategy) 
             assert base[1].keys() == other[1].keys()
             for k in base[1]:
                 assert torch.equal(base[1][k], other[1][k]), k
+
+
+@pytest.mark.timeout(300)
+def test_a_view_whose_input_lost_its_traced_strides_still_runs() -> None:
+    """``y.transpose(1, 2).contiguous().view(b, t, c)`` after attention: in the traced run the
+    transpose was already contiguous, so the graph has no copy; on a mesh the attention output
+    arrives from a collective, contiguous in its own order. The step must still run and match."""
+    ex, traced = _example("gpt-h4")
+    graph = traced.graph
+    plan = plan_graph(graph, {"dp": 2, "tp": 2}, topology="cpu", strategy="megatron_tp")
+    programs = [lower(plan, r) for r in range(4)]
+    full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
+    names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
+    data = dict(zip([n.target for n in graph.inputs if n.meta.role.value == "data"],
+                    ex.batch(2)))
+    want = interpret(graph, {**{k: full[k] for k in names}, **data})[0]
+
+    def one(comm):
+        r = comm.rank
+        return run(programs[r], comm, split_inputs(plan, r, {k: full[k] for k in names}),
+                   split_inputs(plan, r, data))[0][0]
+
+    for got in ThreadMesh(4, timeout_s=60).run(one):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
