@@ -24,8 +24,13 @@
   exposure order); ``unexpose(name)`` frees one. A window must not outlive its tensor: the
   ``Transfer`` holds a reference until it is freed.
 
-On one host MPICH maps the windows onto shared memory; on a cluster with an RDMA network they
-are RDMA reads and writes. Used by the runtime for ``get_state`` on the MPI launcher (rank 0
+Progress: "one-sided" means the target posts no matching call, not that it may be anywhere.
+With the mpich wheel's defaults a passive-target get or put completes only while the target is
+inside the MPI library (any call: a collective, a polled ``Test``, ``Win.Free``); a target busy
+in Python or torch for 0.5 s delayed a 1 KiB get by 0.5 s here. ``MPIR_CVAR_ASYNC_PROGRESS=1``
+in the workers' environment gives every rank a progress thread (then that get took 30 us), at
+the price of a core each spinning: not the default on a 2-core host. On a cluster with an RDMA
+network the NIC serves the reads and writes. Used by the runtime for ``get_state`` on the MPI launcher (rank 0
 reads every rank's state pieces one-sidedly; see ``runtime/_handlers.py``).
 """
 
@@ -121,17 +126,23 @@ class Transfer:
         w, i = self._window(name, "shape"), self._index(rank, "shape")
         return w.shapes[i], w.dtypes[i]
 
-    def get(self, rank: int, name: str, *, offset: int = 0,
-            numel: int | None = None) -> torch.Tensor:
+    def get(self, rank: int, name: str, *, offset: int = 0, numel: int | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of ``rank``'s exposed tensor (or ``numel`` elements of it from ``offset``, as a
-        flat tensor); ``rank`` does nothing."""
+        flat tensor); ``rank`` does nothing. ``out``: a contiguous CPU tensor of the result's
+        dtype and number of elements to read into (saves allocating and faulting in pages)."""
         w, i = self._window(name, "get"), self._index(rank, "get")
         shape, dtype = w.shapes[i], w.dtypes[i]
         total = torch.Size(shape).numel()
         count = total - offset if numel is None else numel
         self._check_range("get", rank, name, offset, count, total)
         whole = offset == 0 and count == total and numel is None
-        out = torch.empty(shape if whole else (count,), dtype=dtype)
+        if out is None:
+            out = torch.empty(shape if whole else (count,), dtype=dtype)
+        elif (out.dtype != dtype or out.numel() != count or out.device.type != "cpu"
+              or not out.is_contiguous()):
+            raise LoweringError(f"Transfer.get: out= must be a contiguous CPU {dtype} tensor of "
+                                f"{count} elements, got {out.dtype} {tuple(out.shape)}")
         self._rma("get", w, rank, i, name, out, offset * dtype.itemsize)
         return out
 

@@ -88,6 +88,8 @@ def test_rma_put_and_get(mpi_run) -> None:
             assert torch.equal(rma["got_bf"][q], want_bf), (r, q)
         nxt = (r + 1) % world
         assert torch.equal(rma["part"], (torch.arange(3 + nxt) * (nxt + 1))[1:3])
+        assert rma["part_out"]
+        assert "out= must be a contiguous CPU torch.int64 tensor of 3" in rma["errors"]["out"]
         assert rma["empty"] == [(0,)] * world
         assert rma["shape"] == ((3 + nxt,), torch.int64)
         assert rma["closed_names"] == ()

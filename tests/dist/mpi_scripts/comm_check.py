@@ -42,12 +42,15 @@ def _rma(comm: MPICommunicator) -> dict:
         out["got"] = {q: tr.get(q, "mine") for q in range(n)}
         out["got_bf"] = {q: tr.get(q, "bf") for q in range(n)}
         out["part"] = tr.get((r + 1) % n, "mine", offset=1, numel=2)
+        buf = torch.empty(2, dtype=torch.int64)
+        out["part_out"] = tr.get((r + 1) % n, "mine", offset=1, numel=2, out=buf) is buf
         out["empty"] = [tuple(tr.get(q, "empty").shape) for q in range(n)]
         out["shape"] = tr.shape((r + 1) % n, "mine")
         out["exposed_in_place"] = target.data_ptr() != 0 and mine.numel() == 3 + r
         for name, call in (("range", lambda: tr.get(0, "mine", offset=2, numel=5)),
                            ("dtype", lambda: tr.put(0, "mine", torch.ones(1))),
-                           ("unknown", lambda: tr.get(0, "nosuch"))):
+                           ("unknown", lambda: tr.get(0, "nosuch")),
+                           ("out", lambda: tr.get(0, "mine", out=torch.empty(3)))):
             try:
                 call()
             except LoweringError as exc:
