@@ -58,10 +58,13 @@ def _consecutive_from_zero(tensors: Sequence[torch.Tensor], offsets: Sequence[in
 
 def pack_strided_torch(views: Sequence[torch.Tensor],
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    flat = torch.cat([v.reshape(-1) for v in views])
     if out is None:
-        return flat
-    out[:flat.numel()].copy_(flat)
+        out = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype,
+                          device=views[0].device)
+    at = 0
+    for v in views:  # one strided copy per view, no temporary
+        out[at:at + v.numel()].view(v.shape).copy_(v)
+        at += v.numel()
     return out
 
 

@@ -10,8 +10,10 @@ in :mod:`._flatten_torch` with the same signature and identical results.
 How: the tensors are passed to one ``@njit(parallel=True)`` function as a table of addresses,
 sizes and element strides (no per-tensor numpy views, no typed lists). The work is cut into
 chunks of ``CHUNK`` elements and spread over threads with ``prange``, so one large embedding
-gradient does not serialise the copy. Elements are moved as unsigned integers of the dtype's
-width, so every dtype (bfloat16, bool, complex64 too) is copied bit-exactly.
+gradient does not serialise the copy. Contiguous runs (whole contiguous tensors, and each row
+of a view whose last dim has stride 1) are ``memcpy``s; other elements move one at a time as
+unsigned integers of the dtype's width. Either way every dtype (bfloat16, bool, complex64
+too) is copied bit-exactly. The first call compiles (a few seconds; cached on disk after).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 import torch
+from llvmlite import ir as llvm_ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ._common import KernelError
@@ -44,15 +48,28 @@ def _as_pointer(typingctx, address, like):
     return ptr_t(address, like), codegen
 
 
+@intrinsic
+def _memcpy(typingctx, dst, src, nbytes):
+    """memcpy between two int64 addresses."""
+
+    def codegen(context, builder, signature, args):
+        byte_ptr = llvm_ir.IntType(8).as_pointer()
+        dst_p, src_p = (builder.inttoptr(a, byte_ptr) for a in args[:2])
+        cgutils.raw_memcpy(builder, dst_p, src_p, args[2], 1)
+        return context.get_dummy_value()
+
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
 @numba.njit(inline="always")
-def _copy_run(buffer, ptr, at, step, base, count, to_buffer):
+def _copy_run(buffer, ptr, at, step, base, count, to_buffer, buf_addr, t_addr, width):
     """``count`` elements: ``buffer[base:]`` <-> ``ptr[at], ptr[at + step], ...``."""
     if step == 1:
+        here, there = buf_addr + base * width, t_addr + at * width
         if to_buffer:
-            buffer[base:base + count] = numba.carray(_offset(ptr, at), count)
+            _memcpy(here, there, count * width)
         else:
-            for j in range(count):
-                ptr[at + j] = buffer[base + j]
+            _memcpy(there, here, count * width)
     elif to_buffer:
         for j in range(count):
             buffer[base + j] = ptr[at + j * step]
@@ -61,23 +78,15 @@ def _copy_run(buffer, ptr, at, step, base, count, to_buffer):
             ptr[at + j * step] = buffer[base + j]
 
 
-@intrinsic
-def _offset(typingctx, ptr, index):
-    """``ptr + index`` (elements) as a pointer."""
-
-    def codegen(context, builder, signature, args):
-        return builder.gep(args[0], [args[1]])
-
-    return ptr(ptr, index), codegen
-
-
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _copy_table(buffer, addrs, geometry, offsets, chunk_tensor, chunk_start, to_buffer):
+def _copy_table(buffer, addrs, geometry, offsets, chunk_tensor, chunk_start, to_buffer,
+                buf_addr):
     """Copy chunk ``c`` of tensor ``chunk_tensor[c]`` between its strided storage and buffer.
 
     geometry[i] = (numel, s1, s2, s3, t0, t1, t2, t3, contiguous) in elements. A strided chunk
     is walked row by row along the last dim (one index decomposition per chunk, not per element).
     """
+    width = buffer.itemsize
     for c in numba.prange(chunk_tensor.shape[0]):
         i = chunk_tensor[c]
         k = chunk_start[c]
@@ -85,7 +94,7 @@ def _copy_table(buffer, addrs, geometry, offsets, chunk_tensor, chunk_start, to_
         ptr = _as_pointer(addrs[i], buffer)
         base = offsets[i]
         if geometry[i, 8] == 1:
-            _copy_run(buffer, ptr, k, 1, base + k, stop - k, to_buffer)
+            _copy_run(buffer, ptr, k, 1, base + k, stop - k, to_buffer, buf_addr, addrs[i], width)
             continue
         s1, s2, s3 = geometry[i, 1], geometry[i, 2], geometry[i, 3]
         t0, t1, t2, t3 = geometry[i, 4], geometry[i, 5], geometry[i, 6], geometry[i, 7]
@@ -98,7 +107,7 @@ def _copy_table(buffer, addrs, geometry, offsets, chunk_tensor, chunk_start, to_
         while k < stop:
             count = min(s3 - i3, stop - k)
             at = i0 * t0 + i1 * t1 + i2 * t2 + i3 * t3
-            _copy_run(buffer, ptr, at, t3, base + k, count, to_buffer)
+            _copy_run(buffer, ptr, at, t3, base + k, count, to_buffer, buf_addr, addrs[i], width)
             k += count
             i3 = 0
             i2 += 1
@@ -159,7 +168,7 @@ def _run(buffer, tensors, offsets, to_buffer: bool) -> None:
         return
     addrs, geometry, tensor_of, start_of = _table(buffer, tensors, offsets)
     _copy_table(_as_ints(buffer), addrs, geometry, np.asarray(offsets, np.int64), tensor_of,
-                start_of, to_buffer)
+                start_of, to_buffer, buffer.data_ptr())
 
 
 def flatten_into(buffer: torch.Tensor, tensors: Sequence[torch.Tensor],
