@@ -114,6 +114,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not os.path.isdir(folder):                     # say so before measuring, not after
         raise PlanError(f"--out {args.out}: folder {folder} does not exist; create it first")
     console = _console()
+    if args.from_telemetry:
+        return _calibrate_from_telemetry(args, console)
     quick = {"sizes": QUICK_SIZES, "repeats": 2} if args.quick else {}
     console.print(f"measuring this machine with {args.world_size} gloo processes over loopback ...")
     cal = measure(args.world_size, timeout_s=args.timeout, **quick)
@@ -121,6 +123,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         console.print(table)
     if args.out:
         cal.topology.save(args.out)
+        console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")
+    return 0
+
+
+def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
+    from .planner._calibrate import from_telemetry
+    from .planner._summary import format_bytes
+    from .telemetry import Store
+
+    with Store.open(args.db) as store:
+        topo, samples, link = from_telemetry(store, args.run, args.topology)
+    console.print(f"fitted to {len(samples)} measured collectives: latency "
+                  f"{link.latency * 1e6:.1f} us, bandwidth {format_bytes(link.bandwidth)}/s "
+                  f"(compute numbers from {topo.name.split('+')[0]!r})")
+    if args.out:
+        topo.save(args.out)
         console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")
     return 0
 
@@ -148,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", "-o", help="where to write the topology JSON (atomically)")
     c.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 2 repeats")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    c.add_argument("--from-telemetry", action="store_true",
+                   help="instead of measuring, fit the links to a recorded run's collectives")
+    c.add_argument("--db", help="with --from-telemetry: the telemetry store")
+    c.add_argument("--run", help="with --from-telemetry: the run (default: the latest)")
+    c.add_argument("--topology", help="with --from-telemetry: where the compute numbers come "
+                   "from (default: the run's own topology)")
     c.set_defaults(func=cmd_calibrate)
 
     d = sub.add_parser("demo", help="trace the example GPT step and replay it against eager")

@@ -275,15 +275,19 @@ def _total_ram() -> int:
         return 8 << 30
 
 
-def fit_link(samples: Sequence[Sample], world_size: int) -> Link:
+def fit_link(samples: Sequence[Sample], world_size: int | Sequence[int]) -> Link:
     """Least-squares latency and bandwidth such that ``collective_time(kind, nbytes, n, link)``
     matches the measured seconds, in relative terms (each sample weighs by 1/time, so small
-    messages pin latency and large ones bandwidth). Latency is clamped at 0."""
+    messages pin latency and large ones bandwidth). Latency is clamped at 0. ``world_size``:
+    the ranks of every sample's group, or one per sample."""
     if len({s.nbytes for s in samples}) < 2:
         raise PlanError("fitting a link needs samples of at least two message sizes")
+    ns = ([world_size] * len(samples) if isinstance(world_size, int) else list(world_size))
     per_alpha, per_inv_bw = Link(bandwidth=math.inf, latency=1.0), Link(bandwidth=1.0, latency=0.0)
-    a = np.array([collective_time(s.collective, s.nbytes, world_size, per_alpha) for s in samples])
-    b = np.array([collective_time(s.collective, s.nbytes, world_size, per_inv_bw) for s in samples])
+    a = np.array([collective_time(s.collective, s.nbytes, n, per_alpha)
+                  for s, n in zip(samples, ns)])
+    b = np.array([collective_time(s.collective, s.nbytes, n, per_inv_bw)
+                  for s, n in zip(samples, ns)])
     t = np.array([s.seconds for s in samples])
     if not np.all(t > 0):
         raise RuntimeFailure(f"calibrate measured non-positive times: {t.tolist()}")
@@ -474,3 +478,61 @@ def _worker():
 
 
 _WORKER_SCRIPT = (_timings, _matmul_flops, _copy_bandwidth, _op_floor, _collective_times)
+
+
+# ---- from a run's telemetry -------------------------------------------------------------------
+
+_FITTED = {c.value: c for c in (Collective.ALL_REDUCE, Collective.ALL_GATHER,
+                                Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)}
+
+
+def from_telemetry(store: object, run_id: str | None = None,
+                   base: str | Topology | None = None) -> tuple[Topology, list[Sample], Link]:
+    """A topology whose links are fitted to the collectives a recorded run measured.
+
+    Every (kind, group size, bytes) the run issued becomes one sample: the median over ranks
+    and steps of the call's duration, waits for slower peers included (what a step pays).
+    Compute numbers come from ``base`` (default: the run's own topology when it is a preset).
+    Returns (topology, samples, the fitted link)."""
+    from ._mesh import PRESETS, get_topology
+
+    run = run_id or _latest_run(store)
+    if base is None:
+        rows = store.sql(f"SELECT topology FROM runs WHERE run_id = '{_sq(run)}'").to_pylist()
+        name = rows[0]["topology"] if rows else None
+        if name not in PRESETS:
+            raise PlanError(f"run {run} was planned with topology {name!r}, which is not a "
+                            f"preset; pass --topology (one of {sorted(PRESETS)} or a file) for "
+                            "the compute numbers")
+        base = name
+    topo = get_topology(base)
+    kinds = ", ".join(f"'{k}'" for k in _FITTED)
+    rows = store.sql(f"""
+        SELECT kind, group_size, bytes, quantile_cont(dur_us, 0.5) AS us, count(*) AS calls
+        FROM collectives WHERE run_id = '{_sq(run)}' AND group_size > 1 AND bytes > 0
+          AND kind IN ({kinds})
+        GROUP BY ALL ORDER BY kind, group_size, bytes""").to_pylist()
+    samples = [Sample(_FITTED[r["kind"]], int(r["bytes"]), max(float(r["us"]), 1.0) * 1e-6)
+               for r in rows]
+    if len({s.nbytes for s in samples}) < 2:
+        raise PlanError(f"run {run} recorded {len(samples)} distinct collectives; fitting a link "
+                        "needs at least two message sizes (record at level 'collectives' or "
+                        "'ops', and run a plan that communicates)")
+    link = fit_link(samples, [int(r["group_size"]) for r in rows])
+    fitted = Topology(name=f"{topo.name}+run-{run}", flops=topo.flops,
+                      memory_bandwidth=topo.memory_bandwidth, memory_bytes=topo.memory_bytes,
+                      devices_per_node=topo.devices_per_node, intra_node=link, inter_node=link,
+                      compute_efficiency=topo.compute_efficiency,
+                      kernel_floor_s=topo.kernel_floor_s)
+    return fitted, samples, link
+
+
+def _latest_run(store: object) -> str:
+    rows = store.sql("SELECT run_id FROM runs ORDER BY start_us DESC LIMIT 1").to_pylist()
+    if not rows:
+        raise PlanError("the telemetry store holds no runs; run a step with telemetry first")
+    return rows[0]["run_id"]
+
+
+def _sq(text: str) -> str:
+    return str(text).replace("'", "''")
