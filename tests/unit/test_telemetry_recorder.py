@@ -1,0 +1,92 @@
+"""The per-rank recorder: rows in, Parquet segments out, live SQL over recent rows; and how
+``distribute(telemetry=...)`` reads its argument and the environment."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from meshplan._errors import TelemetryError
+from meshplan.telemetry import Level, Recorder, TelemetryConfig
+
+
+def test_rows_become_segments_with_run_and_rank_filled_in(tmp_path) -> None:
+    rec = Recorder(tmp_path, "r1", 3, flush_interval_s=None)
+    rec.add("steps", (0, 100, 50, 1.5, 10, 1024, 2))
+    rec.add("failures", (5, 0, "exit", "rank 1 died", None, None), rank=1)
+    assert rec.flush() == 2
+    rec.add("steps", (1, 200, 60, None, 12, 1024, 2))
+    rec.close()
+    files = sorted(p.name for p in (tmp_path / "r1" / "rank-00003").iterdir())
+    assert [f.split("-")[0] for f in files] == ["failures", "steps", "steps"]
+    assert not any(f.startswith(".") for f in files)          # no temporary left behind
+    steps = pq.read_table([tmp_path / "r1" / "rank-00003" / f for f in files
+                           if f.startswith("steps")][0]).to_pylist()
+    assert steps == [{"run_id": "r1", "rank": 3, "step": 0, "start_us": 100, "dur_us": 50,
+                      "loss": 1.5, "comm_us": 10, "comm_bytes": 1024, "collectives": 2}]
+    failure = pq.read_table(next((tmp_path / "r1" / "rank-00003").glob("failures-*"))).to_pylist()
+    assert failure[0]["rank"] == 1                              # about another rank
+
+
+def test_live_queries_see_flushed_and_pending_rows_up_to_the_limit(tmp_path) -> None:
+    rec = Recorder(tmp_path, "r1", 0, flush_interval_s=None, live_rows=3)
+    for step in range(5):
+        rec.add("steps", (step, 0, 10 * step, None, 0, 0, 0))
+        rec.flush()
+    rec.add("steps", (5, 0, 50, None, 0, 0, 0))                # pending, not flushed
+    got = rec.query("SELECT step FROM steps ORDER BY step").column("step").to_pylist()
+    assert got[-1] == 5 and len(got) >= 3 and got == sorted(got)
+    assert rec.query("SELECT count(*) AS n FROM collectives_vs_plan").to_pylist() == [{"n": 0}]
+    with pytest.raises(TelemetryError, match="nosuch"):
+        rec.query("SELECT * FROM nosuch")
+    rec.close()
+
+
+def test_a_failed_write_keeps_the_rows_for_the_next_flush(tmp_path) -> None:
+    rec = Recorder(tmp_path, "r1", 0, flush_interval_s=None)
+    rec.add("steps", (0, 0, 1, None, 0, 0, 0))
+    rec.dir.rmdir()
+    rec.dir.write_text("in the way")          # the folder is gone: every write fails
+    assert rec.flush() == 0
+    rec.dir.unlink()
+    rec.dir.mkdir()
+    assert rec.flush() == 1
+    rec.close()
+    assert len(list(rec.dir.glob("steps-*.parquet"))) == 1
+
+
+def test_the_background_thread_flushes_on_its_interval(tmp_path) -> None:
+    import time
+
+    rec = Recorder(tmp_path, "r1", 0, flush_interval_s=0.05)
+    rec.add("steps", (0, 0, 1, None, 0, 0, 0))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not list(rec.dir.glob("steps-*.parquet")):
+        time.sleep(0.02)
+    assert list(rec.dir.glob("steps-*.parquet"))
+    rec.close()
+
+
+def test_what_telemetry_arguments_mean(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MESHPLAN_TELEMETRY_LEVEL", raising=False)
+    monkeypatch.setenv("MESHPLAN_TELEMETRY", str(tmp_path / "env.duckdb"))
+    assert TelemetryConfig.resolve(None).db == tmp_path / "env.duckdb"
+    assert TelemetryConfig.resolve(None).level is Level.COLLECTIVES
+    assert TelemetryConfig.resolve(False) is None
+    assert TelemetryConfig.resolve("off") is None
+    assert TelemetryConfig.resolve(tmp_path / "x.duckdb").db == tmp_path / "x.duckdb"
+    assert TelemetryConfig.resolve(TelemetryConfig(level="off")) is None
+    cfg = TelemetryConfig(db=tmp_path / "c.duckdb", level="ops", ops_every=3)
+    assert TelemetryConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.segments == tmp_path / "c.segments"
+    monkeypatch.setenv("MESHPLAN_TELEMETRY", "off")
+    assert TelemetryConfig.resolve(None) is None
+    monkeypatch.setenv("MESHPLAN_TELEMETRY", str(tmp_path / "env.duckdb"))
+    monkeypatch.setenv("MESHPLAN_TELEMETRY_LEVEL", "steps")
+    assert TelemetryConfig.resolve(None).level is Level.STEPS
+    with pytest.raises(TelemetryError, match="unknown telemetry level"):
+        TelemetryConfig(level="loud")
+    with pytest.raises(TelemetryError, match="not understood"):
+        TelemetryConfig.resolve(42)
+    with pytest.raises(TelemetryError, match="ops_every"):
+        TelemetryConfig(ops_every=0)
