@@ -123,8 +123,10 @@ class MPICommunicator(CommBase):
                                      f"(MPI): {exc.Get_error_string()}") from exc
         return super()._timed(kind, group, nbytes, guarded)
 
-    def wait(self, req: Any, what: str, status: Any = None) -> None:
-        """Poll ``req`` with ``Test`` until it completes or ``timeout_s`` passes."""
+    def wait(self, req: Any, what: str, *keep: Any, status: Any = None) -> None:
+        """Poll ``req`` with ``Test`` until it completes or ``timeout_s`` passes. ``keep``: the
+        buffers ``req`` reads or writes; after a timeout they are kept alive for good, since
+        MPI may still write into them when a late peer arrives."""
         if req.Test(status):
             return
         deadline = time.monotonic() + self.timeout_s
@@ -132,7 +134,7 @@ class MPICommunicator(CommBase):
             now = time.monotonic()
             if now >= deadline:
                 self._closed = True         # an MPI request cannot be cancelled: unusable now
-                self._abandoned.append(req)  # it keeps its buffers alive: MPI may still write
+                self._abandoned.append((req, keep))
                 raise RuntimeFailure(
                     f"{what} timed out on rank {self.rank} after {self.timeout_s:g} s (MPI): a "
                     "peer never joined, or joined another call. The request cannot be "
@@ -150,7 +152,7 @@ class MPICommunicator(CommBase):
         else:
             wide = contiguous_copy(t)
         self.wait(self._sub(g).Iallreduce(self._MPI.IN_PLACE, _reduce_view(wide),
-                                          self._op(op, t.dtype)), f"all_reduce on group {g}")
+                                          self._op(op, t.dtype)), f"all_reduce on group {g}", wide)
         if op == "avg":
             wide.div_(len(g))
         return wide.to(t.dtype) if t.dtype in _HALF else wide
@@ -158,7 +160,8 @@ class MPICommunicator(CommBase):
     def _all_gather(self, t, g, dim):
         n, src = len(g), t.contiguous()
         flat = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype)
-        self.wait(self._sub(g).Iallgather(_bytes(src), _bytes(flat)), f"all_gather on group {g}")
+        self.wait(self._sub(g).Iallgather(_bytes(src), _bytes(flat)), f"all_gather on group {g}",
+                  src, flat)
         return merge_leading(flat.view(n, *t.shape), dim)
 
     def _reduce_scatter(self, t, g, dim, op):
@@ -169,7 +172,7 @@ class MPICommunicator(CommBase):
         out = torch.empty(stacked.shape[1:], dtype=stacked.dtype)
         self.wait(self._sub(g).Ireduce_scatter_block(_reduce_view(stacked), _reduce_view(out),
                                                      self._op(op, t.dtype)),
-                  f"reduce_scatter on group {g}")
+                  f"reduce_scatter on group {g}", stacked, out)
         if op == "avg":
             out.div_(n)
         return out.to(t.dtype) if t.dtype in _HALF else out
@@ -178,22 +181,24 @@ class MPICommunicator(CommBase):
         stacked = split_leading(t, split_dim, len(g))
         received = torch.empty_like(stacked)
         self.wait(self._sub(g).Ialltoall(_bytes(stacked), _bytes(received)),
-                  f"all_to_all on group {g}")
+                  f"all_to_all on group {g}", stacked, received)
         return merge_leading(received, cat_dim)
 
     def _broadcast(self, t, src, g):
         out = contiguous_copy(t) if src == self.rank else torch.empty(t.shape, dtype=t.dtype)
-        self.wait(self._sub(g).Ibcast(_bytes(out), root=g.index(src)), f"broadcast on group {g}")
+        self.wait(self._sub(g).Ibcast(_bytes(out), root=g.index(src)), f"broadcast on group {g}",
+                  out)
         return out
 
     def _send(self, t, dst):
-        self.wait(self.world.Issend(_bytes(t.contiguous()), dst, tag=0),
-                  f"send to rank {dst}")
+        src = t.contiguous()
+        self.wait(self.world.Issend(_bytes(src), dst, tag=0), f"send to rank {dst}", src)
 
     def _recv(self, shape, dtype, src):
         out = torch.empty(shape, dtype=dtype)
         status = self._MPI.Status()
-        self.wait(self.world.Irecv(_bytes(out), src, tag=0), f"recv from rank {src}", status)
+        self.wait(self.world.Irecv(_bytes(out), src, tag=0), f"recv from rank {src}", out,
+                  status=status)
         got = status.Get_count(self._MPI.BYTE)
         if got != out.nbytes:
             raise LoweringError(f"recv: expected a {shape} {dtype} tensor ({out.nbytes} bytes) "

@@ -207,7 +207,7 @@ class Transfer:
             try:
                 w.win.Lock(i, MPI.LOCK_SHARED)
                 req = (w.win.Rget if op == "get" else w.win.Rput)(spec, i, target)
-                self.comm.wait(req, f"Transfer.{op} of {name!r} on rank {rank}")
+                self.comm.wait(req, f"Transfer.{op} of {name!r} on rank {rank}", buf)
                 w.win.Unlock(i)
             except MPI.Exception as exc:
                 raise RuntimeFailure(f"Transfer.{op} of {name!r} on rank {rank} failed on rank "
@@ -220,13 +220,13 @@ class Transfer:
         MPI = self._MPI
         n = len(self.group)
         sizes = np.zeros(n, dtype=np.int64)
-        self.comm.wait(self._sub.Iallgather(np.array([len(data)], dtype=np.int64), sizes),
-                       "Transfer.expose")
+        mine = np.array([len(data)], dtype=np.int64)
+        self.comm.wait(self._sub.Iallgather(mine, sizes), "Transfer.expose", mine, sizes)
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         send = np.frombuffer(data, dtype=np.uint8)
         self.comm.wait(self._sub.Iallgatherv(
             [send, MPI.BYTE], [out, (sizes.tolist(), displs.tolist()), MPI.BYTE]),
-            "Transfer.expose")
+            "Transfer.expose", send, out, data)
         return [json.loads(out[int(d):int(d) + int(s)].tobytes())
                 for d, s in zip(displs, sizes)]
