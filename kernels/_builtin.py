@@ -28,7 +28,7 @@ BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
                                   "aten.addcmul.default", "aten.sqrt.default",
                                   "aten.div.Tensor", "aten.add.Tensor", "aten.mul.Tensor"}),
                matcher=match_adamw, entry="._triton_optim:adamw_step_",
-               doc="fused AdamW update of one shard per launch (torch.optim.AdamW semantics)"),
+               doc="fused AdamW over all shards, one launch per dtype group (torch.optim.AdamW)"),
     KernelSpec(name="sgd", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
                targets=frozenset({"aten.add.Tensor", "aten.mul.Tensor"}),
                matcher=match_sgd, entry="._triton_optim:sgd_step_",

@@ -1,12 +1,15 @@
 """Fused AdamW and SGD(momentum) updates over lists of local shards, in Triton.
 
-Each shard is updated in place by one fused kernel (one read and one write of each of param,
-grad, exp_avg, exp_avg_sq) instead of the ~10 elementwise passes of ``torch.optim``'s
+Shards are updated in place by a fused kernel (one read and one write of each of param, grad,
+exp_avg, exp_avg_sq) instead of the ~10 elementwise passes of ``torch.optim``'s
 single-tensor path. Scalars (bias corrections, step size) are computed on the host in float64
-exactly as ``torch.optim.AdamW(foreach=False)`` does; the elementwise math runs in float32 and
+as ``torch.optim.AdamW(foreach=False)`` does and reach the kernel as float32; the elementwise math
+runs in float32 and
 is stored back in each tensor's dtype (state may be float32 while params are float16/bfloat16).
 
-Not done: a single launch over all shards (a pointer table); today it is one launch per shard.
+All shards with the same four dtypes are updated by ONE launch: a table of the shards' addresses
+(int64, cast to pointers in the kernel) and a table of (shard, start) chunks. SGD is still one
+launch per shard.
 """
 
 from __future__ import annotations
@@ -42,6 +45,39 @@ def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, beta1, beta2, step_size, bc
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_multi(p_like, g_like, m_like, v_like, addrs_ptr, numels_ptr, chunk_tensor_ptr,
+                 chunk_start_ptr, step_size_ptr, bc2_sqrt_ptr, decay, beta1, beta2, eps,
+                 n_tensors, BLOCK: tl.constexpr):
+    """One program per BLOCK-chunk of any shard: the shard's four addresses come from a table
+    (``addrs[k * n_tensors + t]`` for k = param, grad, exp_avg, exp_avg_sq) and are cast to
+    pointers of the ``*_like`` arguments' types."""
+    c = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + c)
+    start = tl.load(chunk_start_ptr + c)
+    n = tl.load(numels_ptr + t)
+    p_ptr = tl.load(addrs_ptr + t).to(p_like.dtype, bitcast=True)
+    g_ptr = tl.load(addrs_ptr + n_tensors + t).to(g_like.dtype, bitcast=True)
+    m_ptr = tl.load(addrs_ptr + 2 * n_tensors + t).to(m_like.dtype, bitcast=True)
+    v_ptr = tl.load(addrs_ptr + 3 * n_tensors + t).to(v_like.dtype, bitcast=True)
+    step_size = tl.load(step_size_ptr + t)
+    bc2_sqrt = tl.load(bc2_sqrt_ptr + t)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = p * decay
+    m = m + (1.0 - beta1) * (g - m)
+    v = v * beta2 + (1.0 - beta2) * g * g
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    p = p - step_size * (m / denom)
+    tl.store(p_ptr + offs, p.to(p_like.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_like.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_like.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -87,24 +123,53 @@ def _check_shard(op: str, i: int, *ts: torch.Tensor) -> None:
 def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
                 steps: Sequence[int] | int, *, lr: float, beta1: float = 0.9,
-                beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+                beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+                multi_tensor: bool = True) -> None:
     """In-place AdamW on every shard; ``steps`` is each shard's step count AFTER the increment
-    (torch's ``state['step']`` after ``step += 1``), one int or one per shard."""
+    (torch's ``state['step']`` after ``step += 1``), one int or one per shard.
+
+    ``multi_tensor`` (default): one launch per group of shards with the same four dtypes, the
+    shards' addresses read from a table; otherwise one launch per shard."""
     _same_lengths("adamw_step_", params=params, grads=grads, exp_avgs=exp_avgs,
                   exp_avg_sqs=exp_avg_sqs)
     if isinstance(steps, int):
         steps = [steps] * len(params)
+    groups: dict[tuple, list[int]] = {}
     for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         _check_shard("adamw_step_", i, p, g, m, v)
         if step < 1:
             raise KernelError(f"adamw_step_: shard {i} has step {step}; steps count from 1")
-        n = p.numel()
-        if not n:
+        if p.numel():
+            groups.setdefault((p.dtype, g.dtype, m.dtype, v.dtype), []).append(i)
+    scalars = [(lr / (1 - beta1**step), math.sqrt(1 - beta2**step)) for step in steps]
+    decay = 1.0 - lr * weight_decay
+    for members in groups.values():
+        shards = [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in members]
+        if not multi_tensor:
+            for i, (p, g, m, v) in zip(members, shards):
+                _adamw[(triton.cdiv(p.numel(), _BLOCK),)](
+                    p, g, m, v, p.numel(), lr, decay, beta1, beta2, *scalars[i], eps,
+                    BLOCK=_BLOCK)
             continue
-        step_size = lr / (1 - beta1**step)
-        bc2_sqrt = math.sqrt(1 - beta2**step)
-        _adamw[(triton.cdiv(n, _BLOCK),)](p, g, m, v, n, lr, 1.0 - lr * weight_decay, beta1,
-                                           beta2, step_size, bc2_sqrt, eps, BLOCK=_BLOCK)
+        _adamw_group(shards, [scalars[i] for i in members], decay, beta1, beta2, eps)
+
+
+def _adamw_group(shards, scalars, decay, beta1, beta2, eps) -> None:
+    device = shards[0][0].device
+    numels = [s[0].numel() for s in shards]
+    chunk_tensor, chunk_start = [], []
+    for t, n in enumerate(numels):
+        starts = range(0, n, _BLOCK)
+        chunk_tensor += [t] * len(starts)
+        chunk_start += starts
+    addrs = [[s[k].data_ptr() for s in shards] for k in range(4)]
+    table = torch.tensor(addrs, dtype=torch.int64).reshape(-1).to(device)
+    as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    as_f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    _adamw_multi[(len(chunk_tensor),)](
+        *shards[0], table, as_i64(numels), as_i64(chunk_tensor), as_i64(chunk_start),
+        as_f32([s for s, _ in scalars]), as_f32([b for _, b in scalars]), decay, beta1, beta2,
+        eps, len(shards), BLOCK=_BLOCK)
 
 
 def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
