@@ -3,9 +3,9 @@
 Shards are updated in place by a fused kernel (one read and one write of each of param, grad,
 exp_avg, exp_avg_sq) instead of the ~10 elementwise passes of ``torch.optim``'s
 single-tensor path. Scalars (bias corrections, step size) are computed on the host in float64
-as ``torch.optim.AdamW(foreach=False)`` does and reach the kernel as float32; the elementwise math
-runs in float32 and
-is stored back in each tensor's dtype (state may be float32 while params are float16/bfloat16).
+as ``torch.optim.AdamW(foreach=False)`` does and reach the kernel as float32; the elementwise
+math runs in float32 and is stored back in each tensor's dtype (state may be float32 while
+params are float16/bfloat16).
 
 All shards with the same four dtypes are updated by ONE launch: a table of the shards' addresses
 (int64, cast to pointers in the kernel) and a table of (shard, start) chunks. SGD is still one
