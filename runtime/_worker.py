@@ -3,8 +3,8 @@
 A launcher starts it with its rank, the world size, the controller's address and the run id in
 the environment (``MESHPLAN_*``) and the channel secret as the first line (hex) of stdin, never in
 argv or the environment. Under the ``mpi`` launcher (``MESHPLAN_MPI=1``) the rank comes from MPI
-and the secret from a private file instead (``_mpi_launch.worker_start``). The worker connects, says ``hello``, then serves: receive a message,
-dispatch on its kind to a handler, send the reply.
+and the secret from a private file instead (``_mpi_launch.worker_start``). The worker connects,
+says ``hello``, then serves: receive a message, dispatch on its kind to a handler, send the reply.
 
 A handler is ``fn(state, header, tensors) -> (reply_header, reply_tensors)`` registered with
 ``@register(kind)``; modules named in ``MESHPLAN_WORKER_PLUGINS`` (comma-separated) are imported
