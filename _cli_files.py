@@ -1,6 +1,6 @@
 """``meshplan files push``: ship a file tree (plans, code, checkpoints) to every rank.
 
-    meshplan files push SRC --dest PATH_TEMPLATE --ranks N [--launcher local] [--json]
+    meshplan files push SRC --dest PATH_TEMPLATE --ranks N [--launcher local|mpi] [--json]
 
 ``PATH_TEMPLATE`` may use ``{rank}`` and ``{host}``. The design (pipelined chain broadcast,
 checksums, resume) is in ``meshplan/runtime/_files.py``. Every failure is one line on stderr and
@@ -28,7 +28,7 @@ def add_files_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dest", required=True, metavar="PATH_TEMPLATE",
                    help="destination on each rank; may use {rank} and {host}")
     p.add_argument("--ranks", type=int, required=True, help="how many ranks to push to")
-    p.add_argument("--launcher", default="local", help="local (mpi is not available yet)")
+    p.add_argument("--launcher", default="local", help="local (default) or mpi (mpiexec)")
     p.add_argument("--chunk-size", default="4MiB", help="transfer chunk, e.g. 4MiB (default)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -39,11 +39,8 @@ def add_files_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_files_push(args: argparse.Namespace) -> int:
     from .runtime._files import check_template, push_files
 
-    if args.launcher == "mpi":
-        raise RuntimeFailure("--launcher mpi is not available yet for files push; use "
-                             "--launcher local")
-    if args.launcher != "local":
-        raise RuntimeFailure(f"unknown --launcher {args.launcher!r}; use local")
+    if args.launcher not in ("local", "mpi"):
+        raise RuntimeFailure(f"unknown --launcher {args.launcher!r}; use local or mpi")
     if args.ranks < 1:
         raise RuntimeFailure(f"--ranks {args.ranks}: push to at least one rank")
     check_template(args.dest)
@@ -54,7 +51,7 @@ def cmd_files_push(args: argparse.Namespace) -> int:
                              "4MiB") from None
     if args.json or not sys.stderr.isatty():
         result = push_files(args.src, args.dest, ranks=args.ranks, chunk_bytes=chunk,
-                            timeout_s=args.timeout)
+                            timeout_s=args.timeout, launcher=args.launcher)
     else:
         result = _with_progress(args, chunk)
     if args.json:
@@ -84,4 +81,4 @@ def _with_progress(args: argparse.Namespace, chunk: int) -> Any:
             bar.update(task, completed=done, total=total)
 
         return push_files(args.src, args.dest, ranks=args.ranks, chunk_bytes=chunk,
-                          timeout_s=args.timeout, progress=progress)
+                          timeout_s=args.timeout, progress=progress, launcher=args.launcher)

@@ -447,18 +447,21 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
                ranks: int | None = None, chunk_bytes: int = DEFAULT_CHUNK, window: int = 8,
                timeout_s: float | None = None, io_timeout_s: float = 60.0,
                bind_host: str | None = None,
-               progress: Callable[[int, int], None] | None = None,
+               progress: Callable[[int, int], None] | None = None, launcher: str = "local",
                _faults: dict[str, Any] | None = None) -> PushResult:
     """Copy the tree ``src`` to ``dest_template`` (may use ``{rank}``, ``{host}``) on every rank.
 
     Pass running ``workers`` (launched with ``FILES_PLUGIN`` in ``MESHPLAN_WORKER_PLUGINS``) or
-    ``ranks=N`` to launch N local workers for this push only. Raises RuntimeFailure on bad input
+    ``ranks=N`` to launch N workers for this push only (``launcher``: ``"local"`` subprocesses
+    or ``"mpi"``, started by ``mpiexec``). Raises RuntimeFailure on bad input
     or a failed rank (after which, per the launcher's contract, all workers are stopped).
     ``progress(done, total)`` gets the bytes rank 0 has verified, from a background thread.
     ``_faults`` (tests): ``{"corrupt": [[sender_rank or -1, frame]], "delay": [rank, s]}``.
     """
     if (workers is None) == (ranks is None):
         raise RuntimeFailure("files push: pass either workers= (running workers) or ranks=N")
+    if launcher not in ("local", "mpi"):
+        raise RuntimeFailure(f"files push: unknown launcher {launcher!r}; use 'local' or 'mpi'")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 4096 or window < 1:
         raise RuntimeFailure(f"files push: chunk_bytes={chunk_bytes!r} (at least 4096) and "
                              f"window={window!r} (at least 1) are out of range")
@@ -474,9 +477,11 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
         raise RuntimeFailure(f"files push: --ranks {ranks!r}: push to at least one rank")
     from ._channel import ENV_PLUGINS
     from ._launch import LocalLauncher
+    from ._mpi_launch import MPILauncher
 
     plugins = ",".join(filter(None, (os.environ.get(ENV_PLUGINS, ""), FILES_PLUGIN)))
-    with LocalLauncher().launch(ranks, env={ENV_PLUGINS: plugins}) as launched:
+    starter = MPILauncher() if launcher == "mpi" else LocalLauncher()
+    with starter.launch(ranks, env={ENV_PLUGINS: plugins}) as launched:
         return _push(tree, dest_template, launched, t0, scan_s, **opts)
 
 

@@ -255,7 +255,7 @@ def test_cli_push_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, text", [
-    (["--launcher", "mpi"], "--launcher mpi is not available yet"),
+    (["--launcher", "slurm"], "unknown --launcher 'slurm'"),
     (["--dest", "/tmp/{foo}"], "uses {foo}"),
     (["--src", "/nonexistent/meshplan-src"], "does not exist"),
     (["--chunk-size", "lots"], "--chunk-size 'lots'"),
