@@ -337,6 +337,23 @@ class TracedStep:
         live parameters, buffers, gradients and optimizer state, and ``args``' tensors."""
         return self._inputs(self.graph, _Args.of(args))
 
+    def data_tensors(self, *args: Any) -> list[torch.Tensor]:
+        """The tensors of ``args`` in the order of the graph's data inputs."""
+        return list(_Args.of(args).tensors)
+
+    def pack_results(self, results: list[Any]) -> Any:
+        """The graph's result values shaped as the user's step returns them."""
+        return _pack(self.graph.info.result, results)
+
+    def write_state(self, values: dict[str, torch.Tensor], *args: Any) -> None:
+        """Write state values (by graph input name: parameters, buffers, gradients, optimizer
+        state) into the live model and optimizer, as running the step would. ``args``: data
+        arguments of the step's shape (their values are not read)."""
+        inputs = self.input_values(*args)
+        roles = {o.name: o.role for o in self.graph.outputs if o.kind is OutputKind.STATE}
+        for name, value in values.items():
+            self._write(name, roles.get(name), value, inputs)
+
     def _inputs(self, graph: Graph, a: _Args) -> dict[str, torch.Tensor]:
         inv = self.inventory
         vals: dict[str, torch.Tensor] = {}

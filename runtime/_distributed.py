@@ -27,8 +27,7 @@ import torch
 from .._errors import RuntimeFailure
 from ..backends import assemble, rank_coords, split_inputs
 from ..frontend import trace
-from ..frontend._traced import _pack
-from ..ir import OutputKind, Role
+from ..ir import Role
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig, now_us
 from ._launch import LocalLauncher, Workers, WorkerFailure
@@ -297,7 +296,7 @@ class DistributedStep:
                         None)
             self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6), loss)
         self._step_no += 1
-        return _pack(plan.graph.info.result, results)
+        return self._traced.pack_results(results)
 
     @contextlib.contextmanager
     def _recording_failures(self):
@@ -309,8 +308,7 @@ class DistributedStep:
             raise
 
     def _traced_args(self, args: tuple) -> list[torch.Tensor]:
-        from ..frontend._traced import _Args
-        return list(_Args.of(args).tensors)
+        return self._traced.data_tensors(*args)
 
     def _gather_state(self) -> dict[str, torch.Tensor]:
         workers, plan = self._workers, self.plan
@@ -329,12 +327,7 @@ class DistributedStep:
                 for name in replies[0].header["names"]}
 
     def _write_local(self, values: Mapping[str, torch.Tensor]) -> None:
-        traced = self._traced
-        inputs = traced.input_values(*self._example_data())
-        outs = {o.name: o for o in self.plan.graph.outputs if o.kind is OutputKind.STATE}
-        for name, value in values.items():
-            role = outs[name].role if name in outs else None
-            traced._write(name, role, value, inputs)
+        self._traced.write_state(dict(values), *self._example_data())
 
 
 def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
