@@ -120,5 +120,10 @@ class Ref:
     node: str
     index: int = 0
 
+    @property
+    def label(self) -> str:
+        """``node`` or ``node[i]``: how plans, reports and telemetry name the value."""
+        return self.node if self.index == 0 else f"{self.node}[{self.index}]"
+
     def __str__(self) -> str:
-        return f"%{self.node}" if self.index == 0 else f"%{self.node}[{self.index}]"
+        return f"%{self.label}"

@@ -140,8 +140,7 @@ def _redistribution(problem: Problem, ref: Ref, consumer: str, src: Layout,
     if steps is None:
         raise PlanError(f"internal: impossible layout change {format_layout(src)} -> "
                         f"{format_layout(dst)} chosen for {ref}")
-    value = ref.node if ref.index == 0 else f"{ref.node}[{ref.index}]"
     return Redistribution(
-        value, consumer, src, dst,
+        ref.label, consumer, src, dst,
         tuple((k.value, problem.mesh.names[axis], int(nbytes)) for k, axis, nbytes, _ in steps),
         float(sum(s[3] for s in steps)))

@@ -224,7 +224,7 @@ def _price(plan: Plan, node: str, inputs: tuple, outputs: tuple, compute_s: floa
         if not isinstance(meta, TensorMeta) or src is None or dst is None or src == dst:
             return
         steps = reshard_steps(meta, src, dst, mesh)
-        edges.append({"direction": direction, "value": _value(ref), "other": other,
+        edges.append({"direction": direction, "value": ref.label, "other": other,
                       "src": layout_str(src), "dst": layout_str(dst),
                       "steps": None if steps is None else
                       [[k.value, mesh.names[a], int(b)] for k, a, b, _ in steps],
@@ -267,10 +267,6 @@ def _state_edges(plan: Plan, node: str, outputs: tuple, placed: dict, edge: Any)
         elif o.kind is OutputKind.RESULT:
             edge("out", o.ref, "<result>", outputs[o.ref.index],
                  tuple(R for _ in plan.mesh.sizes))
-
-
-def _value(ref: Ref) -> str:
-    return ref.node if ref.index == 0 else f"{ref.node}[{ref.index}]"
 
 
 def _why(rows: list[dict[str, Any]]) -> str:

@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 BUCKET = "<bucket>"      # the value of a bucketed all-reduce's row (it serves many values)
 
 
-def _value(ref: Any) -> str:
-    return ref.node if ref.index == 0 else f"{ref.node}[{ref.index}]"
-
-
 # ---- the controller ----------------------------------------------------------------------------
 
 class ControllerTelemetry:
@@ -130,7 +126,7 @@ class WorkerTelemetry:
         if isinstance(ins, Bucket):
             self._reshards.append((first, last, BUCKET, f"<{len(ins.members)} values>"))
         else:
-            self._reshards.append((first, last, _value(ins.ref), ins.consumer))
+            self._reshards.append((first, last, ins.ref.label, ins.consumer))
 
     def compute(self, node: Node, start_s: float, dur_s: float) -> None:
         self._ops.append((node.name, node.target, start_s, dur_s))
