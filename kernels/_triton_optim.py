@@ -29,10 +29,10 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps,
-           BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, beta1, beta2, step_size,
+                bc2_sqrt, eps):
+    """AdamW's update of one block in fp32 (shared by the per-shard and multi-shard kernels):
+    returns the new param, exp_avg and exp_avg_sq."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +41,16 @@ def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, beta1, beta2, step_size, bc
     m = m + (1.0 - beta1) * (g - m)
     v = v * beta2 + (1.0 - beta2) * g * g
     denom = tl.sqrt(v) / bc2_sqrt + eps
-    p = p - step_size * (m / denom)
+    return p - step_size * (m / denom), m, v
+
+
+@triton.jit
+def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps,
+           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p, m, v = _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, beta1, beta2,
+                          step_size, bc2_sqrt, eps)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
@@ -66,15 +75,8 @@ def _adamw_multi(p_like, g_like, m_like, v_like, addrs_ptr, numels_ptr, chunk_te
     bc2_sqrt = tl.load(bc2_sqrt_ptr + t)
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = p * decay
-    m = m + (1.0 - beta1) * (g - m)
-    v = v * beta2 + (1.0 - beta2) * g * g
-    denom = tl.sqrt(v) / bc2_sqrt + eps
-    p = p - step_size * (m / denom)
+    p, m, v = _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, beta1, beta2,
+                          step_size, bc2_sqrt, eps)
     tl.store(p_ptr + offs, p.to(p_like.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_like.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_like.dtype.element_ty), mask=mask)
