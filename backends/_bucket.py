@@ -19,6 +19,7 @@ original position.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,11 +70,8 @@ def bucket(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
 
     def nbytes(ins: Reshard) -> int:
         meta = graph.meta(ins.ref)
-        shape = local_shape(meta.shape, ins.src, sizes)
-        n = 1
-        for d in shape:
-            n *= d
-        return n * getattr(torch, meta.dtype).itemsize
+        return (math.prod(local_shape(meta.shape, ins.src, sizes))
+                * getattr(torch, meta.dtype).itemsize)
 
     keys = [key(ins) for ins in instrs]
     taken: set[int] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import decimal
 import math
+import statistics
 from typing import Any
 
 from .._errors import TelemetryError
@@ -102,19 +103,13 @@ def _controller(store: Store, run: str) -> dict[str, Any] | None:
     return rows[0] if rows and rows[0]["steps"] else None
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return (xs[n // 2] + xs[(n - 1) // 2]) / 2
-
-
 def _stragglers(store: Store, run: str, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Ranks whose median compute time exceeds the median over ranks by > 10%, since which
     step, and the collective in which the other ranks wait longest meanwhile."""
     computes = [r["compute_p50_us"] for r in ranks if r["compute_p50_us"] is not None]
     if len(computes) < 2:
         return []
-    median = _median(computes)
+    median = statistics.median(computes)
     slow = [r for r in ranks if r["compute_p50_us"] is not None
             and r["compute_p50_us"] > STRAGGLER_RATIO * median]
     out = []
@@ -152,7 +147,7 @@ def _slow_since(store: Store, run: str, rank: int) -> tuple[int | None, float | 
         elif since is not None:
             break
     ratios = [x for x in ratios if x is not None]
-    return since, (_median(ratios) - 1 if ratios else None)
+    return since, (statistics.median(ratios) - 1 if ratios else None)
 
 
 def _collectives(store: Store, run: str) -> list[dict[str, Any]]:
