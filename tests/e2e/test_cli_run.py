@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,21 +31,12 @@ import torch
 from meshplan.cli import main
 from meshplan.planner import Plan
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_cli import Result  # noqa: E402  (one CLI result type for the e2e tests)
+
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 180
 STEP = "gpt_distributed.py:train_step"
-
-
-@dataclass(frozen=True)
-class Result:
-    args: tuple[str, ...]
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def __str__(self) -> str:
-        return (f"meshplan {' '.join(self.args)} -> {self.returncode}\n--- stdout\n"
-                f"{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}")
 
 
 def cli(cwd: Path, *args: str) -> Result:
