@@ -43,8 +43,8 @@ def _state(ex) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "axes", "strategy"), [
+# (model, mesh, plan family): every launcher runs these against one process
+EQUIVALENCE_CASES = [
     ("mlp", {"dp": 2}, "dp"),
     ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"),
     ("gpt", {"dp": 2}, "fsdp"),
@@ -52,16 +52,30 @@ def _state(ex) -> dict[str, torch.Tensor]:
     ("cnn", {"dp": 2}, "fsdp"),
     ("gpt", {"tp": 2}, "megatron_tp"),
     ("mlp", {"dp": 4}, "fsdp"),
-])
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("name", "axes", "strategy"), EQUIVALENCE_CASES)
 def test_distributed_steps_equal_one_process(name: str, axes: dict[str, int],
                                              strategy: str) -> None:
+    check_equal_to_one_process(name, axes, strategy)
+
+
+def check_equal_to_one_process(name: str, axes: dict[str, int], strategy: str,
+                               after_steps=None, **options) -> None:
+    """``STEPS`` distributed steps against the eager run (tolerances: module docstring);
+    ``options`` go to ``distribute``; ``after_steps(step)`` may check the running mesh."""
     ex, ref = _models(name)
-    step = meshplan.distribute(ex.step, mesh=axes, strategy=strategy, topology="h100")
+    step = meshplan.distribute(ex.step, mesh=axes, strategy=strategy, topology="h100",
+                               **options)
     with step:
         for i in range(STEPS):
             got, want = step(*ex.batch(i)), ref.step(*ref.batch(i))
             torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6,
                                        msg=f"loss at step {i}")
+        if after_steps is not None:
+            after_steps(step)
         sd = step.state_dict()
         step.sync()
     want = _state(ref)

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from test_comm import _check
+from test_distribute import EQUIVALENCE_CASES, check_equal_to_one_process
 
 
 def _mpiexec() -> str | None:
@@ -122,41 +123,17 @@ def test_missing_mpi4py_is_one_clear_error(monkeypatch) -> None:
 # ---- the mpi launcher ------------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "axes", "strategy"), [     # test_distribute.py's cases
-    ("mlp", {"dp": 2}, "dp"),
-    ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"),
-    ("gpt", {"dp": 2}, "fsdp"),
-    ("mlp-sgd-dampening", {"dp": 2}, "dp"),
-    ("cnn", {"dp": 2}, "fsdp"),
-    ("gpt", {"tp": 2}, "megatron_tp"),
-    ("mlp", {"dp": 4}, "fsdp"),
-])
+@pytest.mark.parametrize(("name", "axes", "strategy"), EQUIVALENCE_CASES)
 def test_mpi_launcher_steps_equal_one_process(name: str, axes: dict[str, int],
                                               strategy: str) -> None:
     """``launcher="mpi"``: MPICommunicator collectives; ``state_dict()`` gathered by RMA onto
     rank 0. Tolerances as ``test_distribute.py`` (rtol 1e-5 / atol 1e-6 on losses, atol 1e-5
     on weights: cross-rank sums run in MPI's order, not one process's)."""
-    import meshplan
-    from test_distribute import STEPS, _models, _state
-
-    ex, ref = _models(name)
-    step = meshplan.distribute(ex.step, mesh=axes, strategy=strategy, topology="h100",
-                               launcher="mpi", telemetry=False, timeout_s=60)
-    with step:
-        for i in range(STEPS):
-            got, want = step(*ex.batch(i)), ref.step(*ref.batch(i))
-            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=f"loss at step {i}")
+    def no_send(step) -> None:
         assert all(c["kind"] != "send" for rank in step.last_comm for c in rank)
-        sd = step.state_dict()
-        step.sync()
-    want = _state(ref)
-    for k, v in want.items():
-        if k not in sd["model"]:
-            continue
-        torch.testing.assert_close(sd["model"][k], v, rtol=1e-5, atol=1e-5, msg=k)
-        torch.testing.assert_close(_state(ex)[k], v, rtol=1e-5, atol=1e-5, msg=f"synced {k}")
-    assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in sd["optim"])
+
+    check_equal_to_one_process(name, axes, strategy, after_steps=no_send, launcher="mpi",
+                               telemetry=False, timeout_s=60)
 
 
 @pytest.mark.timeout(60)
