@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ sys.path.insert(0, str(HERE))
 
 from test_comm import _check
 from test_distribute import EQUIVALENCE_CASES, check_equal_to_one_process
+from test_launch import _alive, _wait_gone
 
 
 def _mpiexec() -> str | None:
@@ -229,21 +229,6 @@ def test_mpi_workers_die_with_a_killed_controller(launched_from: str, tmp_path: 
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids: list[int], within_s: float) -> list[int]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
 
 
 @pytest.mark.timeout(120)
