@@ -75,29 +75,29 @@ def _check(views: Sequence[torch.Tensor], buffer: torch.Tensor | None) -> None:
 def pack_views(views: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate the (possibly non-contiguous) views, flattened, into one 1-D buffer."""
     _check(views, out)
-    total = sum(v.numel() for v in views)
     if out is None:
-        out = torch.empty(total, dtype=views[0].dtype, device=views[0].device)
-    if out.dim() != 1 or not out.is_contiguous() or out.numel() < total:
-        raise KernelError(f"pack_views: out must be a contiguous 1-D buffer of at least {total} "
-                          f"elements, got shape {tuple(out.shape)}")
-    offset = 0
-    for v in views:
-        _launch(out[offset:offset + v.numel()], v, scatter=False)
-        offset += v.numel()
+        out = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype,
+                          device=views[0].device)
+    _through(out, views, scatter=False, what="pack_views: out")
     return out
 
 
 def unpack_views(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
     """Write consecutive ranges of ``buffer`` back through each view (in place)."""
     _check(views, buffer)
+    _through(buffer, views, scatter=True, what="unpack_views: buffer")
+
+
+def _through(buffer: torch.Tensor, views: Sequence[torch.Tensor], *, scatter: bool,
+             what: str) -> None:
+    """Copy between consecutive ranges of the 1-D ``buffer`` and ``views``, in order."""
     total = sum(v.numel() for v in views)
     if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < total:
-        raise KernelError(f"unpack_views: buffer must be a contiguous 1-D buffer of at least "
-                          f"{total} elements, got shape {tuple(buffer.shape)}")
+        raise KernelError(f"{what} must be a contiguous 1-D buffer of at least {total} "
+                          f"elements, got shape {tuple(buffer.shape)}")
     offset = 0
     for v in views:
-        _launch(buffer[offset:offset + v.numel()], v, scatter=True)
+        _launch(buffer[offset:offset + v.numel()], v, scatter=scatter)
         offset += v.numel()
 
 
