@@ -29,10 +29,10 @@ from ..backends import assemble, rank_coords, split_inputs
 from ..frontend import trace
 from ..ir import Role
 from ..planner import Plan, plan_graph
-from ..telemetry import TelemetryConfig, now_us
+from ..telemetry import TelemetryConfig
 from ._launch import LocalLauncher, Workers, WorkerFailure
 from ._mpi_launch import MPILauncher
-from ._telemetry import ControllerTelemetry
+from ._telemetry import ControllerTelemetry, steps_timer
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: expected {len(names)} tensor arguments "
                                  f"({', '.join(names)}), got {len(flat)}")
         batch = dict(zip(names, flat))
-        start_us, t0 = now_us(), time.perf_counter()
+        start_us, t0 = steps_timer()
         with self._recording_failures():
             for rank in range(workers.n):
                 pieces = split_inputs(plan, rank, batch)
@@ -292,9 +292,8 @@ class DistributedStep:
         self.last_comm = [list(r.header["comm"]) for r in replies]
         results = list(replies[0].tensors)
         if self._tel is not None:
-            loss = next((float(r) for r in results if r.ndim == 0 and r.is_floating_point()),
-                        None)
-            self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6), loss)
+            self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6),
+                           results)
         self._step_no += 1
         return self._traced.pack_results(results)
 

@@ -55,8 +55,10 @@ class ControllerTelemetry:
         self.rec.add_many("plan_collectives", plan_collective_rows(plan))
         self.rec.flush()         # the run's description survives whatever happens next
 
-    def step(self, step: int, start_us: int, dur_us: int, loss: float | None) -> None:
-        self.rec.add("steps", (step, start_us, dur_us, loss, None, None, None))
+    def step(self, step: int, start_us: int, dur_us: int, results: Sequence[Any]) -> None:
+        """The controller's view of one step; the loss is read from the results as the
+        ranks read it."""
+        self.rec.add("steps", (step, start_us, dur_us, _loss(results), None, None, None))
 
     def failure(self, exc: BaseException, step: int | None) -> None:
         ranks = getattr(exc, "ranks", ()) or (-1,)
