@@ -16,6 +16,17 @@ includes ``self.rank``; its order is the group's order (``all_gather`` concatena
   all_gather the OUTPUT, reduce_scatter the INPUT, all_to_all the input, broadcast / send / recv
   the tensor, barrier 0.
 
+Non-blocking all-reduce: ``all_reduce_start(t, group, op)`` issues the all-reduce and returns a
+``PendingReduce`` at once; its ``wait()`` returns what ``all_reduce`` would have (same checks,
+same result, same bytes). Every rank of the group must start its collectives in the same order,
+blocking ones included, as always; waits may come in any order and other collectives may run
+while one is in flight. ``t`` may be reused as soon as the start returns (the transport works on
+its own copy). The ``CommRecord`` is appended when ``wait()`` returns, once: ``start_s`` is when
+the all-reduce was issued and ``dur_s`` runs until the wait returned, so it spans whatever the
+rank did in between (a record whose span overlaps the next records' is an overlapped one); a
+failure surfaces from ``start`` or ``wait`` as from the blocking call. A one-member group is done
+at the start and records nothing.
+
 ``ThreadMesh`` (``_threadcomm.py``) runs every rank as a thread of one process with the same
 semantics; tests of the lowering use it.
 """
@@ -67,6 +78,31 @@ class CommRecord:
     dur_s: float
 
 
+class PendingReduce:
+    """An all-reduce in flight (``Communicator.all_reduce_start``); ``wait()`` returns its
+    result (the same tensor when called again)."""
+
+    __slots__ = ("_finish", "_record", "_out")
+
+    def __init__(self, finish: Callable[[], torch.Tensor],
+                 record: Callable[[], None] | None = None) -> None:
+        self._finish, self._record = finish, record
+        self._out: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = self._finish()
+            if self._record is not None:
+                self._record()
+            self._finish = self._record = None        # drop the transport's buffers and work
+        return self._out
+
+    @property
+    def done(self) -> bool:
+        """Whether ``wait()`` has returned."""
+        return self._out is not None
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """What a lowered per-rank program calls; semantics in this module's docstring."""
@@ -77,6 +113,9 @@ class Communicator(Protocol):
 
     def all_reduce(self, t: torch.Tensor, group: tuple[int, ...],
                    op: str = "sum") -> torch.Tensor: ...
+
+    def all_reduce_start(self, t: torch.Tensor, group: tuple[int, ...],
+                         op: str = "sum") -> PendingReduce: ...
 
     def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor: ...
 
@@ -172,7 +211,11 @@ def merge_leading(stacked: torch.Tensor, dim: int) -> torch.Tensor:
 
 class CommBase:
     """Implements the public methods once; a transport provides ``_all_reduce`` etc., called only
-    for groups of two or more with arguments already checked (``dim`` normalised)."""
+    for groups of two or more with arguments already checked (``dim`` normalised), and may
+    translate its errors in ``_guard`` (around every transport call: a start and a wait
+    included). ``_all_reduce_start`` returns a function that finishes the all-reduce; by
+    default it runs the blocking ``_all_reduce`` at the start (correct wherever every rank
+    starts its collectives in the same order, which the protocol demands anyway)."""
 
     rank: int
     world_size: int
@@ -181,10 +224,13 @@ class CommBase:
     def _group(self, group: Sequence[int] | None, where: str) -> tuple[int, ...]:
         return check_group(group, self.rank, self.world_size, where)
 
+    def _guard(self, kind: CollectiveKind, group: tuple[int, ...], fn: Callable[[], T]) -> T:
+        return fn()
+
     def _timed(self, kind: CollectiveKind, group: tuple[int, ...], nbytes: int,
                fn: Callable[[], T]) -> T:
         start, t0 = time.time(), time.perf_counter()
-        out = fn()
+        out = self._guard(kind, group, fn)
         self.records.append(CommRecord(kind, group, int(nbytes), start, time.perf_counter() - t0))
         return out
 
@@ -195,6 +241,22 @@ class CommBase:
             return t.contiguous()
         return self._timed(CollectiveKind.ALL_REDUCE, g, t.nbytes,
                            lambda: self._all_reduce(t, g, op))
+
+    def all_reduce_start(self, t: torch.Tensor, group: tuple[int, ...],
+                         op: str = "sum") -> PendingReduce:
+        """``all_reduce`` without waiting for it: see the module docstring."""
+        g = self._group(group, "all_reduce_start")
+        op = check_reduce_op(op, t.dtype, "all_reduce_start")
+        if len(g) == 1:
+            out = t.contiguous()
+            return PendingReduce(lambda: out)
+        kind, nbytes = CollectiveKind.ALL_REDUCE, int(t.nbytes)
+        start, t0 = time.time(), time.perf_counter()
+        finish = self._guard(kind, g, lambda: self._all_reduce_start(t, g, op))
+
+        def record() -> None:
+            self.records.append(CommRecord(kind, g, nbytes, start, time.perf_counter() - t0))
+        return PendingReduce(lambda: self._guard(kind, g, finish), record)
 
     def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor:
         g = self._group(group, "all_gather")
@@ -265,6 +327,11 @@ class CommBase:
 
     # transports implement these
     def _all_reduce(self, t, g, op): raise NotImplementedError
+
+    def _all_reduce_start(self, t, g, op):
+        out = self._all_reduce(t, g, op)
+        return lambda: out
+
     def _all_gather(self, t, g, dim): raise NotImplementedError
     def _reduce_scatter(self, t, g, dim, op): raise NotImplementedError
     def _all_to_all(self, t, g, split_dim, cat_dim): raise NotImplementedError
@@ -312,9 +379,11 @@ class TorchCommunicator(CommBase):
     Every call maps onto ONE native call in torch 2.13, gloo included:
     ``all_reduce``; ``all_gather_single`` (``all_gather_into_tensor`` before 2.13);
     ``reduce_scatter_single``; ``all_to_all_single``; ``broadcast``; ``send`` / ``recv``;
-    ``barrier``. Gloo's native reduce-scatter timed the same as all_reduce + chunk on 2 and 4
-    loopback ranks (1 KiB - 4 MiB) and its native all-to-all as fast as or faster than pairwise
-    isend/irecv, so no emulation is kept. Other dims than 0 are brought to the front by one
+    ``barrier``; ``all_reduce_start`` is ``all_reduce(..., async_op=True)`` and its wait
+    ``Work.wait`` (bounded by ``timeout_s`` too; ``avg`` divides after it). Gloo's native
+    reduce-scatter timed the same as all_reduce + chunk on 2 and 4 loopback ranks (1 KiB -
+    4 MiB) and its native all-to-all as fast as or faster than pairwise isend/irecv, so no
+    emulation is kept. Other dims than 0 are brought to the front by one
     contiguous copy (``split_leading`` / ``merge_leading``); dim 0 of a contiguous tensor costs
     no extra copy. ``bool`` travels as ``uint8`` and reduces with MAX (logical or); ``avg`` is
     SUM then one in-place division, the same arithmetic as ``ThreadMesh``. The summation order
@@ -380,25 +449,32 @@ class TorchCommunicator(CommBase):
                 "Pass every group of the mesh in `groups=`, the same list on every rank")
         return g
 
-    def _timed(self, kind: CollectiveKind, group: tuple[int, ...], nbytes: int,
-               fn: Callable[[], T]) -> T:
-        def guarded() -> T:
-            try:
-                return fn()
-            except RuntimeError as exc:          # DistBackendError, gloo timeouts, closed peers
-                raise RuntimeFailure(
-                    f"{kind.value} on group {group} failed on rank {self.rank} ({self.backend}, "
-                    f"timeout {self.timeout_s:g} s): {exc}. If a peer never joined or exited, "
-                    "the process group is now unusable: close() it") from exc
+    def _guard(self, kind: CollectiveKind, group: tuple[int, ...], fn: Callable[[], T]) -> T:
         if self._closed:
             raise RuntimeFailure(f"{kind.value}: this TorchCommunicator (rank {self.rank}) is "
                                  "closed")
-        return super()._timed(kind, group, nbytes, guarded)
+        try:
+            return fn()
+        except RuntimeError as exc:          # DistBackendError, gloo timeouts, closed peers
+            raise RuntimeFailure(
+                f"{kind.value} on group {group} failed on rank {self.rank} ({self.backend}, "
+                f"timeout {self.timeout_s:g} s): {exc}. If a peer never joined or exited, "
+                "the process group is now unusable: close() it") from exc
 
     def _all_reduce(self, t, g, op):
         out = contiguous_copy(t)
         dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g])
         return out.div_(len(g)) if op == "avg" else out
+
+    def _all_reduce_start(self, t, g, op):
+        out = contiguous_copy(t)
+        work = dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g],
+                               async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait(timedelta(seconds=self.timeout_s))
+            return out.div_(len(g)) if op == "avg" else out
+        return finish
 
     def _all_gather(self, t, g, dim):
         n = len(g)

@@ -31,7 +31,8 @@ from ..ir._ops import resolve
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
 from ..planner._placement import local_shape
 from ..planner.rules import rule_for
-from ._bucket import DEFAULT_BUCKET_BYTES, Bucket, bucket, run_bucket
+from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, bucket, pending_name,
+                      run_bucket, start_bucket)
 from ._layout import axis_group, local_part, rank_coords
 
 Value = Any
@@ -290,10 +291,18 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                                                                          program.coords)
                 if observer is not None:
                     observer.reshard(ins, first, len(comm.records))
-            elif isinstance(ins, Bucket):
+            elif isinstance(ins, BucketStart):       # pending until its Bucket (the wait)
+                values = [env[m.ref.node][m.ref.index] for m in ins.bucket.members]
+                env[pending_name(ins.bucket)] = (start_bucket(ins.bucket, values, comm),)
+            elif isinstance(ins, Bucket):            # records its all-reduce when it returns
                 first = len(comm.records)
-                values = [env[m.ref.node][m.ref.index] for m in ins.members]
-                for m, v in zip(ins.members, run_bucket(ins, values, comm)):
+                pending = env.pop(pending_name(ins), None)
+                if pending is None:                  # never started: run it here, blocking
+                    values = [env[m.ref.node][m.ref.index] for m in ins.members]
+                    pieces = run_bucket(ins, values, comm)
+                else:
+                    pieces = pending[0].wait()
+                for m, v in zip(ins.members, pieces):
                     copies[(m.ref.node, m.ref.index, m.dst)] = v
                 if observer is not None:
                     observer.reshard(ins, first, len(comm.records))

@@ -21,6 +21,10 @@ one-member no-op and the records come from ``CommBase``; this module only moves 
   pipelined 4 MiB transfer take 0.5 s instead of 1 ms. A request cannot be cancelled, so after a timeout the communicator is
   unusable (``close()`` it; the launcher stops the job). ``Comm.Create_group`` itself blocks
   without a deadline: declare groups up front when a member might never arrive.
+- ``all_reduce_start`` issues the ``Iallreduce`` and returns; its ``wait()`` polls it as above
+  (the deadline counts from the wait). MPI progresses a request only inside MPI calls, so on
+  most MPI builds the bytes move during the wait and during other calls' polls, not while the
+  rank computes in between.
 - ``send`` is synchronous (``Issend``): it returns once the receiver has matched it, as the
   protocol says.
 """
@@ -111,17 +115,14 @@ class MPICommunicator(CommBase):
             self._comms[g] = sub
         return sub
 
-    def _timed(self, kind, group, nbytes, fn):
+    def _guard(self, kind, group, fn):
         if self._closed:
             raise RuntimeFailure(f"{kind.value}: this MPICommunicator (rank {self.rank}) is closed")
-
-        def guarded():
-            try:
-                return fn()
-            except self._MPI.Exception as exc:
-                raise RuntimeFailure(f"{kind.value} on group {group} failed on rank {self.rank} "
-                                     f"(MPI): {exc.Get_error_string()}") from exc
-        return super()._timed(kind, group, nbytes, guarded)
+        try:
+            return fn()
+        except self._MPI.Exception as exc:
+            raise RuntimeFailure(f"{kind.value} on group {group} failed on rank {self.rank} "
+                                 f"(MPI): {exc.Get_error_string()}") from exc
 
     def wait(self, req: Any, what: str, *keep: Any, status: Any = None) -> None:
         """Poll ``req`` with ``Test`` until it completes or ``timeout_s`` passes. ``keep``: the
@@ -147,15 +148,23 @@ class MPICommunicator(CommBase):
         return self._MPI.MAX if op == "max" or dtype == torch.bool else self._MPI.SUM
 
     def _all_reduce(self, t, g, op):
+        return self._all_reduce_start(t, g, op)()
+
+    def _all_reduce_start(self, t, g, op):
+        """Issues the ``Iallreduce``; the returned function polls it (``wait``) and finishes."""
         if t.dtype in _HALF:
             wide = t.to(torch.float32, memory_format=torch.contiguous_format)
         else:
             wide = contiguous_copy(t)
-        self.wait(self._sub(g).Iallreduce(self._MPI.IN_PLACE, _reduce_view(wide),
-                                          self._op(op, t.dtype)), f"all_reduce on group {g}", wide)
-        if op == "avg":
-            wide.div_(len(g))
-        return wide.to(t.dtype) if t.dtype in _HALF else wide
+        dtype = t.dtype
+        req = self._sub(g).Iallreduce(self._MPI.IN_PLACE, _reduce_view(wide), self._op(op, dtype))
+
+        def finish() -> torch.Tensor:
+            self.wait(req, f"all_reduce on group {g}", wide)
+            if op == "avg":
+                wide.div_(len(g))
+            return wide.to(dtype) if dtype in _HALF else wide
+        return finish
 
     def _all_gather(self, t, g, dim):
         n, src = len(g), t.contiguous()

@@ -7,6 +7,10 @@ member gets its own new tensor. Sums run in group order, one ``add_`` at a time 
 dtype, so results are deterministic and bit-equal to ``functools.reduce(torch.add, inputs)``.
 Members that disagree (another collective, op, dim, shape or dtype) all get ``LoweringError``.
 
+``all_reduce_start`` completes the all-reduce at the start (``CommBase``'s default) and its
+``wait()`` only hands the result over: every member starts its collectives in the same order, so
+meeting at the start cannot deadlock where a real backend would not, and the sums are the same.
+
 ``send`` is synchronous: it returns once the receiver has copied the tensor, like gloo's and NCCL's
 blocking send, so a schedule that deadlocks there deadlocks here too (and then times out).
 Messages between one pair of ranks arrive in the order they were sent.

@@ -125,8 +125,11 @@ class WorkerTelemetry:
     def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None:
         if last <= first:
             return
-        if isinstance(ins, Bucket):
+        if isinstance(ins, Bucket) and len(ins.members) > 1:
             self._reshards.append((first, last, BUCKET, f"<{len(ins.members)} values>"))
+        elif isinstance(ins, Bucket):          # a lone value started early: its own row
+            m = ins.members[0]
+            self._reshards.append((first, last, m.ref.label, m.consumer))
         else:
             self._reshards.append((first, last, ins.ref.label, ins.consumer))
 

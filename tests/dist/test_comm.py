@@ -119,12 +119,13 @@ def _program(comm) -> dict:
             comm.send(x, nxt)
         out["results"][f"p2p/{i}"] = got
         out["unmutated"] &= _bitequal(x, _input(1000 + i, r, dt, (3, 4), noncontig=i % 2 == 1))
+    _overlapped(comm, out)
     comm.barrier()
     solo, n = torch.arange(8.0).reshape(2, 4), len(comm.records)
     out["solo_is_input"] = all(t is solo for t in (
         comm.all_reduce(solo, (r,), "avg"), comm.all_gather(solo, (r,), 1),
         comm.reduce_scatter(solo, (r,), 0), comm.all_to_all(solo, (r,), 0, 1),
-        comm.broadcast(solo, r, (r,))))
+        comm.broadcast(solo, r, (r,)), comm.all_reduce_start(solo, (r,), "avg").wait()))
     comm.barrier((r,))
     out["solo_recorded"] = len(comm.records) - n
     full = tuple(range(world))
@@ -142,6 +143,29 @@ def _program(comm) -> dict:
     out["records"] = [(rec.kind.value, rec.group, rec.nbytes) for rec in comm.records]
     out["record_times_ok"] = all(rec.dur_s >= 0 and rec.start_s > 1e9 for rec in comm.records)
     return out
+
+
+def _overlapped(comm, out: dict) -> None:
+    """Non-blocking all-reduces: every all_reduce case started on each of its groups, all in
+    flight together with a blocking all_gather issued after them, then waited for in reverse
+    order (records: the all_gather's, then one per wait). Each input is overwritten right after
+    its start (the transport must have its own copy); a second wait gives the same tensor."""
+    r = comm.rank
+    pending = []
+    for k, case in enumerate(CASES):
+        if case.kind != "all_reduce":
+            continue
+        for a, axis in enumerate(AXES[comm.world_size]):
+            x = _case_input(k, r).clone()
+            pending.append((f"async/{k}/{a}", comm.all_reduce_start(
+                x, next(g for g in axis if r in g), case.args[0])))
+            x.zero_()
+    out["results"]["async/gather"] = comm.all_gather(_case_input(0, r), tuple(
+        range(comm.world_size)), 0)
+    for name, handle in reversed(pending):
+        out["results"][name] = handle.wait()
+        out["contiguous"] &= out["results"][name].is_contiguous()
+        out["unmutated"] &= handle.wait() is out["results"][name] and handle.done
 
 
 # ---- the reference ---------------------------------------------------------------------------
@@ -211,6 +235,30 @@ def _check(outs: list[dict], world: int, exact: bool) -> None:
             send, recv = ("send", (r, nxt), nbytes), ("recv", (prv, r), nbytes)
             expected_records[r] += [send, recv] if r % 2 == 0 else [recv, send]
     full = tuple(range(world))
+    for r in range(world):
+        want = torch.cat([_case_input(0, q) for q in full], 0)
+        assert _bitequal(outs[r]["results"]["async/gather"], want), r
+    waits = [[] for _ in range(world)]
+    for k, case in enumerate(CASES):
+        if case.kind != "all_reduce":
+            continue
+        for a, axis in enumerate(AXES[world]):
+            for g in axis:
+                xs = [_case_input(k, q) for q in g]
+                want = _expected(case, xs, 0)
+                for r in g:
+                    got, where = outs[r]["results"][f"async/{k}/{a}"], f"started {case} on {g}"
+                    if (exact or len(g) == 2 or not case.dtype.is_floating_point
+                            or case.args[0] == "max"):
+                        assert _bitequal(got, want), where
+                    else:
+                        err = (got.double() - want.double()).abs()
+                        assert bool((err <= _reassociation_bound(case, xs, 0)).all()), where
+                    waits[r].append((case.kind, g, _expected_nbytes(case, len(g))))
+    for r in range(world):
+        gather = ("all_gather", full, torch.empty(CASES[0].shape, dtype=CASES[0].dtype).nbytes
+                  * world)
+        expected_records[r] += [gather] + waits[r][::-1]
     for r, out in enumerate(outs):
         assert out["unmutated"] and out["contiguous"] and out["record_times_ok"], r
         assert out["solo_is_input"] and out["solo_recorded"] == 0, r
@@ -347,15 +395,20 @@ def _declared(world: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(g for axis in AXES[world] for g in axis))
 
 
-def _gloo_timeout(rank: int, port: int, flag: Path) -> tuple[str, float] | None:
-    """Rank 1 never joins rank 0's all_reduce (it waits for rank 0 to give up, then leaves)."""
+def _gloo_timeout(rank: int, port: int, flag: Path,
+                  started: bool = False) -> tuple[str, float] | None:
+    """Rank 1 never joins rank 0's all_reduce (it waits for rank 0 to give up, then leaves).
+    ``started``: rank 0 starts it (``all_reduce_start``) and times out in the wait."""
     comm = TorchCommunicator(rank, 2, [(0, 1)], backend="gloo", timeout_s=TIMEOUT_S,
                              init_method=f"tcp://127.0.0.1:{port}")
     result = None
     if rank == 0:
         start = time.monotonic()
         try:
-            comm.all_reduce(torch.ones(4), (0, 1))
+            if started:
+                comm.all_reduce_start(torch.ones(4), (0, 1)).wait()
+            else:
+                comm.all_reduce(torch.ones(4), (0, 1))
             result = ("no error", time.monotonic() - start)
         except RuntimeFailure as exc:
             result = (str(exc), time.monotonic() - start)
@@ -368,7 +421,8 @@ def _gloo_timeout(rank: int, port: int, flag: Path) -> tuple[str, float] | None:
     return result
 
 
-def _worker(world: int, rank: int, port: int, port2: int, outdir: Path) -> None:
+def _worker(world: int, rank: int, port: int, port2: int, outdir: Path,
+            port3: int = 0) -> None:
     torch.set_num_threads(1)
     comm = TorchCommunicator(rank, world, _declared(world), backend="gloo", timeout_s=60,
                              init_method=f"tcp://127.0.0.1:{port}")
@@ -383,6 +437,7 @@ def _worker(world: int, rank: int, port: int, port2: int, outdir: Path) -> None:
     comm.close()
     if world == 2:
         out["timeout"] = _gloo_timeout(rank, port2, outdir / "timed_out")
+        out["timeout_wait"] = _gloo_timeout(rank, port3, outdir / "timed_out_wait", True)
     torch.save(out, outdir / f"rank{rank}.tmp")
     os.replace(outdir / f"rank{rank}.tmp", outdir / f"rank{rank}.pt")
 
@@ -391,12 +446,12 @@ def _run_gloo(world: int, outdir: Path, timeout_s: float = 100) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    port, port2 = _free_port(), _free_port()
+    port, port2, port3 = _free_port(), _free_port(), _free_port()
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(outdir / f"rank{r}.log", "w+", encoding="utf-8"))
                 for r in range(world)]
         procs = [subprocess.Popen([sys.executable, __file__, str(world), str(r), str(port),
-                                   str(port2), str(outdir)], stdin=subprocess.DEVNULL,
+                                   str(port2), str(outdir), str(port3)], stdin=subprocess.DEVNULL,
                                   stdout=logs[r], stderr=subprocess.STDOUT, env=env)
                  for r in range(world)]
         _wait(procs, logs, timeout_s)
@@ -464,11 +519,13 @@ def test_gloo_a_rank_that_never_joins_raises_within_the_timeout(gloo_run) -> Non
     world, outs = gloo_run
     if world != 2:
         pytest.skip("checked once, in the world-2 job")
-    message, seconds = outs[0]["timeout"]
-    assert "all_reduce on group (0, 1) failed on rank 0 (gloo, timeout 3 s)" in message, message
-    assert TIMEOUT_S - 0.5 <= seconds <= TIMEOUT_S + 7, seconds
+    for key in ("timeout", "timeout_wait"):      # blocking; started, then waited for
+        message, seconds = outs[0][key]
+        assert "all_reduce on group (0, 1) failed on rank 0 (gloo, timeout 3 s)" in message, \
+            (key, message)
+        assert TIMEOUT_S - 0.5 <= seconds <= TIMEOUT_S + 7, (key, seconds)
 
 
-if __name__ == "__main__":                            # a gloo worker: WORLD RANK PORT PORT2 DIR
+if __name__ == "__main__":                 # a gloo worker: WORLD RANK PORT PORT2 DIR PORT3
     _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-            Path(sys.argv[5]))
+            Path(sys.argv[5]), int(sys.argv[6]))

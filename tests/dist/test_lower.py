@@ -298,3 +298,42 @@ def test_a_view_whose_input_lost_its_traced_strides_still_runs() -> None:
 
     for got in ThreadMesh(4, timeout_s=60).run(one):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_buckets_start_after_their_last_gradient_and_wait_before_the_first_reader() -> None:
+    """The data-parallel GPT step: every bucket starts right after its last member is made
+    and is waited for before any reader of a reduced member, each start before its wait with
+    backward work in between (the overlap); members are not freed before the start reads
+    them; each started bucket is waited for once."""
+    from meshplan.backends._bucket import Bucket, BucketStart
+    from meshplan.backends._lower import Compute, Free, Reshard
+
+    _, traced = _example("gpt-b16")
+    plan = plan_graph(traced.graph, {"dp": 2}, topology="cpu", strategy="dp")
+    import inspect
+    no_kernels = {"kernels": False} if "kernels" in inspect.signature(lower).parameters else {}
+    ins = lower(plan, 0, **no_kernels).instructions
+    made = {i.node.name: k for k, i in enumerate(ins) if isinstance(i, Compute)}
+    starts = {i.bucket.index: k for k, i in enumerate(ins) if isinstance(i, BucketStart)}
+    waits = {i.index: k for k, i in enumerate(ins) if isinstance(i, Bucket)}
+    assert starts and starts.keys() == waits.keys()
+    overlapped = 0
+    for b, at in starts.items():
+        members = ins[at].bucket.members
+        ready = max(made.get(m.ref.node, -1) for m in members)
+        assert all(isinstance(i, (Free, BucketStart)) for i in ins[ready + 1:at]), b  # right after
+        names = {m.ref.node for m in members}
+        for k in range(waits[b] + 1):                   # nothing reads a member's reduced
+            i = ins[k]                                  # value before the wait ...
+            if isinstance(i, Compute):
+                assert not any(r.node in names and layout == m.dst for m in members
+                               for r, layout in zip(i.node.refs(), i.reads)
+                               if r == m.ref), (b, i.node.name)
+            if isinstance(i, Free) and k < at:          # ... nor frees a member before its start
+                assert not names.intersection(i.names), b
+        overlapped += any(isinstance(i, Compute) for i in ins[at:waits[b]])
+    assert overlapped, "no bucket overlaps any work"
+    assert not any(isinstance(i, Reshard) and i in {m for b in starts for m in
+                                                     ins[starts[b]].bucket.members}
+                   for i in ins)                        # members' own all-reduces are gone

@@ -84,10 +84,19 @@ def main(outdir: Path) -> None:
                 comm2.all_reduce(torch.ones(4), (0, 1))
             except RuntimeFailure as exc:
                 out["after_timeout"] = str(exc)
+        comm3 = MPICommunicator(timeout_s=TIMEOUT_S, comm=comm.world.Dup())
+        if comm.rank == 0:                       # the same, started and then waited for
+            start = time.monotonic()
+            try:
+                comm3.all_reduce_start(torch.ones(4), (0, 1)).wait()
+                out["timeout_wait"] = ("no error", time.monotonic() - start)
+            except RuntimeFailure as exc:
+                out["timeout_wait"] = (str(exc), time.monotonic() - start)
         comm.barrier()
         if comm.rank == 1:                       # now join, so nothing is left pending
             comm2._closed = False
             comm2.all_reduce(torch.ones(4), (0, 1))
+            comm3.all_reduce(torch.ones(4), (0, 1))
     comm.barrier()
     comm.close()
     torch.save(out, outdir / f"rank{comm.rank}.tmp")
