@@ -80,6 +80,9 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         _console().print(f"wrote {args.html}")
         return 0
     rep = plan_report(plan)
+    from .backends._kernels import kernels_report
+
+    rep["kernels"] = kernels_report(plan)
     if args.json:
         print(json.dumps(rep, indent=2, allow_nan=False))
         return 0
@@ -122,6 +125,16 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
                                                "optimizer_state_bytes", "buffers_bytes",
                                                "activations_bytes", "peak_bytes",
                                                "limit_bytes"))]))
+    k = rep.get("kernels")
+    if k and k["kernels"]:
+        con.print(_table(f"kernels the lowering substitutes (rank {k['rank']}, {k['device']})",
+                         ("kernel", "backend", "calls", "updates", "replaces nodes", "what"),
+                         [(r["kernel"], r["backend"], r["calls"], r["updates"],
+                           r["replaced_nodes"], r["doc"]) for r in k["kernels"]],
+                         right=("calls", "updates", "replaces nodes")))
+    elif k:
+        con.print(f"  kernels: none on {k['device']}"
+                  + ("" if k["enabled"] else " (switched off: MESHPLAN_KERNELS=off)"))
     if rep["fallbacks"]:
         con.print(f"  ops without a sharding rule (run replicated): {', '.join(rep['fallbacks'])}")
     else:

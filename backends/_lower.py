@@ -33,6 +33,8 @@ from ..planner._placement import local_shape
 from ..planner.rules import rule_for
 from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, bucket, pending_name,
                       run_bucket, start_bucket)
+from ._kernels import KernelCall, run_kernel, substitute
+from ._portable import DEVICE_TWINS
 from ._layout import axis_group, local_part, rank_coords
 
 Value = Any
@@ -73,7 +75,7 @@ class Free:
     names: tuple[str, ...]
 
 
-Instruction = Reshard | Compute | Free | Bucket
+Instruction = Reshard | Compute | Free | Bucket | KernelCall
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,17 @@ class Program:
     input_nodes: dict[str, str]           # input node name -> target
     state_out: dict[str, tuple[Ref, Layout]]   # state name -> (new value, its stored layout)
     results: tuple[Ref, ...]
+    device: str = "cpu"                   # what the kernels were chosen for
 
 
-def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Program:
+def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+          device: str = "cpu", kernels: bool = True, check_available: bool = True) -> Program:
     """The program of ``rank`` (row-major over the plan's mesh axes). All-reduces of values
     that exist together are merged into buckets of up to ``bucket_bytes`` (``_bucket.py``;
-    0 turns that off and every collective is then exactly the plan's)."""
+    0 turns that off and every collective is then exactly the plan's). Where a registered
+    kernel for ``device`` can replace a chain of ops on this rank's pieces, one ``KernelCall``
+    does (``_kernels.py``; ``kernels=False`` or ``MESHPLAN_KERNELS=off``: none;
+    ``check_available=False``: also kernels this process could not run, for reports)."""
     graph, sizes = plan.graph, plan.mesh.sizes
     world = math.prod(sizes)
     if not 0 <= rank < world:
@@ -122,9 +129,10 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             for ref, layout in zip(node.refs(), p.inputs):
                 if layout is not None and isinstance(graph.meta(ref), TensorMeta):
                     need(ref, layout, node.name)
-            instrs.append(_compute(graph, node, p.inputs, p.outputs, sizes))
+            instrs.append(_on_device(_compute(graph, node, p.inputs, p.outputs, sizes), device))
         elif node.kind in (NodeKind.HOST, NodeKind.CONSTANT):
-            instrs.append(Compute(node, tuple(None for _ in node.refs()), node.args, node.kwargs))
+            instrs.append(_on_device(Compute(node, tuple(None for _ in node.refs()), node.args,
+                                             node.kwargs), device))
         if i in last:
             instrs.append(Free(tuple(last[i])))
     inputs_by_name = {n.target: n.name for n in graph.inputs}
@@ -141,8 +149,12 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) ->
             need(o.ref, rep, "<result>")
             results.append(o.ref)
     instrs = bucket(instrs, graph, sizes, bucket_bytes)
+    if kernels:
+        instrs = substitute(instrs, graph, out_layout, sizes, device,
+                            tail_reads=[*(r for r, _ in state_out.values()), *results],
+                            check_available=check_available)
     return Program(rank, coords, sizes, tuple(instrs), inputs,
-                   {n.name: n.target for n in graph.inputs}, state_out, tuple(results))
+                   {n.name: n.target for n in graph.inputs}, state_out, tuple(results), device)
 
 
 def _compute(graph: Graph, node: Node, ins: tuple[Layout | None, ...],
@@ -193,7 +205,9 @@ def plan_steps(src: Layout, dst: Layout, sizes: tuple[int, ...],
                coords: tuple[int, ...]) -> tuple[tuple[Step, ...], bool]:
     """The steps from ``src`` to ``dst``: the plan's (axis order) when they are valid, else
     inner axes first, else gather everything and slice. Second value: whether the steps are
-    the plan's."""
+    the plan's. Placements on an axis of size 1 all mean the whole value: nothing moves there."""
+    src = tuple(Replicate() if n == 1 else p for p, n in zip(src, sizes))
+    dst = tuple(Replicate() if n == 1 else p for p, n in zip(dst, sizes))
     changing = [a for a in range(len(sizes)) if src[a] != dst[a]]
     for order, exact in ((changing, True), (changing[::-1], False)):
         steps = _try(src, dst, order, sizes, coords)
@@ -257,15 +271,17 @@ class RunObserver(Protocol):
 
     def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None: ...
 
-    def compute(self, node: Node, start_s: float, dur_s: float) -> None: ...
+    def compute(self, node: Node | KernelCall, start_s: float, dur_s: float) -> None: ...
 
 
 def run(program: Program, comm: Any, state: Mapping[str, Tensor],
-        data: Mapping[str, Tensor], observer: RunObserver | None = None,
-        ) -> tuple[list[Tensor], dict[str, Tensor]]:
+        data: Mapping[str, Tensor], observer: RunObserver | None = None, *,
+        donate: bool = False) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
     Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
-    each redistribution's collectives and, if it asks, each op's time (``perf_counter``)."""
+    each redistribution's collectives and, if it asks, each op's (and kernel call's) time
+    (``perf_counter``). ``donate=True``: the caller gives up ``state``'s tensors, and kernels
+    that update state in place (the optimizer's) may overwrite them instead of copying."""
     env: dict[str, tuple] = {}
     copies: dict[tuple[str, int, Layout], Tensor] = {}
     graph_inputs = {**state, **data}
@@ -282,6 +298,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         return copies.get((ref.node, ref.index, layout), v)
 
     timed = observer is not None and observer.time_ops
+    caller_inputs = {name: v[0] for name, v in env.items()}
     with torch.no_grad():
         for ins in program.instructions:
             if isinstance(ins, Reshard):
@@ -306,14 +323,19 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                     copies[(m.ref.node, m.ref.index, m.dst)] = v
                 if observer is not None:
                     observer.reshard(ins, first, len(comm.records))
+            elif isinstance(ins, KernelCall):
+                t0 = time.perf_counter()
+                run_kernel(ins, read, env, caller_inputs, donate)
+                if timed:
+                    observer.compute(ins, t0, time.perf_counter() - t0)
             elif isinstance(ins, Compute):
                 args = [read(r, l) for r, l in zip(ins.node.refs(), ins.reads)]
                 if timed:
                     t0 = time.perf_counter()
-                    env[ins.node.name] = _call(ins, args)
+                    env[ins.node.name] = _call(ins, args, program.device)
                     observer.compute(ins.node, t0, time.perf_counter() - t0)
                 else:
-                    env[ins.node.name] = _call(ins, args)
+                    env[ins.node.name] = _call(ins, args, program.device)
             else:
                 for name in ins.names:
                     env.pop(name, None)
@@ -325,14 +347,27 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
     return results, new_state
 
 
-def _call(ins: Compute, values: list[Any]) -> tuple:
+def _on_device(ins: Compute, device: str) -> Compute:
+    """A traced factory op names the tracing device (``arange(..., device=cpu)``); a program
+    for another device creates its tensors there."""
+    if device == "cpu":
+        return ins
+    dev = torch.device(device)
+    swap = lambda v: dev if isinstance(v, torch.device) else v  # noqa: E731
+    return Compute(ins.node, ins.reads, tuple(swap(a) for a in ins.args),
+                   tuple((k, swap(v)) for k, v in ins.kwargs))
+
+
+def _call(ins: Compute, values: list[Any], device: str = "cpu") -> tuple:
     node = ins.node
     if node.kind is NodeKind.CONSTANT:
-        return (constant_tensor(node),)
+        t = constant_tensor(node)
+        return (t if device == "cpu" else t.to(device),)
     it = iter(values)
     args = [_fill(a, it) for a in ins.args]
     kwargs = {k: _fill(v, it) for k, v in ins.kwargs}
-    fn = _LOCAL_OPS.get(node.target) or resolve(node)
+    fn = ((device != "cpu" and DEVICE_TWINS.get(node.target)) or _LOCAL_OPS.get(node.target)
+          or resolve(node))
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
@@ -376,5 +411,5 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
     return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
 
 
-__all__ = ["Bucket", "Compute", "Free", "Program", "Reshard", "RunObserver", "Step", "lower",
+__all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "Reshard", "RunObserver", "Step", "lower",
            "plan_steps", "reshard", "run", "split_inputs"]

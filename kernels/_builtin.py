@@ -17,6 +17,13 @@ _ALL_WIDTHS = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "
                          "int8", "uint8", "bool", "complex64"})
 
 
+_ADAMW_TARGETS = frozenset({"aten.addcdiv.default", "aten.lerp.Scalar", "aten.addcmul.default",
+                            "aten.sqrt.default", "aten.div.Tensor", "aten.add.Tensor",
+                            "aten.mul.Tensor"})
+_ADAMW_STATE = frozenset({"param", "exp_avg", "exp_avg_sq"})
+_SGD_STATE = frozenset({"param", "momentum_buffer"})
+
+
 def _called_directly(graph: Graph) -> list[Match]:
     """Packing has no IR pattern of its own: the lowering calls it around collectives."""
     return []
@@ -24,15 +31,32 @@ def _called_directly(graph: Graph) -> list[Match]:
 
 BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
     KernelSpec(name="adamw", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
-               targets=frozenset({"aten.addcdiv.default", "aten.lerp.Scalar",
-                                  "aten.addcmul.default", "aten.sqrt.default",
-                                  "aten.div.Tensor", "aten.add.Tensor", "aten.mul.Tensor"}),
-               matcher=match_adamw, entry="._triton_optim:adamw_step_",
-               doc="fused AdamW over all shards, one launch per dtype group (torch.optim.AdamW)"),
+               targets=_ADAMW_TARGETS, matcher=match_adamw, entry="._triton_optim:adamw_step_",
+               doc="fused AdamW over all shards, one launch per dtype group (torch.optim.AdamW)",
+               mutates=_ADAMW_STATE, batch=True),
     KernelSpec(name="sgd", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
                targets=frozenset({"aten.add.Tensor", "aten.mul.Tensor"}),
                matcher=match_sgd, entry="._triton_optim:sgd_step_",
-               doc="fused SGD (momentum, dampening, nesterov, weight decay) update"),
+               doc="fused SGD (momentum, dampening, nesterov, weight decay) update",
+               mutates=_SGD_STATE, batch=True),
+    # CPU: AdamW in one vectorised pass per shard (numba); torch foreach ops as the fallback
+    # (bit-identical to the graph's op chain, in place), on any device
+    KernelSpec(name="adamw_cpu", backend=Backend.NUMBA, devices=frozenset({Device.CPU}),
+               dtypes=frozenset({"float32", "float64"}), targets=_ADAMW_TARGETS,
+               matcher=match_adamw, entry="._cpu_optim:adamw_fused_cpu_",
+               doc="AdamW in one pass per shard, in place (numba, vectorised)",
+               mutates=_ADAMW_STATE, batch=True),
+    KernelSpec(name="adamw_foreach", backend=Backend.TORCH,
+               devices=frozenset({Device.CPU, Device.CUDA}), dtypes=_FLOATS | {"float64"},
+               targets=_ADAMW_TARGETS, matcher=match_adamw, entry="._cpu_optim:adamw_foreach_",
+               doc="the graph's AdamW ops as in-place torch._foreach_* calls (bit-identical)",
+               mutates=_ADAMW_STATE, batch=True),
+    KernelSpec(name="sgd_foreach", backend=Backend.TORCH,
+               devices=frozenset({Device.CPU, Device.CUDA}), dtypes=_FLOATS | {"float64"},
+               targets=frozenset({"aten.add.Tensor", "aten.mul.Tensor"}), matcher=match_sgd,
+               entry="._cpu_optim:sgd_foreach_",
+               doc="the graph's SGD ops as in-place torch._foreach_* calls (bit-identical)",
+               mutates=_SGD_STATE, batch=True),
     KernelSpec(name="bias_gelu", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
                targets=frozenset({"aten.gelu.default", "aten.gelu_backward.default"}),
                matcher=match_bias_gelu, entry="._triton_act:bias_gelu",

@@ -123,7 +123,11 @@ def _adamw_at(graph: Graph, node: Node) -> Match | None:
         return None
     nodes = [n.name for n in (decay, lerp, v_mul, addcmul, sqrt, div, eps_add, node) if n]
     attrs = (("beta1", 1.0 - lerp.args[2]), ("beta2", v_mul.args[1]), ("eps", eps_add.args[1]),
-             ("decay", decay.args[1] if decay else 1.0))
+             ("decay", decay.args[1] if decay else 1.0),
+             # the graph's own constants, for kernels that must compute exactly what it does
+             ("lerp_weight", lerp.args[2]), ("addcmul_value", _kw(addcmul, "value", 1.0)))
+    if not all(_is_float(v) for _, v in attrs):
+        return None                   # a tensor lr / betas: not the pattern the kernels take
     return Match(
         kernel="adamw", anchor=node.name, nodes=tuple(nodes),
         operands=(("param", Ref(param.name)), ("grad", lerp.args[1]),
@@ -154,11 +158,15 @@ def match_sgd(graph: Graph) -> list[Match]:
                         ("momentum_buffer", Ref(buf.name)))
             results = (("param", Ref(node.name)), ("momentum_buffer", Ref(upd.name)))
             attrs = (("lr", -_kw(node, "alpha")), ("momentum", buf_mul.args[1]),
-                     ("dampening", 1.0 - _kw(upd, "alpha", 1.0)))
+                     ("dampening", 1.0 - _kw(upd, "alpha", 1.0)),
+                     ("neg_lr", _kw(node, "alpha")), ("grad_alpha", _kw(upd, "alpha", 1.0)))
+            if not all(_is_float(v) for _, v in attrs):
+                continue
         else:
             nodes, results = (node.name,), (("param", Ref(node.name)),)
             operands = (("param", Ref(param.name)), ("grad", node.args[1]))
-            attrs = (("lr", -_kw(node, "alpha")), ("momentum", 0.0), ("dampening", 0.0))
+            attrs = (("lr", -_kw(node, "alpha")), ("momentum", 0.0), ("dampening", 0.0),
+                     ("neg_lr", _kw(node, "alpha")), ("grad_alpha", 1.0))
         found.append(Match("sgd", node.name, nodes, operands, results, attrs, param.meta.dtype))
     return found
 

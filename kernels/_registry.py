@@ -94,6 +94,10 @@ class KernelSpec:
     matcher: Matcher
     entry: str
     doc: str = ""
+    # operands the kernel updates in place and returns as the results of the same name
+    mutates: frozenset[str] = frozenset()
+    # matches with equal attrs may run as ONE call (multi-tensor optimizer updates)
+    batch: bool = False
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

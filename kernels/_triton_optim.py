@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._common import KernelError, check_tensors
 
-__all__ = ["adamw_step_", "sgd_step_"]
+__all__ = ["adamw_apply_", "adamw_step_", "sgd_step_"]
 
 _BLOCK = 1024
 
@@ -154,6 +154,29 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     BLOCK=_BLOCK)
             continue
         _adamw_group(shards, [scalars[i] for i in members], decay, beta1, beta2, eps)
+
+
+def adamw_apply_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                 neg_step_sizes: Sequence[float], bc2_sqrts: Sequence[float], *, decay: float,
+                 lerp_weight: float, beta2: float, addcmul_value: float, eps: float) -> None:
+    """In-place AdamW from the traced graph's own numbers (what the lowering substitutes):
+    per shard the host scalars ``neg_step_size`` (``-lr / bias_correction1``) and
+    ``bias_correction2 ** 0.5``; the constants as the graph holds them (``lerp_weight`` =
+    1 - beta1, ``addcmul_value`` = 1 - beta2). One launch per dtype group, like
+    :func:`adamw_step_`; same arguments as ``kernels._cpu_optim.adamw_fused_cpu_``."""
+    _same_lengths("adamw_apply_", params=params, grads=grads, exp_avgs=exp_avgs,
+                  exp_avg_sqs=exp_avg_sqs, neg_step_sizes=neg_step_sizes, bc2_sqrts=bc2_sqrts)
+    del addcmul_value                 # the kernel computes 1 - beta2 itself, in float32
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        _check_shard("adamw_apply_", i, p, g, m, v)
+        if p.numel():
+            groups.setdefault((p.dtype, g.dtype, m.dtype, v.dtype), []).append(i)
+    for members in groups.values():
+        _adamw_group([(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in members],
+                     [(-float(neg_step_sizes[i]), float(bc2_sqrts[i])) for i in members],
+                     decay, 1.0 - lerp_weight, beta2, eps)
 
 
 def _adamw_group(shards, scalars, decay, beta1, beta2, eps) -> None:

@@ -110,13 +110,14 @@ def combine_shard_stats(m: torch.Tensor, s: torch.Tensor, t: torch.Tensor):
 def shard_grad(logits, target, lse, scale, *, vocab_start: int = 0, ignore_index: int = -100,
                chunk: int = CHUNK):
     """Gradient of ``scale * sum_rows(lse - target_logit)`` wrt one shard's logits
-    (``scale`` a 0-d float32 tensor, e.g. ``dloss / n_valid``); ignored rows get zeros."""
+    (``scale`` a number or 0-d tensor, e.g. ``dloss / n_valid``, on any device: it is moved to
+    the logits' device); ignored rows get zeros."""
     n, v = logits.shape
     dx = torch.empty_like(logits)
+    scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1).to(logits.device)
     if n:
-        _grad[(n,)](logits, target.contiguous(), lse.contiguous(),
-                    scale.reshape(1).to(torch.float32), dx, v, vocab_start, ignore_index,
-                    CHUNK=chunk)
+        _grad[(n,)](logits, target.contiguous(), lse.contiguous(), scale, dx, v, vocab_start,
+                    ignore_index, CHUNK=chunk)
     return dx
 
 

@@ -25,7 +25,11 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
   (``[[kind, axis, bytes], ...]``), ``count``, ``time_s``; ``collective_totals``: per
   ``[kind, axis]``: ``count``, ``bytes``, ``time_s``;
 * ``fallbacks``: op targets without a sharding rule (run replicated); ``solver``: its stats
-  (``*_s`` fields are wall times and vary between runs).
+  (``*_s`` fields are wall times and vary between runs);
+* ``kernels`` (added by ``meshplan plan show``, which may lower; the planner does not know the
+  kernels): ``{"device", "rank", "enabled", "kernels": [{"kernel", "backend", "calls",
+  "updates", "replaced_nodes", "doc"}]}``, what rank 0's program uses on the plan's device
+  (``cpu`` for the ``cpu`` topology, else ``cuda``), see ``backends/_kernels.py``.
 """
 
 from __future__ import annotations

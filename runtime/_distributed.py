@@ -61,7 +61,7 @@ class DistributedStep:
     def __init__(self, fn: Callable[..., Any], *, mesh: Mapping[str, int], launcher: str,
                  topology: Any, strategy: str, plan: str | Plan | None,
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
-                 telemetry: Any = None) -> None:
+                 telemetry: Any = None, kernels: bool | None = None) -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
@@ -74,6 +74,9 @@ class DistributedStep:
         self.example_inputs = example_inputs
         self.memory_limit_bytes = memory_limit_bytes
         self.timeout_s = timeout_s
+        # None: whatever the registry says (MESHPLAN_KERNELS); False: the plan's ops only
+        from ..kernels import kernels_enabled
+        self.kernels = kernels_enabled() if kernels is None else bool(kernels)
         self._plan_arg = plan
         self._plan: Plan | None = None
         self._traced = None
@@ -259,7 +262,8 @@ class DistributedStep:
         launcher = MPILauncher() if self.launcher == "mpi" else LocalLauncher()
         self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": _HANDLERS})
-        header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s}
+        header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s,
+                                  "kernels": self.kernels}
         if self.telemetry is not None:
             self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
                                             step_name=self.__name__, strategy=plan.strategy)
@@ -333,7 +337,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                launcher: str = "local", topology: Any = None, strategy: str = "auto",
                plan: str | Plan | None = None, example_inputs: Any = None,
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
-               telemetry: Any = None) -> Any:
+               telemetry: Any = None, kernels: bool | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -344,13 +348,15 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``telemetry``: where and how much every rank records (``telemetry/SCHEMA.md``): None (the
     default: level ``collectives`` into ``.meshplan/telemetry.duckdb``, or wherever
     ``$MESHPLAN_TELEMETRY`` says; ``off`` there turns it off), False, a database path, or a
-    ``meshplan.telemetry.TelemetryConfig``.
+    ``meshplan.telemetry.TelemetryConfig``; ``kernels``: let the lowering substitute the
+    registry's kernels for matching op chains (``meshplan.kernels``; the default follows
+    ``MESHPLAN_KERNELS``, on unless it says ``off``), False for the plan's ops only.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
-                               telemetry=telemetry)
+                               telemetry=telemetry, kernels=kernels)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -22,8 +22,9 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     plan = Plan.from_json(header["plan"], where="the plan the controller sent")
     ns = state.ns
     ns.plan = plan
-    ns.program = lower(plan, state.rank)
     ns.state = dict(zip(header["state"], tensors))
+    ns.program = lower(plan, state.rank, device=state_device(ns.state),
+                       kernels=bool(header.get("kernels", True)))
     ns.data_names = header["data"]
     if getattr(ns, "comm", None) is None and state.env.get("MESHPLAN_MPI") == "1":
         ns.comm = MPICommunicator(all_axis_groups(plan.mesh.sizes),     # the mpi launcher
@@ -50,7 +51,10 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
         tel.begin(int(header.get("step", tel.step + 1)))
     start_us, perf0 = steps_timer()
     try:
-        results, new_state = run(ns.program, ns.comm, ns.state, data, observer=tel)
+        # the worker owns its state (fresh tensors from the channel): in-place kernels may
+        # update it instead of copying
+        results, new_state = run(ns.program, ns.comm, ns.state, data, observer=tel,
+                                 donate=True)
     except Exception as exc:
         if tel is not None:
             tel.failure(exc, traceback.format_exc())

@@ -62,6 +62,25 @@ def test_distributed_steps_equal_one_process(name: str, axes: dict[str, int],
     check_equal_to_one_process(name, axes, strategy)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("name", "axes", "strategy"),
+                         [EQUIVALENCE_CASES[1], EQUIVALENCE_CASES[3]])
+def test_distributed_steps_equal_one_process_with_kernels_off(name: str, axes: dict[str, int],
+                                                              strategy: str) -> None:
+    """The cases above run with the lowering's kernels (each rank's AdamW / SGD update is one
+    fused in-place call); the same check holds with them off (the plan's ops one by one)."""
+    from meshplan.backends import lower
+    from meshplan.backends._kernels import kernel_summary
+
+    def programs_had_kernels(step) -> None:
+        assert step.kernels is False
+        assert kernel_summary(lower(step.plan, 0).instructions)      # on by default
+        assert not kernel_summary(lower(step.plan, 0, kernels=False).instructions)
+
+    check_equal_to_one_process(name, axes, strategy, after_steps=programs_had_kernels,
+                               kernels=False)
+
+
 def check_equal_to_one_process(name: str, axes: dict[str, int], strategy: str,
                                after_steps=None, **options) -> None:
     """``STEPS`` distributed steps against the eager run (tolerances: module docstring);

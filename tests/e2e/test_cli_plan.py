@@ -104,6 +104,8 @@ def test_show_text_names_mesh_time_and_collectives(plans: dict, cli: dict) -> No
     kind, axis, _ = next(c for r in plan.redistributions for c in r.collectives)
     assert kind in out and axis in out
     assert "memory per rank" in out and "solver" in out and "fallbacks" in out
+    # an h100 plan lowers for cuda: the AdamW update of every parameter is the Triton kernel
+    assert "kernels the lowering substitutes (rank 0, cuda)" in out and "adamw" in out
 
 
 def test_show_json_schema_and_numbers(plans: dict, cli: dict) -> None:
@@ -126,6 +128,12 @@ def test_show_json_schema_and_numbers(plans: dict, cli: dict) -> None:
                               "buffers_bytes", "activations_bytes")) == plan.peak_memory_bytes
     fc1 = next(l for l in rep["layers"] if l["layer"] == "model.fc1")
     assert fc1["params"]["weight"] == ["(R, S(0))"]
+    k = rep["kernels"]
+    params = sum(n.meta.role.value == "param" for n in plan.graph.inputs)
+    assert k["device"] == "cuda" and k["rank"] == 0
+    (adamw,) = [r for r in k["kernels"] if r["kernel"] == "adamw"]
+    assert adamw["backend"] == "triton" and adamw["updates"] == params
+    assert adamw["replaced_nodes"] >= 7 * params
 
 
 def test_explain_reports_the_chosen_layout_and_priced_alternatives(plans: dict, cli: dict) -> None:

@@ -293,3 +293,51 @@ def test_bf16_on_gpu(cols) -> None:
     _close(kernels.swiglu(x, x), F.silu(_ref(x)) * _ref(x), dtype)
     target = torch.randint(0, cols, (4,), device=DEVICE)
     _close(kernels.cross_entropy(x, target), F.cross_entropy(_ref(x), target), dtype)
+
+
+@pytest.mark.parametrize("kernel", ["adamw", "sgd"])
+def test_the_lowerings_optimizer_adapters_take_strided_shards_too(kernel: str) -> None:
+    """What the lowering calls (``kernels/_apply.py``): contiguous shards go through the Triton
+    kernel, strided views (a transposed shard) through the in-place foreach ops; both end equal
+    to the graph's op chain (fp32: the Triton kernel computes in fp32 in its own order, so
+    rtol 1e-5 / atol 1e-6) and the strided ones are updated in place."""
+    from meshplan.kernels._apply import ADAPTERS
+
+    gen = torch.Generator().manual_seed(5)
+    mk = lambda *s: torch.randn(*s, generator=gen).to(DEVICE)  # noqa: E731
+    shapes = [(7, 5), (33,), (5, 7)]
+    params = [mk(*s) for s in shapes]
+    params[2] = mk(7, 5).t()                         # strided: a transposed shard
+    grads = [mk(*p.shape) for p in params]
+    if kernel == "adamw":
+        ms = [mk(*p.shape) for p in params]
+        vs = [mk(*p.shape).abs() for p in params]
+        vs[2] = mk(7, 5).abs().t()
+        ops = {"param": params, "grad": grads, "exp_avg": ms, "exp_avg_sq": vs,
+               "neg_step_size": [-1e-2] * 3, "bias_correction2_sqrt": [0.3] * 3}
+        attrs = {"decay": 0.999, "lerp_weight": 0.1, "beta2": 0.999,
+                 "addcmul_value": 1 - 0.999, "eps": 1e-8, "beta1": 0.9}
+        want = []
+        for p, g, m, v in zip(params, grads, ms, vs):
+            m2 = torch.lerp(m, g, 0.1)
+            v2 = torch.addcmul(v * 0.999, g, g, value=1 - 0.999)
+            want.append((torch.addcdiv(p * 0.999, m2, v2.sqrt() / 0.3 + 1e-8, value=-1e-2),
+                         m2, v2))
+        names = ("param", "exp_avg", "exp_avg_sq")
+    else:
+        bufs = [mk(*p.shape) for p in params]
+        ops = {"param": params, "grad": grads, "momentum_buffer": bufs}
+        attrs = {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "neg_lr": -0.1,
+                 "grad_alpha": 1.0}
+        want = []
+        for p, g, b in zip(params, grads, bufs):
+            b2 = b * 0.9 + g
+            want.append((p - 0.1 * b2, b2))
+        names = ("param", "momentum_buffer")
+    before = [p.data_ptr() for p in params]
+    out = ADAPTERS[kernel](ops, attrs)
+    for i, w in enumerate(want):
+        for name, expect in zip(names, w):
+            torch.testing.assert_close(out[name][i], expect, rtol=1e-5, atol=1e-6,
+                                       msg=f"{name}[{i}]")
+    assert [p.data_ptr() for p in out["param"]] == before     # in place, strided one too

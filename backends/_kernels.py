@@ -1,0 +1,340 @@
+"""Kernel substitution: the lowering pass that replaces matched op chains by kernel calls.
+
+``substitute(instrs, ...)`` asks the kernel registry (``meshplan.kernels.find_kernels``) which
+patterns of the plan's graph a kernel for this program's device can replace, and rewrites the
+rank's instruction list: the ``Compute`` instructions of a match's nodes go, one ``KernelCall``
+takes the place of the last of them. Matches of a ``batch`` kernel with equal constants become
+one call (AdamW over all of a rank's shards is one multi-tensor update).
+
+A match is substituted only where that computes exactly what the ops did on this rank's pieces:
+
+- every value a replaced node produces that anything else reads (another op, a redistribution,
+  a bucket, the step's results or new state) is one of the kernel's results, and every such
+  reader runs after the call;
+- each operand is read in one layout by all of the match's nodes, and element-wise kernels see
+  pieces of one local shape (the planner may shard an update; the kernel then updates shards);
+- an operand the kernel updates in place (``KernelSpec.mutates``: param, optimizer state) is
+  read by nothing after the call, not even by a redistribution of the old value, and is not
+  partial.
+
+Anything else keeps its ops. ``MESHPLAN_KERNELS=off`` (``kernels.set_kernels_enabled(False)``)
+or ``lower(..., kernels=False)`` turns the pass off; the program is then the plan's op by op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import kernels as _kernels
+from ..ir import Graph, Node, Ref, TensorMeta
+from ..kernels._apply import ADAPTERS
+from ..planner import Layout, Partial, Replicate
+from ..planner._placement import local_shape
+
+__all__ = ["KernelCall", "instruction_reads", "kernel_summary", "kernels_report", "run_kernel",
+           "substitute"]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCall:
+    """One kernel call on this rank: ``members`` matches (anchor node names), each with its
+    operands ``(name, Ref or literal, layout read in)`` and results ``(name, Ref, arity of the
+    producing node)``. ``replaced`` lists every node whose op no longer runs."""
+
+    kernel: str
+    anchors: tuple[str, ...]
+    replaced: tuple[str, ...]
+    operands: tuple[tuple[tuple[str, Any, Layout | None], ...], ...]
+    results: tuple[tuple[tuple[str, Ref, int], ...], ...]
+    attrs: tuple[tuple[str, Any], ...]
+    mutates: frozenset[str]
+
+    # what telemetry records for the call (``RunObserver.compute`` reads these two)
+    @property
+    def name(self) -> str:
+        return self.anchors[0] if len(self.anchors) == 1 else f"{self.anchors[0]}+{len(self.anchors) - 1}"
+
+    @property
+    def target(self) -> str:
+        return f"kernel.{self.kernel}"
+
+
+def instruction_reads(ins: Any) -> Iterable[Ref]:
+    """The values an instruction of any kind reads (a Compute's operands, a redistribution's
+    value, every member of a bucket)."""
+    node = getattr(ins, "node", None)
+    if isinstance(node, Node):
+        return node.refs()
+    if isinstance(ins, KernelCall):
+        return [r for member in ins.operands for _, r, _ in member if isinstance(r, Ref)]
+    members = getattr(getattr(ins, "bucket", ins), "members", None)    # a bucket or its start
+    if members is not None:
+        return [m.ref for m in members]
+    ref = getattr(ins, "ref", None)
+    return [ref] if isinstance(ref, Ref) else []
+
+
+def substitute(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tuple],
+               sizes: tuple[int, ...], device: str, tail_reads: Iterable[Ref] = (),
+               check_available: bool = True) -> list[Any]:
+    """``instrs`` with kernels substituted (see the module docstring). ``out_layout``: node name
+    -> its output layouts in the plan; ``tail_reads``: values read after the last instruction
+    (the step's results and new state); ``check_available=False``: kernels for a device this
+    process lacks too (what a plan would use there, for reports)."""
+    from ._lower import Compute, Free, Reshard
+
+    device = str(device).split(":")[0]               # "cuda:1" -> "cuda"
+    matches = [m for m in _kernels.find_kernels(graph, device, check_available=check_available)
+               if m.kernel in ADAPTERS]
+    if not matches:
+        return list(instrs)
+    pos: dict[str, int] = {}
+    reads: dict[str, dict[Ref, Layout | None]] = {}
+    for i, ins in enumerate(instrs):
+        if isinstance(ins, Compute):
+            pos[ins.node.name] = i
+            reads[ins.node.name] = dict(zip(ins.node.refs(), ins.reads))
+    readers: dict[Ref, list[int]] = {}        # value -> instructions reading it (any layout)
+    for i, ins in enumerate(instrs):
+        for r in instruction_reads(ins):
+            readers.setdefault(r, []).append(i)
+    for r in tail_reads:
+        readers.setdefault(r, []).append(len(instrs))
+
+    moves = [(i, ins.ref.node, ins.consumer) for i, ins in enumerate(instrs)
+             if isinstance(ins, Reshard)]
+
+    def inside(nodes: Iterable[str]) -> set[int]:
+        """The instructions a kernel for ``nodes`` replaces: their ops, and redistributions of
+        their intermediate values between them (the kernel works on one layout throughout)."""
+        nodes = set(nodes)
+        return {pos[n] for n in nodes} | {i for i, src, dst in moves
+                                          if src in nodes and dst in nodes}
+
+    claimed: set[str] = set()
+    planned: list[_Member] = []
+    for m in matches:
+        if claimed.intersection(m.nodes) or not all(n in pos for n in m.nodes):
+            continue
+        member = _check(m, graph, reads, out_layout, sizes, readers, inside(m.nodes))
+        if member is not None:
+            planned.append(member)
+            claimed.update(m.nodes)
+
+    calls: list[tuple[int, KernelCall, set[str]]] = []
+    for group in _groups(planned):
+        group = _place(group, readers, pos, inside)
+        if group:
+            spec = _kernels.get_kernel(group[0].match.kernel)
+            at = max(pos[n] for g in group for n in g.match.nodes)
+            calls.append((at, _call(group, spec.mutates), {n for g in group for n in g.match.nodes}))
+    if not calls:
+        return list(instrs)
+
+    replaced = {n for _, _, nodes in calls for n in nodes}
+    dropped = inside(replaced) - {pos[n] for n in replaced}      # internal redistributions
+    at_index = {at: call for at, call, _ in calls}
+    # operands whose Free falls inside a call's span must outlive the call
+    deferred: dict[int, set[str]] = {}
+    spans = []
+    for at, call, nodes in calls:
+        first = min(pos[n] for n in nodes)
+        names = {r.node for member in call.operands for _, r, _ in member if isinstance(r, Ref)}
+        spans.append((first, at, names))
+    out: list[Any] = []
+    for i, ins in enumerate(instrs):
+        if i in dropped:
+            continue
+        if isinstance(ins, Compute) and ins.node.name in replaced:
+            if i in at_index:
+                out.append(at_index[i])
+                if i in deferred:
+                    out.append(Free(tuple(sorted(deferred.pop(i)))))
+            continue
+        if isinstance(ins, Free):
+            keep = []
+            for name in ins.names:
+                later = [at for first, at, names in spans if first <= i < at and name in names]
+                if later:
+                    deferred.setdefault(max(later), set()).add(name)
+                else:
+                    keep.append(name)
+            if keep:
+                out.append(Free(tuple(keep)))
+            continue
+        out.append(ins)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Member:
+    match: Any                                   # kernels.Match
+    operands: tuple[tuple[str, Any, Layout | None], ...]
+    results: tuple[tuple[str, Ref, int], ...]
+    mutated: tuple[Ref, ...]
+
+
+def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]],
+           out_layout: Mapping[str, tuple], sizes: tuple[int, ...],
+           readers: Mapping[Ref, list[int]], inside: set[int]) -> _Member | None:
+    spec = _kernels.get_kernel(m.kernel)
+    operands = []
+    shapes = set()
+    for name, ref in m.operands:
+        if not isinstance(ref, Ref):
+            operands.append((name, ref, None))
+            continue
+        layouts = {_plain(reads[n][ref], sizes) for n in m.nodes if ref in reads[n]}
+        if len(layouts) != 1:
+            return None                 # read in several layouts (or by no replaced node)
+        (layout,) = layouts
+        meta = graph.meta(ref)
+        if isinstance(meta, TensorMeta) and layout is not None:
+            if name in spec.mutates and any(isinstance(p, Partial) for p in layout):
+                return None
+            if spec.batch:
+                shapes.add(local_shape(meta.shape, layout, sizes))
+        operands.append((name, ref, layout))
+    if len(shapes) > 1:
+        return None                     # element-wise kernel on pieces of different shapes
+    results = {ref for _, ref in m.results}
+    for n in m.nodes:                   # everything read outside the match must be a result
+        for k in range(len(graph.node(n).outputs)):
+            ref = Ref(n, k)
+            if ref not in results and any(i not in inside for i in readers.get(ref, [])):
+                return None
+    by_name = {name: (ref, layout) for name, ref, layout in operands}
+    mutated = []
+    for name, ref in m.results:
+        if name in spec.mutates:
+            if name not in by_name or not isinstance(by_name[name][0], Ref):
+                return None
+            src_ref, src_layout = by_name[name]
+            if _plain(out_layout[ref.node][ref.index], sizes) != src_layout:
+                return None             # the result must be the updated piece itself
+            mutated.append(src_ref)
+    arity = [(name, ref, len(graph.node(ref.node).outputs)) for name, ref in m.results]
+    return _Member(m, tuple(operands), tuple(arity), tuple(mutated))
+
+
+def _plain(layout: Layout | None, sizes: tuple[int, ...]) -> Layout | None:
+    """``layout`` with every placement on an axis of size 1 written as Replicate (there they
+    all mean the same piece: the whole value)."""
+    if layout is None:
+        return None
+    return tuple(Replicate() if n == 1 else p for p, n in zip(layout, sizes))
+
+
+def _groups(planned: list[_Member]) -> list[list[_Member]]:
+    groups: dict[tuple, list[_Member]] = {}
+    for i, member in enumerate(planned):
+        spec = _kernels.get_kernel(member.match.kernel)
+        key = (member.match.kernel, member.match.attrs) if spec.batch else (member.match.kernel, i)
+        groups.setdefault(key, []).append(member)
+    return list(groups.values())
+
+
+def _place(group: list[_Member], readers: Mapping[Ref, list[int]], pos: Mapping[str, int],
+           inside_of: Callable[[Iterable[str]], set[int]]) -> list[_Member]:
+    """Drop members until one call at the group's last node works for all: no outside reader
+    of a result before it, no reader of an updated-in-place value after it."""
+    group = list(group)
+    while group:
+        at = max(pos[n] for g in group for n in g.match.nodes)
+        inside = inside_of(n for g in group for n in g.match.nodes)
+        bad = []
+        for g in group:
+            result_readers = [i for _, ref, _ in g.results for i in readers.get(ref, [])
+                              if i not in inside]
+            old_readers = [i for ref in g.mutated for i in readers.get(ref, [])
+                           if i not in inside]
+            if any(i <= at for i in result_readers) or any(i > at for i in old_readers):
+                bad.append(g)
+        if not bad:
+            return group
+        group = [g for g in group if g not in bad]
+    return group
+
+
+def _call(group: list[_Member], mutates: frozenset[str]) -> KernelCall:
+    m0 = group[0].match
+    return KernelCall(
+        kernel=m0.kernel, anchors=tuple(g.match.anchor for g in group),
+        replaced=tuple(n for g in group for n in g.match.nodes),
+        operands=tuple(g.operands for g in group), results=tuple(g.results for g in group),
+        attrs=m0.attrs, mutates=mutates)
+
+
+def run_kernel(call: KernelCall, read: Callable[[Ref, Layout | None], Any],
+               env: dict[str, tuple], inputs: Mapping[str, Any], donate: bool) -> None:
+    """Run ``call`` on this rank's values and put its results into ``env``. An operand the
+    kernel updates in place is copied first when it is one of the caller's tensors
+    (``inputs``: input node name -> value) and the caller did not ``donate`` them."""
+    names = [name for name, _, _ in call.operands[0]]
+    ops: dict[str, list[Any]] = {name: [] for name in names}
+    for member in call.operands:
+        for name, ref, layout in member:
+            value = read(ref, layout) if isinstance(ref, Ref) else ref
+            if (name in call.mutates and not donate and isinstance(ref, Ref)
+                    and _is_callers(value, inputs.get(ref.node))):
+                value = value.clone()
+            ops[name].append(value)
+    out = ADAPTERS[call.kernel](ops, dict(call.attrs))
+    for i, member in enumerate(call.results):
+        for name, ref, arity in member:
+            have = env.get(ref.node)
+            outputs = list(have) if have is not None and len(have) == arity else [None] * arity
+            outputs[ref.index] = out[name][i]
+            env[ref.node] = tuple(outputs)
+
+
+def _is_callers(value: Any, original: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or not isinstance(original, torch.Tensor):
+        return False
+    if value is original:
+        return True
+    try:
+        return value.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+
+
+def kernels_report(plan: Any, device: str | None = None, rank: int = 0) -> dict[str, Any]:
+    """Which kernels rank ``rank``'s program uses on ``device`` (default: ``cpu`` for the
+    ``cpu`` topology, else ``cuda``), whether or not this process has that device:
+    ``{"device", "rank", "enabled", "kernels": [{"kernel", "backend", "calls", "updates",
+    "replaced_nodes", "doc"}]}`` (``updates``: matches, e.g. parameters an optimizer kernel
+    updates)."""
+    from ._lower import lower
+
+    device = device or ("cpu" if plan.mesh.topology.name == "cpu" else "cuda")
+    prog = lower(plan, rank, device=device, check_available=False)
+    rows: dict[str, dict[str, Any]] = {}
+    for ins in prog.instructions:
+        if isinstance(ins, KernelCall):
+            spec = _kernels.get_kernel(ins.kernel)
+            row = rows.setdefault(ins.kernel, {"kernel": ins.kernel, "backend": spec.backend.value,
+                                               "calls": 0, "updates": 0, "replaced_nodes": 0,
+                                               "doc": spec.doc})
+            row["calls"] += 1
+            row["updates"] += len(ins.anchors)
+            row["replaced_nodes"] += len(ins.replaced)
+    return {"device": device, "rank": rank, "enabled": _kernels.kernels_enabled(),
+            "kernels": list(rows.values())}
+
+
+def kernel_summary(instrs: Iterable[Any]) -> list[tuple[str, int, int]]:
+    """``(kernel, calls, replaced nodes)`` per kernel in a program, for reports."""
+    seen: dict[str, list[int]] = {}
+    for ins in instrs:
+        if isinstance(ins, KernelCall):
+            s = seen.setdefault(ins.kernel, [0, 0, 0])
+            s[0] += 1
+            s[1] += len(ins.anchors)
+            s[2] += len(ins.replaced)
+    return [(k, v[0], v[2]) for k, v in seen.items()]
+

@@ -1,0 +1,102 @@
+"""How the lowering calls a substituted kernel: one adapter per registry entry.
+
+An adapter takes ``operands`` (operand name -> one value per match, in match order; a value is a
+local tensor piece or a host scalar) and ``attrs`` (the matches' shared constants) and returns
+result name -> one tensor per match. Kernels whose spec lists ``mutates`` update those operands
+in place and return them as the results of the same name; the lowering hands them tensors it
+may overwrite (``backends/_kernels.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["ADAPTERS"]
+
+Operands = Mapping[str, Sequence[Any]]
+Results = dict[str, list[Tensor]]
+
+
+def _adamw(fn: Callable[..., None]) -> Callable[[Operands, Mapping[str, Any]], Results]:
+    def call(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+        fn(ops["param"], ops["grad"], ops["exp_avg"], ops["exp_avg_sq"], ops["neg_step_size"],
+           ops["bias_correction2_sqrt"], decay=attrs["decay"], lerp_weight=attrs["lerp_weight"],
+           beta2=attrs["beta2"], addcmul_value=attrs["addcmul_value"], eps=attrs["eps"])
+        return {"param": list(ops["param"]), "exp_avg": list(ops["exp_avg"]),
+                "exp_avg_sq": list(ops["exp_avg_sq"])}
+    return call
+
+
+def _split(ops: Operands, mutated: tuple[str, ...]) -> tuple[list[int], list[int]]:
+    """Members whose updated tensors are all contiguous (a kernel writes them through flat
+    pointers) and the rest (strided views: the foreach ops update them in place)."""
+    n = len(ops["param"])
+    flat = [i for i in range(n) if all(ops[k][i].is_contiguous() for k in mutated if k in ops)]
+    return flat, [i for i in range(n) if i not in flat]
+
+
+def _pick(ops: Operands, members: list[int], contiguous: tuple[str, ...] = ()) -> dict:
+    return {k: [(v[i].contiguous() if k in contiguous else v[i]) for i in members]
+            for k, v in ops.items()}
+
+
+def _adamw_triton(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    from ._cpu_optim import adamw_foreach_
+    from ._triton_optim import adamw_apply_
+    flat, strided = _split(ops, ("param", "exp_avg", "exp_avg_sq"))
+    if flat:
+        _adamw(adamw_apply_)(_pick(ops, flat, contiguous=("grad",)), attrs)
+    if strided:
+        _adamw(adamw_foreach_)(_pick(ops, strided), attrs)
+    return {k: list(ops[k]) for k in ("param", "exp_avg", "exp_avg_sq")}
+
+
+def _adamw_numba(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    from ._cpu_optim import adamw_fused_cpu_
+    return _adamw(adamw_fused_cpu_)(ops, attrs)
+
+
+def _adamw_foreach(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    from ._cpu_optim import adamw_foreach_
+    return _adamw(adamw_foreach_)(ops, attrs)
+
+
+def _sgd_results(ops: Operands) -> Results:
+    out = {"param": list(ops["param"])}
+    if "momentum_buffer" in ops:
+        out["momentum_buffer"] = list(ops["momentum_buffer"])
+    return out
+
+
+def _sgd_triton(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    from ._triton_optim import sgd_step_
+    flat, strided = _split(ops, ("param", "momentum_buffer"))
+    if flat:
+        part = _pick(ops, flat, contiguous=("grad",))
+        bufs = part.get("momentum_buffer", [None] * len(flat))
+        sgd_step_(part["param"], part["grad"], bufs, lr=attrs["lr"],
+                  momentum=attrs["momentum"], dampening=attrs["dampening"])
+    if strided:
+        _sgd_foreach(_pick(ops, strided), attrs)
+    return _sgd_results(ops)
+
+
+def _sgd_foreach(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    from ._cpu_optim import sgd_foreach_
+    bufs = ops.get("momentum_buffer", [None] * len(ops["param"]))
+    sgd_foreach_(ops["param"], ops["grad"], bufs, neg_lr=attrs["neg_lr"],
+                 momentum=attrs["momentum"], grad_alpha=attrs["grad_alpha"])
+    return _sgd_results(ops)
+
+
+# registry name -> adapter
+ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
+    "adamw": _adamw_triton,
+    "adamw_cpu": _adamw_numba,
+    "adamw_foreach": _adamw_foreach,
+    "sgd": _sgd_triton,
+    "sgd_foreach": _sgd_foreach,
+}

@@ -1,0 +1,230 @@
+"""Kernel substitution in the lowering (``backends/_kernels.py``): programs with kernels against
+the same programs without, on a thread mesh (and on a GPU when one is present).
+
+Tolerances: the torch foreach kernels run the graph's own ops in the graph's order, in place, so
+their steps must be bit-identical to the op-by-op program. The numba AdamW computes the same
+formula in one pass (a multiplication by 1/bias_correction2 where torch divides, FMA-free
+float32), a few ulps per step apart: losses are compared with rtol 1e-5 / atol 1e-6, state with
+rtol 1e-5 / atol 1e-5 after 3 steps (measured differences <= 3e-6; where the true gradient is ~0,
+attention's key bias, AdamW's m / sqrt(v) divides rounding noise by rounding noise, the reason
+test_distribute.py gives parameters atol 1e-5; a wrong update is off by ~lr = 1e-3..3e-3). The
+Triton kernels (GPU) compute in fp32 with their own operation order: rtol 1e-4 / atol 1e-5.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+import meshplan
+from meshplan import kernels
+from meshplan.backends import ThreadMesh
+from meshplan.backends._kernels import KernelCall, kernel_summary, substitute
+from meshplan.backends._lower import Reshard, lower, plan_steps, run, split_inputs
+from meshplan.examples import gpt, mlp
+from meshplan.planner import Replicate, plan_graph
+
+CPU_OPTIMIZER_KERNELS = ("adamw_cpu", "adamw_foreach", "sgd_foreach")
+
+
+@lru_cache(maxsize=None)
+def _example(name: str):
+    ex = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
+          "mlp-sgd": lambda: mlp.build(optimizer="sgd", clip=1.0),
+          "mlp": lambda: mlp.build(optimizer="adamw")}[name]()
+    ex.step(*ex.batch(0))            # optimizer state exists: the steady-state graph
+    return ex, meshplan.trace(ex.step, *ex.batch(1))
+
+
+class _only:
+    """Leave exactly one of the CPU optimizer kernels registered (the others compete for the
+    same nodes)."""
+
+    def __init__(self, keep: str | None) -> None:
+        self.keep = keep
+        self.removed: list = []
+
+    def __enter__(self) -> None:
+        for name in CPU_OPTIMIZER_KERNELS:
+            if name != self.keep:
+                self.removed.append(kernels.unregister_kernel(name))
+
+    def __exit__(self, *exc) -> None:
+        for spec in self.removed:
+            kernels.register_kernel(spec)
+        order = [s.name for s in kernels.registered_kernels()]
+        assert set(CPU_OPTIMIZER_KERNELS) <= set(order)
+
+
+def _run_steps(name: str, axes: dict[str, int], strategy: str, *, use_kernels: bool,
+               device: str = "cpu", steps: int = 3, keep: str | None = None):
+    ex, traced = _example(name)
+    graph = traced.graph
+    plan = plan_graph(graph, axes, topology="h100", strategy=strategy)
+    world = int(torch.tensor(plan.mesh.sizes).prod())
+    with _only(keep):
+        programs = [lower(plan, r, device=device, kernels=use_kernels) for r in range(world)]
+    values = traced.input_values(*ex.batch(1))
+    state_names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
+    data_names = [n.target for n in graph.inputs if n.meta.role.value == "data"]
+    state = [{k: v.to(device) for k, v in split_inputs(
+        plan, r, {k: values[k].clone() for k in state_names}).items()} for r in range(world)]
+    mesh = ThreadMesh(world, timeout_s=120)
+    losses = []
+    for i in range(steps):
+        batch = {k: v.to(device) for k, v in zip(data_names, ex.batch(i + 2))}
+
+        def one(comm, batch=batch):
+            r = comm.rank
+            return run(programs[r], comm, state[r], split_inputs(plan, r, batch))
+
+        got = mesh.run(one)
+        for r in range(world):
+            state[r] = {**state[r], **got[r][1]}
+        losses.append(got[0][0][0].cpu())
+    return programs, losses, state
+
+
+CASES = [("gpt", {"dp": 2}, "dp"), ("gpt", {"dp": 2}, "fsdp"),
+         ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"), ("mlp-sgd", {"dp": 2}, "dp"),
+         ("mlp-sgd", {"dp": 2, "tp": 2}, "fsdp")]
+_ids = lambda v: v if isinstance(v, str) else ",".join(f"{k}{n}" for k, n in v.items())  # noqa: E731
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "axes", "strategy"), CASES, ids=_ids)
+def test_foreach_kernels_give_the_programs_steps_bit_for_bit(name, axes, strategy) -> None:
+    """AdamW / SGD become one in-place foreach call per parameter group on every rank (28
+    AdamW updates of the GPT in 2 calls, one per weight-decay group), and the steps do not
+    change by a bit."""
+    keep = "adamw_foreach" if name == "gpt" else "sgd_foreach"
+    progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, keep=keep)
+    _, want_losses, want_state = _run_steps(name, axes, strategy, use_kernels=False)
+    params = sum(n.meta.role.value == "param" for n in _example(name)[1].graph.inputs)
+    for prog in progs:
+        calls = [i for i in prog.instructions if isinstance(i, KernelCall)]
+        assert {c.kernel for c in calls} == {keep}
+        assert len(calls) == (2 if name == "gpt" else 1)          # weight-decay groups
+        assert sum(len(c.anchors) for c in calls) == params         # every parameter's update
+    assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+    for got, want in zip(state, want_state):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "axes", "strategy"), CASES[:3], ids=_ids)
+def test_numba_adamw_matches_the_op_chain(name, axes, strategy) -> None:
+    pytest.importorskip("numba")
+    progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, keep="adamw_cpu")
+    _, want_losses, want_state = _run_steps(name, axes, strategy, use_kernels=False)
+    assert [k for k, _, _ in kernel_summary(progs[0].instructions)] == ["adamw_cpu"]
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(state, want_state):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_switched_off_kernels_leave_the_plans_ops() -> None:
+    ex, traced = _example("gpt")
+    plan = plan_graph(traced.graph, {"dp": 2}, topology="h100", strategy="dp")
+    assert kernel_summary(lower(plan, 0, kernels=False).instructions) == []
+    with kernels.kernels_disabled():
+        assert kernel_summary(lower(plan, 0).instructions) == []
+    assert kernel_summary(lower(plan, 0).instructions)
+
+
+@pytest.mark.timeout(120)
+def test_the_callers_state_is_copied_unless_donated() -> None:
+    """In-place kernels update the caller's tensors only when ``run(..., donate=True)``."""
+    ex, traced = _example("mlp")
+    graph = traced.graph
+    plan = plan_graph(graph, {"dp": 1}, topology="h100", strategy="dp")
+    prog = lower(plan, 0)
+    assert kernel_summary(prog.instructions)
+    values = traced.input_values(*ex.batch(1))
+    names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
+    data = dict(zip([n.target for n in graph.inputs if n.meta.role.value == "data"],
+                    ex.batch(2)))
+    state = {k: values[k].clone() for k in names}
+    before = {k: v.clone() for k, v in state.items()}
+    comm = ThreadMesh(1).communicators[0]
+    _, kept = run(prog, comm, state, data)
+    assert all(torch.equal(state[k], before[k]) for k in names)        # untouched
+    _, donated = run(prog, comm, state, data, donate=True)
+    changed = [k for k in names if not torch.equal(state[k], before[k])]
+    assert changed and all(donated[k] is state[k] for k in changed)    # updated in place
+    for k in names:                                                    # the same step
+        torch.testing.assert_close(donated[k], kept[k], rtol=0, atol=0)
+
+
+def test_an_update_whose_old_value_is_read_later_keeps_its_ops() -> None:
+    """A value the kernel would overwrite that something reads after the call (here a
+    redistribution of the old parameter appended at the end) keeps that parameter's ops; the
+    other parameters are still substituted."""
+    ex, traced = _example("mlp")
+    graph = traced.graph
+    plan = plan_graph(graph, {"dp": 2}, topology="h100", strategy="dp")
+    base = list(lower(plan, 0, kernels=False, bucket_bytes=0).instructions)
+    out_layout = {p.node: p.outputs for p in plan.placements}
+    with _only("adamw_foreach"):
+        calls = [i for i in substitute(base, graph, out_layout, plan.mesh.sizes, "cpu")
+                 if isinstance(i, KernelCall)]
+        assert len(calls) == 1
+        param = calls[0].operands[0][0][1]              # the first member's param
+        have = out_layout[param.node][param.index]
+        steps, exact = plan_steps(have, (Replicate(),), plan.mesh.sizes, (0,))
+        late = Reshard(param, have, (Replicate(),), steps, exact, "<late reader>")
+        again = [i for i in substitute(base + [late], graph, out_layout, plan.mesh.sizes, "cpu")
+                 if isinstance(i, KernelCall)]
+    assert len(again) == 1 and len(again[0].anchors) == len(calls[0].anchors) - 1
+    assert param not in [m[0][1] for m in again[0].operands]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "axes", "strategy"),
+                         [("gpt", {"dp": 1}, "dp"), ("gpt", {"dp": 2}, "fsdp"),
+                          ("mlp-sgd", {"dp": 2}, "dp")], ids=_ids)
+def test_programs_on_a_gpu_use_triton_and_match_their_ops(name, axes, strategy) -> None:
+    """On CUDA the optimizer update is the Triton kernel (one launch per dtype group), the
+    program's tensors live on the GPU, and steps match the op-by-op program on the GPU and the
+    CPU program (tolerance: module docstring)."""
+    kernel = "adamw" if name == "gpt" else "sgd"
+    progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, device="cuda")
+    assert kernel in [k for k, _, _ in kernel_summary(progs[0].instructions)]
+    _, off_losses, off_state = _run_steps(name, axes, strategy, use_kernels=False,
+                                          device="cuda")
+    _, cpu_losses, cpu_state = _run_steps(name, axes, strategy, use_kernels=False)
+    for want_l, want_s in ((off_losses, off_state), (cpu_losses, cpu_state)):
+        torch.testing.assert_close(losses, want_l, rtol=1e-5, atol=1e-6)
+        for got, want in zip(state, want_s):
+            for k in want:
+                assert got[k].device.type == "cuda"
+                torch.testing.assert_close(got[k].cpu(), want[k].cpu(), rtol=1e-4, atol=1e-5,
+                                           msg=k)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_portable_attention_twin_matches_the_cpu_flash_kernel(causal: bool) -> None:
+    """A graph traced on the CPU holds ``_scaled_dot_product_flash_attention_for_cpu``; programs
+    for other devices run ``backends/_portable.py``'s twin. Same outputs and gradients
+    (float32, rtol 1e-5 / atol 1e-5: two summation orders of the same softmax)."""
+    from meshplan.backends._portable import DEVICE_TWINS
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 7, 8, generator=gen) for _ in range(4))
+    fwd = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    bwd = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+    want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    got = DEVICE_TWINS[fwd](q, k, v, 0.0, causal)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    want_g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, want[0], want[1], 0.0, causal)
+    got_g = DEVICE_TWINS[bwd](dout, q, k, v, want[0], want[1], 0.0, causal)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
