@@ -122,8 +122,9 @@ def adamw_fused_cpu_(params: Sequence[Tensor], grads: Sequence[Tensor],
                      neg_step_sizes: Sequence[float], bc2_sqrts: Sequence[float], *,
                      decay: float, lerp_weight: float, beta2: float, addcmul_value: float,
                      eps: float) -> None:
-    """AdamW in place, one pass per shard (numba, float32/float64 contiguous CPU shards);
-    other shards go through :func:`adamw_foreach_`. Same arguments. The arithmetic is the
+    """AdamW in place, one pass per shard (numba, float32/float64 CPU shards whose param and
+    moments are contiguous; a strided gradient is copied once); other shards go through
+    :func:`adamw_foreach_`. Same arguments. The arithmetic is the
     graph's in the shard's dtype except that the division by ``bc2_sqrt`` is a multiplication
     by its reciprocal (as torch's CPU division by a scalar is), so results agree with the op
     chain to a few ulps (not bit for bit)."""
@@ -134,10 +135,13 @@ def adamw_fused_cpu_(params: Sequence[Tensor], grads: Sequence[Tensor],
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         ts = (p, g, m, v)
         if (p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64)
-                or any(t.dtype != p.dtype or not t.is_contiguous() or t.shape != p.shape
-                       for t in ts)):
-            rest.append(i)
+                or any(t.dtype != p.dtype or t.shape != p.shape for t in ts)
+                or not all(t.is_contiguous() for t in (p, m, v))):
+            rest.append(i)          # the updated tensors are written through flat views
             continue
+        if not g.is_contiguous():   # a transposed weight gradient: read through one copy
+            g = g.contiguous()
+            ts = (p, g, m, v)
         if p.numel():
             a, b, c, d = (t.detach().view(-1).numpy() for t in ts)
             cast = a.dtype.type          # numpy float32 / float64

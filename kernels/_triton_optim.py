@@ -15,6 +15,7 @@ launch per shard.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -179,22 +180,48 @@ def adamw_apply_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                      decay, 1.0 - lerp_weight, beta2, eps)
 
 
+# (device, addresses, numels) -> the launch tables on the device. Keyed by every shard's address
+# and size, so a hit is correct by construction (the tables hold exactly those addresses); a
+# training loop updates the same shards every step and builds its tables once.
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
+_TABLES_KEPT = 16
+
+
+def _launch_tables(shards, device) -> tuple[torch.Tensor, ...]:
+    """(addresses [4 * n], numels [n], chunk -> shard [c], chunk -> start [c]) on ``device``,
+    built with vectorised torch ops on the host and moved in ONE copy."""
+    numels = [s[0].numel() for s in shards]
+    addrs = [s[k].data_ptr() for k in range(4) for s in shards]
+    key = (str(device), tuple(addrs), tuple(numels))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    n = torch.tensor(numels, dtype=torch.int64)
+    counts = (n + _BLOCK - 1) // _BLOCK
+    chunk_tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    chunk_start = (torch.arange(int(counts.sum())) - first[chunk_tensor]) * _BLOCK
+    host = torch.cat([torch.tensor(addrs, dtype=torch.int64), n, chunk_tensor, chunk_start])
+    on_device = host.to(device)
+    sizes = [len(addrs), len(numels), len(chunk_tensor), len(chunk_start)]
+    tables = tuple(on_device.split(sizes))
+    _TABLES[key] = tables
+    if len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return tables
+
+
 def _adamw_group(shards, scalars, decay, beta1, beta2, eps) -> None:
     device = shards[0][0].device
-    numels = [s[0].numel() for s in shards]
-    chunk_tensor, chunk_start = [], []
-    for t, n in enumerate(numels):
-        starts = range(0, n, _BLOCK)
-        chunk_tensor += [t] * len(starts)
-        chunk_start += starts
-    addrs = [[s[k].data_ptr() for s in shards] for k in range(4)]
-    table = torch.tensor(addrs, dtype=torch.int64).reshape(-1).to(device)
-    as_i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-    as_f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=device)  # noqa: E731
+    table, numels, chunk_tensor, chunk_start = _launch_tables(shards, device)
+    # the per-step scalars: one small copy (step sizes, then sqrt(bias_correction2))
+    per_shard = torch.tensor([s for s, _ in scalars] + [b for _, b in scalars],
+                             dtype=torch.float32).to(device)
+    step_sizes, bc2_sqrts = per_shard.split(len(scalars))
     _adamw_multi[(len(chunk_tensor),)](
-        *shards[0], table, as_i64(numels), as_i64(chunk_tensor), as_i64(chunk_start),
-        as_f32([s for s, _ in scalars]), as_f32([b for _, b in scalars]), decay, beta1, beta2,
-        eps, len(shards), BLOCK=_BLOCK)
+        *shards[0], table, numels, chunk_tensor, chunk_start, step_sizes, bc2_sqrts, decay,
+        beta1, beta2, eps, len(shards), BLOCK=_BLOCK)
 
 
 def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],

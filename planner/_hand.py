@@ -5,6 +5,12 @@
 sharded on its first dimension that divides the mesh (ZeRO-3 / FSDP2's dim-0 sharding).
 ``megatron_tp``: Megatron-LM's column/row split of linear layers on the ``tp`` axis (named the
 way torchtitan's and Megatron's plans name them), data parallel on the other axes.
+
+Every family updates the optimizer state where it lives (``hand_update_reads``), and ``dp`` and
+``fsdp`` use only their own collectives (``FAMILY_COLLECTIVES``: DDP's all-reduce; FSDP's
+all-gather, reduce-scatter and all-reduce): without these the solver would shard DDP's update
+and all-gather it back, or move activations between ranks, which the cost model may price
+lower but which is not the family (and on gloo was measured slower).
 """
 
 from __future__ import annotations
@@ -15,10 +21,21 @@ import re
 
 from .._errors import PlanError
 from ..ir import Graph, Role, TensorMeta
+from ._comm import Collective
 from ._mesh import Mesh
 from ._placement import Layout, R, Shard, divides
 
 HAND_STRATEGIES = ("dp", "fsdp", "megatron_tp")
+
+# The collectives a family uses: DDP all-reduces gradients (and the loss); FSDP gathers
+# parameters and reduce-scatters gradients. The solver avoids any other layout change for them
+# (``Problem.collectives``), so a "dp" plan is DDP's and not a plan of the solver's invention
+# that reshuffles activations. Megatron's (all-reduces, gathers of vocabulary shards) is left
+# to the solver.
+FAMILY_COLLECTIVES = {
+    "dp": frozenset({Collective.ALL_REDUCE}),
+    "fsdp": frozenset({Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE}),
+}
 
 # Linear weights are (out_features, in_features): column-parallel splits dim 0, row dim 1.
 _COLUMN = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|wq|wk|wv|"
@@ -77,6 +94,16 @@ def hand_reads(graph: Graph, mesh: Mesh, strategy: str,
         (layout,) = pins[n.target]
         reads[n.target] = tuple(p if i == tp else R for i, p in enumerate(layout))
     return reads
+
+
+def hand_update_reads(graph: Graph, pins: dict[str, set[Layout]]) -> dict[str, Layout]:
+    """How the family's optimizer reads each parameter and its state: where they live. DDP
+    updates replicated state on every rank, FSDP its shards, Megatron its tensor-parallel
+    pieces; none all-gathers an update computed on shards of replicated state (that is
+    weight-update sharding, a different plan the automatic search may still pick)."""
+    roles = (Role.PARAM, Role.OPT_STATE)
+    return {n.target: next(iter(pins[n.target])) for n in graph.inputs
+            if n.meta.role in roles and len(pins.get(n.target, ())) == 1}
 
 
 def hand_pins(graph: Graph, mesh: Mesh, strategy: str) -> dict[str, set[Layout]]:

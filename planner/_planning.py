@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from .._errors import PlanError
 from ..ir import Graph, Ref, split_foreach
-from ._hand import HAND_STRATEGIES, hand_pins, hand_reads
+from ._hand import FAMILY_COLLECTIVES, HAND_STRATEGIES, hand_pins, hand_reads, hand_update_reads
 from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, parse_placement
 from ._plan import NodePlacement, Plan, Redistribution
@@ -46,11 +46,13 @@ def plan_graph(
         mesh = Mesh(mesh.axes, topology)
     graph = _prepare(graph)
     reads: dict[str, Layout] = {}
+    update_reads: dict[str, Layout] = {}
     if strategy == "auto":
         fixed = _user_pins(graph, mesh, pins or {})
     elif strategy in HAND_STRATEGIES:
         fixed = hand_pins(graph, mesh, strategy)
         reads = hand_reads(graph, mesh, strategy, fixed)
+        update_reads = hand_update_reads(graph, fixed)
         fixed.update(_user_pins(graph, mesh, pins or {}))
     else:
         raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {HAND_STRATEGIES}")
@@ -58,7 +60,8 @@ def plan_graph(
                 else mesh.topology.memory_bytes)
     if limit <= 0:
         raise PlanError(f"memory_limit_bytes must be positive, got {limit}")
-    problem = build_problem(graph, mesh, fixed, reads)
+    problem = build_problem(graph, mesh, fixed, reads, update_reads)
+    problem.collectives = FAMILY_COLLECTIVES.get(strategy)
     t_problem = time.perf_counter() - t0
     if strategy == "auto":
         try:

@@ -76,6 +76,9 @@ class Problem:
     fallbacks: list[str]                 # op targets without a sharding rule (run replicated)
     groups: list[list[str]] = field(default_factory=list)
     folded: list[Edge] = field(default_factory=list)   # edges into followers (no variables)
+    # a hand-written family's collectives (DDP: the gradient all-reduce); a layout change that
+    # needs another costs the solver a penalty, so it is chosen only where nothing else works
+    collectives: frozenset[Collective] | None = None
 
     @functools.cached_property
     def order(self) -> dict[str, int]:
@@ -216,11 +219,14 @@ def reshard_time(meta: TensorMeta, src: Layout, dst: Layout, mesh: Mesh) -> floa
 # ---- building ----------------------------------------------------------------------------------
 
 def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None = None,
-                  reads: dict[str, Layout] | None = None) -> Problem:
+                  reads: dict[str, Layout] | None = None,
+                  update_reads: dict[str, Layout] | None = None) -> Problem:
     """All decisions and edges of ``graph`` on ``mesh``. ``pins`` restricts the layouts of the
     named input nodes (state names, e.g. ``"x"`` or ``"model.fc.weight"``); ``reads`` fixes the
     layout in which forward and backward ops read a named input (a hand-written family's
-    compute pattern: FSDP gathers every weight before it is used)."""
+    compute pattern: FSDP gathers every weight before it is used); ``update_reads`` the layout
+    in which the optimizer's update ops read a named state input (the families update state
+    where it lives: DDP replicated, FSDP on its shards)."""
     pins = pins or {}
     decisions: dict[str, Decision] = {}
     fallbacks: list[str] = []
@@ -262,6 +268,7 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
                                 f"on mesh {mesh}")
             decisions[node.name] = Decision(node.name, choices)
     forced = _apply_reads(graph, decisions, reads or {})
+    _apply_update_reads(graph, decisions, update_reads or {})
     _prune_partial_inputs(graph, decisions)
     edges = []
     for node in graph.nodes:
@@ -304,6 +311,36 @@ def _apply_reads(graph: Graph, decisions: dict[str, Decision],
                                 f"{graph.node(r.node).target} as {format_layout(want)}")
             d.choices = kept
     return forced
+
+
+def _apply_update_reads(graph: Graph, decisions: dict[str, Decision],
+                        reads: dict[str, Layout]) -> None:
+    """Restrict the update phase's readers of the state inputs named in ``reads`` to read them
+    in that layout, and the update ops that write those states' new values to write them in it
+    (a node with no such choice keeps its choices)."""
+    names = {n.name: reads[n.target] for n in graph.inputs if n.target in reads}
+    if not names:
+        return
+    for out in graph.outputs:
+        if out.kind is not OutputKind.STATE or out.name not in reads:
+            continue
+        node = graph.node(out.ref.node)
+        if node.kind is NodeKind.OP and node.phase is Phase.UPDATE:
+            d = decisions[node.name]
+            kept = [c for c in d.choices if c.outputs[out.ref.index] == reads[out.name]]
+            if kept:
+                d.choices = kept
+    for node in graph.nodes:
+        if node.kind is not NodeKind.OP or node.phase is not Phase.UPDATE:
+            continue
+        d = decisions[node.name]
+        for pos, r in enumerate(node.refs()):
+            want = names.get(r.node)
+            if want is None:
+                continue
+            kept = [c for c in d.choices if c.inputs[pos] == want]
+            if kept:
+                d.choices = kept
 
 
 def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -> None:

@@ -24,7 +24,12 @@ from .._errors import PlanError
 from ..ir import Ref, TensorMeta
 from ._placement import Layout, Partial, R, Shard, layout_fraction
 from ._summary import format_bytes
-from ._problem import INF, STATE_POS, Edge, Problem, reshard_time, result_refs
+from ._problem import INF, STATE_POS, Edge, Problem, reshard_steps, reshard_time, result_refs
+
+# what the solver adds for a collective outside a hand-written family's own (Problem.collectives):
+# far above any step time it compares, so only a plan that cannot do without pays it (the
+# plan's reported times are computed from its redistributions, without the penalty)
+FAMILY_PENALTY_S = 1e3
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +366,13 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     def cost(nbytes: int, l: Layout, r: Layout) -> float:
         key = (nbytes, l, r)
         if key not in cache:
-            cache[key] = reshard_time(TensorMeta((nbytes,), "uint8"), l, r, mesh)
+            meta = TensorMeta((nbytes,), "uint8")
+            t = reshard_time(meta, l, r, mesh)
+            if problem.collectives is not None and l != r and t < INF:
+                if any(k not in problem.collectives
+                       for k, *_ in reshard_steps(meta, l, r, mesh) or ()):
+                    t += FAMILY_PENALTY_S
+            cache[key] = t
         return cache[key]
 
     edge_count: dict[tuple[int, ...], int] = defaultdict(int)

@@ -63,8 +63,7 @@ def test_distributed_steps_equal_one_process(name: str, axes: dict[str, int],
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "axes", "strategy"),
-                         [EQUIVALENCE_CASES[1], EQUIVALENCE_CASES[3]])
+@pytest.mark.parametrize(("name", "axes", "strategy"), EQUIVALENCE_CASES)
 def test_distributed_steps_equal_one_process_with_kernels_off(name: str, axes: dict[str, int],
                                                               strategy: str) -> None:
     """The cases above run with the lowering's kernels (each rank's AdamW / SGD update is one
