@@ -136,7 +136,9 @@ def substitute(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tup
         return list(instrs)
 
     replaced = {n for _, _, nodes in calls for n in nodes}
-    dropped = inside(replaced) - {pos[n] for n in replaced}      # internal redistributions
+    dropped = set()                   # redistributions inside one call's nodes
+    for _, _, nodes in calls:
+        dropped |= inside(nodes) - {pos[n] for n in nodes}
     at_index = {at: call for at, call, _ in calls}
     # operands whose Free falls inside a call's span must outlive the call
     deferred: dict[int, set[str]] = {}
