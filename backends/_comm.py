@@ -462,9 +462,7 @@ class TorchCommunicator(CommBase):
                 "the process group is now unusable: close() it") from exc
 
     def _all_reduce(self, t, g, op):
-        out = contiguous_copy(t)
-        dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g])
-        return out.div_(len(g)) if op == "avg" else out
+        return self._all_reduce_start(t, g, op)()
 
     def _all_reduce_start(self, t, g, op):
         out = contiguous_copy(t)

@@ -32,8 +32,9 @@ import torch
 from .. import kernels as _kernels
 from ..ir import Graph, Node, Ref, TensorMeta
 from ..kernels._apply import ADAPTERS
-from ..planner import Layout, Partial, Replicate
+from ..planner import Layout, Partial
 from ..planner._placement import local_shape
+from ._layout import plain_layout
 
 __all__ = ["KernelCall", "instruction_reads", "kernel_summary", "kernels_report", "run_kernel",
            "substitute"]
@@ -190,7 +191,8 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
         if not isinstance(ref, Ref):
             operands.append((name, ref, None))
             continue
-        layouts = {_plain(reads[n][ref], sizes) for n in m.nodes if ref in reads[n]}
+        layouts = {None if reads[n][ref] is None else plain_layout(reads[n][ref], sizes)
+                   for n in m.nodes if ref in reads[n]}
         if len(layouts) != 1:
             return None                 # read in several layouts (or by no replaced node)
         (layout,) = layouts
@@ -216,19 +218,11 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
             if name not in by_name or not isinstance(by_name[name][0], Ref):
                 return None
             src_ref, src_layout = by_name[name]
-            if _plain(out_layout[ref.node][ref.index], sizes) != src_layout:
+            if plain_layout(out_layout[ref.node][ref.index], sizes) != src_layout:
                 return None             # the result must be the updated piece itself
             mutated.append(src_ref)
     arity = [(name, ref, len(graph.node(ref.node).outputs)) for name, ref in m.results]
     return _Member(m, tuple(operands), tuple(arity), tuple(mutated))
-
-
-def _plain(layout: Layout | None, sizes: tuple[int, ...]) -> Layout | None:
-    """``layout`` with every placement on an axis of size 1 written as Replicate (there they
-    all mean the same piece: the whole value)."""
-    if layout is None:
-        return None
-    return tuple(Replicate() if n == 1 else p for p, n in zip(layout, sizes))
 
 
 def _groups(planned: list[_Member]) -> list[list[_Member]]:
@@ -315,22 +309,18 @@ def kernels_report(plan: Any, device: str | None = None, rank: int = 0) -> dict[
 
     device = device or ("cpu" if plan.mesh.topology.name == "cpu" else "cuda")
     prog = lower(plan, rank, device=device, check_available=False)
-    rows: dict[str, dict[str, Any]] = {}
-    for ins in prog.instructions:
-        if isinstance(ins, KernelCall):
-            spec = _kernels.get_kernel(ins.kernel)
-            row = rows.setdefault(ins.kernel, {"kernel": ins.kernel, "backend": spec.backend.value,
-                                               "calls": 0, "updates": 0, "replaced_nodes": 0,
-                                               "doc": spec.doc})
-            row["calls"] += 1
-            row["updates"] += len(ins.anchors)
-            row["replaced_nodes"] += len(ins.replaced)
+    rows = []
+    for kernel, calls, updates, replaced in kernel_summary(prog.instructions):
+        spec = _kernels.get_kernel(kernel)
+        rows.append({"kernel": kernel, "backend": spec.backend.value, "calls": calls,
+                     "updates": updates, "replaced_nodes": replaced, "doc": spec.doc})
     return {"device": device, "rank": rank, "enabled": _kernels.kernels_enabled(),
-            "kernels": list(rows.values())}
+            "kernels": rows}
 
 
-def kernel_summary(instrs: Iterable[Any]) -> list[tuple[str, int, int]]:
-    """``(kernel, calls, replaced nodes)`` per kernel in a program, for reports."""
+def kernel_summary(instrs: Iterable[Any]) -> list[tuple[str, int, int, int]]:
+    """``(kernel, calls, updates, replaced nodes)`` per kernel in a program (``updates``: the
+    matches its calls serve, e.g. parameters an optimizer kernel updates)."""
     seen: dict[str, list[int]] = {}
     for ins in instrs:
         if isinstance(ins, KernelCall):
@@ -338,5 +328,5 @@ def kernel_summary(instrs: Iterable[Any]) -> list[tuple[str, int, int]]:
             s[0] += 1
             s[1] += len(ins.anchors)
             s[2] += len(ins.replaced)
-    return [(k, v[0], v[2]) for k, v in seen.items()]
+    return [(k, *v) for k, v in seen.items()]
 

@@ -112,5 +112,11 @@ def is_replicate(layout: Layout) -> bool:
     return all(isinstance(p, Replicate) for p in layout)
 
 
+def plain_layout(layout: Layout, sizes: tuple[int, ...]) -> Layout:
+    """``layout`` with every placement on an axis of size 1 written as Replicate: there they
+    all mean the same piece, the whole value (a solver may pick any of them)."""
+    return tuple(Replicate() if n == 1 else p for p, n in zip(layout, sizes))
+
+
 __all__ = ["all_axis_groups", "assemble", "axis_group", "coords_rank", "is_replicate",
-           "local_part", "piece", "rank_coords"]
+           "local_part", "piece", "plain_layout", "rank_coords"]

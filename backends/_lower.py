@@ -35,7 +35,7 @@ from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, bucket, pending
                       run_bucket, start_bucket)
 from ._kernels import KernelCall, run_kernel, substitute
 from ._portable import DEVICE_TWINS
-from ._layout import axis_group, local_part, rank_coords
+from ._layout import axis_group, local_part, plain_layout, rank_coords
 
 Value = Any
 
@@ -206,8 +206,7 @@ def plan_steps(src: Layout, dst: Layout, sizes: tuple[int, ...],
     """The steps from ``src`` to ``dst``: the plan's (axis order) when they are valid, else
     inner axes first, else gather everything and slice. Second value: whether the steps are
     the plan's. Placements on an axis of size 1 all mean the whole value: nothing moves there."""
-    src = tuple(Replicate() if n == 1 else p for p, n in zip(src, sizes))
-    dst = tuple(Replicate() if n == 1 else p for p, n in zip(dst, sizes))
+    src, dst = plain_layout(src, sizes), plain_layout(dst, sizes)
     changing = [a for a in range(len(sizes)) if src[a] != dst[a]]
     for order, exact in ((changing, True), (changing[::-1], False)):
         steps = _try(src, dst, order, sizes, coords)

@@ -537,21 +537,20 @@ def case_pack(K, dt, sz: Sizes, dev: str, unpack: bool) -> Spec:
                 torch={"copy_ per view": _just(copy_unpack)}, check=check)
 
 
+def _fwd_and_bwd(case: Callable) -> list[tuple[str, Callable]]:
+    return [("fwd", lambda *a: case(*a, bwd=False)), ("fwd+bwd", lambda *a: case(*a, bwd=True))]
+
+
 def cases(kernel: str) -> list[tuple[str, Callable]]:
     """(pass, case function) of each requested kernel name."""
     return {
         "adamw": [("step", case_adamw)],
         "sgd": [("step", case_sgd)],
-        "cross_entropy": [("fwd", lambda *a: case_xent(*a, bwd=False)),
-                          ("fwd+bwd", lambda *a: case_xent(*a, bwd=True))],
-        "bias_gelu": [("fwd", lambda *a: case_bias_gelu(*a, bwd=False)),
-                      ("fwd+bwd", lambda *a: case_bias_gelu(*a, bwd=True))],
-        "swiglu": [("fwd", lambda *a: case_swiglu(*a, bwd=False)),
-                   ("fwd+bwd", lambda *a: case_swiglu(*a, bwd=True))],
-        "layer_norm": [("fwd", lambda *a: case_layer_norm(*a, bwd=False)),
-                       ("fwd+bwd", lambda *a: case_layer_norm(*a, bwd=True))],
-        "rms_norm": [("fwd", lambda *a: case_rms_norm(*a, bwd=False)),
-                     ("fwd+bwd", lambda *a: case_rms_norm(*a, bwd=True))],
+        "cross_entropy": _fwd_and_bwd(case_xent),
+        "bias_gelu": _fwd_and_bwd(case_bias_gelu),
+        "swiglu": _fwd_and_bwd(case_swiglu),
+        "layer_norm": _fwd_and_bwd(case_layer_norm),
+        "rms_norm": _fwd_and_bwd(case_rms_norm),
         "pack_views": [("pack", lambda *a: case_pack(*a, unpack=False)),
                        ("unpack", lambda *a: case_pack(*a, unpack=True))],
     }[kernel]

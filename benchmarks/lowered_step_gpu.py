@@ -76,10 +76,10 @@ def main() -> int:
               f"{row['kernels']}")
     on, off = (r["median_ms"] for r in report["rows"])
     print(f"kernels on / off: {on / off:.3f}")
-    loss_gap = max((a - b).abs().max().item() for a, b in zip(
+    state_gap = max((a - b).abs().max().item() for a, b in zip(
         variants["kernels on"][1].values(), variants["kernels off"][1].values()))
-    print(f"max |state on - state off| after {len(batches)} steps: {loss_gap:.3g}")
-    report["max_state_diff"] = loss_gap
+    print(f"max |state on - state off| after {len(batches)} steps: {state_gap:.3g}")
+    report["max_state_diff"] = state_gap
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

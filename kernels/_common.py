@@ -10,12 +10,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Sequence
 
 import torch
 
 from .._errors import LoweringError
 
-__all__ = ["KernelError", "triton_available", "interpreting", "check_tensors", "next_pow2"]
+__all__ = ["KernelError", "triton_available", "interpreting", "check_tensors", "next_pow2",
+           "same_lengths"]
 
 
 class KernelError(LoweringError):
@@ -62,6 +64,13 @@ def check_tensors(op: str, *tensors: torch.Tensor, contiguous: bool = True) -> N
     if device.type == "cpu" and not interpreting():
         raise KernelError(f"{op}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set "
                           "before triton is imported); on CPU use the torch op or a numba kernel")
+
+
+def same_lengths(op: str, **lists: Sequence) -> None:
+    """Raise KernelError unless the per-shard argument lists all have one length."""
+    lengths = {k: len(v) for k, v in lists.items()}
+    if len(set(lengths.values())) != 1:
+        raise KernelError(f"{op}: lists differ in length {lengths}; pass one entry per shard")
 
 
 def next_pow2(n: int) -> int:

@@ -7,7 +7,8 @@ new tensor. The lowering replaces them (``kernels/_patterns.py`` finds them) by 
 - ``adamw_fused_cpu_`` (numba): one pass over each shard, reading param, grad, exp_avg and
   exp_avg_sq once and writing param, exp_avg and exp_avg_sq once, in float32 arithmetic.
   Measured on this 2-core VM on the GPT of ``benchmarks/step_time.py`` (52 tensors, 3.7M
-  parameters): ~4 ms against ~25 ms for the op chain (``benchmarks/kernels.py``).
+  parameters): ~5.6 ms against ~24 ms for the op chain (single runs; ``benchmarks/README.md``,
+  "Kernels").
 - ``adamw_foreach_`` / ``sgd_foreach_`` (torch): the same ops as the traced graph, in the same
   order, as in-place ``torch._foreach_*`` calls, so the results are bit-identical to running the
   graph op by op; they only save the allocations. Used where numba is missing, for half
@@ -26,15 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._common import KernelError
+from ._common import KernelError, same_lengths
 
-__all__ = ["adamw_foreach_", "adamw_fused_cpu_", "sgd_foreach_", "numba_adamw_available"]
-
-
-def _same_lengths(op: str, *lists: Sequence) -> None:
-    if len({len(x) for x in lists}) != 1:
-        raise KernelError(f"{op}: argument lists differ in length {[len(x) for x in lists]}; "
-                          "pass one entry per shard")
+__all__ = ["adamw_foreach_", "adamw_fused_cpu_", "sgd_foreach_"]
 
 
 def adamw_foreach_(params: Sequence[Tensor], grads: Sequence[Tensor],
@@ -45,8 +40,8 @@ def adamw_foreach_(params: Sequence[Tensor], grads: Sequence[Tensor],
     """AdamW in place, op for op the traced graph's: ``p *= decay`` (skipped when 1.0),
     ``m.lerp_(g, lerp_weight)``, ``v *= beta2``, ``v.addcmul_(g, g, addcmul_value)``,
     ``d = sqrt(v) / bc2_sqrt + eps``, ``p.addcdiv_(m, d, neg_step_size)``."""
-    _same_lengths("adamw_foreach_", params, grads, exp_avgs, exp_avg_sqs, neg_step_sizes,
-                  bc2_sqrts)
+    same_lengths("adamw_foreach_", params=params, grads=grads, exp_avgs=exp_avgs,
+                 exp_avg_sqs=exp_avg_sqs, neg_step_sizes=neg_step_sizes, bc2_sqrts=bc2_sqrts)
     if not params:
         return
     params, grads, exp_avgs, exp_avg_sqs = map(list, (params, grads, exp_avgs, exp_avg_sqs))
@@ -67,7 +62,7 @@ def sgd_foreach_(params: Sequence[Tensor], grads: Sequence[Tensor],
     """SGD in place as the traced graph computes it: ``buf = buf * momentum + grad_alpha * g``
     (``grad_alpha`` = 1 - dampening) then ``p += neg_lr * buf``; without buffers
     ``p += neg_lr * g``."""
-    _same_lengths("sgd_foreach_", params, grads, bufs)
+    same_lengths("sgd_foreach_", params=params, grads=grads, bufs=bufs)
     if not params:
         return
     params, grads = list(params), list(grads)
@@ -108,15 +103,6 @@ def _numba_kernel():
     return adamw
 
 
-@functools.cache
-def numba_adamw_available() -> bool:
-    try:
-        _numba_kernel()
-    except ImportError:
-        return False
-    return True
-
-
 def adamw_fused_cpu_(params: Sequence[Tensor], grads: Sequence[Tensor],
                      exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor],
                      neg_step_sizes: Sequence[float], bc2_sqrts: Sequence[float], *,
@@ -128,8 +114,8 @@ def adamw_fused_cpu_(params: Sequence[Tensor], grads: Sequence[Tensor],
     graph's in the shard's dtype except that the division by ``bc2_sqrt`` is a multiplication
     by its reciprocal (as torch's CPU division by a scalar is), so results agree with the op
     chain to a few ulps (not bit for bit)."""
-    _same_lengths("adamw_fused_cpu_", params, grads, exp_avgs, exp_avg_sqs, neg_step_sizes,
-                  bc2_sqrts)
+    same_lengths("adamw_fused_cpu_", params=params, grads=grads, exp_avgs=exp_avgs,
+                 exp_avg_sqs=exp_avg_sqs, neg_step_sizes=neg_step_sizes, bc2_sqrts=bc2_sqrts)
     kernel = _numba_kernel()
     rest: list[int] = []
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelError, check_tensors
+from ._common import KernelError, check_tensors, same_lengths
 
 __all__ = ["adamw_apply_", "adamw_step_", "sgd_step_"]
 
@@ -109,18 +109,22 @@ def _sgd(p_ptr, g_ptr, b_ptr, n, lr, weight_decay, momentum, dampening, FIRST: t
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
-def _same_lengths(op: str, **lists: Sequence[torch.Tensor]) -> None:
-    lengths = {k: len(v) for k, v in lists.items()}
-    if len(set(lengths.values())) != 1:
-        raise KernelError(f"{op}: lists differ in length {lengths}; pass one entry per shard")
-
-
 def _check_shard(op: str, i: int, *ts: torch.Tensor) -> None:
     check_tensors(op, *ts)
     shapes = {tuple(t.shape) for t in ts}
     if len(shapes) != 1:
         raise KernelError(f"{op}: shard {i} has tensors of shapes {sorted(shapes)}; param, grad "
                           "and state of one shard must have one shape")
+
+
+def _dtype_groups(op: str, params, grads, exp_avgs, exp_avg_sqs) -> dict[tuple, list[int]]:
+    """Check every shard and group the non-empty ones by their four dtypes (one launch each)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        _check_shard(op, i, p, g, m, v)
+        if p.numel():
+            groups.setdefault((p.dtype, g.dtype, m.dtype, v.dtype), []).append(i)
+    return groups
 
 
 def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -133,17 +137,14 @@ def adamw_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 
     ``multi_tensor`` (default): one launch per group of shards with the same four dtypes, the
     shards' addresses read from a table; otherwise one launch per shard."""
-    _same_lengths("adamw_step_", params=params, grads=grads, exp_avgs=exp_avgs,
-                  exp_avg_sqs=exp_avg_sqs)
+    same_lengths("adamw_step_", params=params, grads=grads, exp_avgs=exp_avgs,
+                 exp_avg_sqs=exp_avg_sqs)
     if isinstance(steps, int):
         steps = [steps] * len(params)
-    groups: dict[tuple, list[int]] = {}
-    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
-        _check_shard("adamw_step_", i, p, g, m, v)
+    groups = _dtype_groups("adamw_step_", params, grads, exp_avgs, exp_avg_sqs)
+    for i, step in enumerate(steps):
         if step < 1:
             raise KernelError(f"adamw_step_: shard {i} has step {step}; steps count from 1")
-        if p.numel():
-            groups.setdefault((p.dtype, g.dtype, m.dtype, v.dtype), []).append(i)
     scalars = [(lr / (1 - beta1**step), math.sqrt(1 - beta2**step)) for step in steps]
     decay = 1.0 - lr * weight_decay
     for members in groups.values():
@@ -166,14 +167,10 @@ def adamw_apply_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     ``bias_correction2 ** 0.5``; the constants as the graph holds them (``lerp_weight`` =
     1 - beta1, ``addcmul_value`` = 1 - beta2). One launch per dtype group, like
     :func:`adamw_step_`; same arguments as ``kernels._cpu_optim.adamw_fused_cpu_``."""
-    _same_lengths("adamw_apply_", params=params, grads=grads, exp_avgs=exp_avgs,
-                  exp_avg_sqs=exp_avg_sqs, neg_step_sizes=neg_step_sizes, bc2_sqrts=bc2_sqrts)
+    same_lengths("adamw_apply_", params=params, grads=grads, exp_avgs=exp_avgs,
+                 exp_avg_sqs=exp_avg_sqs, neg_step_sizes=neg_step_sizes, bc2_sqrts=bc2_sqrts)
     del addcmul_value                 # the kernel computes 1 - beta2 itself, in float32
-    groups: dict[tuple, list[int]] = {}
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        _check_shard("adamw_apply_", i, p, g, m, v)
-        if p.numel():
-            groups.setdefault((p.dtype, g.dtype, m.dtype, v.dtype), []).append(i)
+    groups = _dtype_groups("adamw_apply_", params, grads, exp_avgs, exp_avg_sqs)
     for members in groups.values():
         _adamw_group([(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]) for i in members],
                      [(-float(neg_step_sizes[i]), float(bc2_sqrts[i])) for i in members],
@@ -230,7 +227,7 @@ def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               nesterov: bool = False, maximize: bool = False) -> list[torch.Tensor | None]:
     """In-place SGD like ``torch.optim.SGD(foreach=False)``; a ``None`` buffer is the first step
     (the buffer is created from the gradient). Returns the momentum buffers."""
-    _same_lengths("sgd_step_", params=params, grads=grads, momentum_buffers=momentum_buffers)
+    same_lengths("sgd_step_", params=params, grads=grads, momentum_buffers=momentum_buffers)
     out: list[torch.Tensor | None] = []
     for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
         _check_shard("sgd_step_", i, p, g, *(() if buf is None else (buf,)))

@@ -366,12 +366,11 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     def cost(nbytes: int, l: Layout, r: Layout) -> float:
         key = (nbytes, l, r)
         if key not in cache:
-            meta = TensorMeta((nbytes,), "uint8")
-            t = reshard_time(meta, l, r, mesh)
-            if problem.collectives is not None and l != r and t < INF:
-                if any(k not in problem.collectives
-                       for k, *_ in reshard_steps(meta, l, r, mesh) or ()):
-                    t += FAMILY_PENALTY_S
+            steps = reshard_steps(TensorMeta((nbytes,), "uint8"), l, r, mesh)
+            t = INF if steps is None else sum(s[3] for s in steps)
+            if steps and problem.collectives is not None and any(
+                    k not in problem.collectives for k, *_ in steps):
+                t += FAMILY_PENALTY_S
             cache[key] = t
         return cache[key]
 
