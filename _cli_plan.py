@@ -193,7 +193,7 @@ def cmd_plan_diff(args: argparse.Namespace) -> int:
     if d["identical"]:
         con.print("plans are identical in placements, collectives, time and memory")
         return 0
-    for key in ("mesh", "strategy"):
+    for key in ("mesh", "strategy", "bucket_bytes"):
         if d[key]:
             con.print(f"  {key}: {d[key]['before']} -> {d[key]['after']}")
     for key, label in (("estimated_step_time_s", "step time"), ("compute_time_s", "compute"),

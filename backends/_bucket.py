@@ -25,6 +25,15 @@ order. Lifetimes: a member value is read by the start, which comes before its or
 all-reduce and so before its last reader and its ``Free``; the flat buffer belongs to the
 pending all-reduce until the wait, which hands out views of the reduced buffer. The reduced
 copies live from the wait, which is where the original all-reduce ran.
+
+Layout: each member travels in its memory order and comes back with its strides (a dense
+member is packed by one copy, its dimensions permuted to storage order). A traced backward makes
+a linear layer's weight gradient as ``t(mm(...))``, a transposed view; read in logical order it
+would be copied twice (to flatten it, and again where the update needs it contiguous), and the
+reduced copy would reach the update transposed. The element sums are the same either way; every
+member of a group runs the same ops on same-shaped pieces, so their members have the same strides
+and the flat buffers line up element for element (DDP relies on the same: its buckets are views
+laid out as the gradients are).
 """
 
 from __future__ import annotations
@@ -210,15 +219,16 @@ def _work_between(computes: list[int], after: int, before: int) -> bool:
 
 class PendingBucket:
     """A bucket's all-reduce in flight; ``wait()`` returns the reduced pieces (views of one
-    buffer, shaped as the values that went in). It holds the flat buffer until then."""
+    buffer, shaped and laid out as the values that went in). It holds the flat buffer until then."""
 
-    __slots__ = ("_pending", "_shapes")
+    __slots__ = ("_pending", "_layouts")
 
-    def __init__(self, pending: object, shapes: list[torch.Size]) -> None:
-        self._pending, self._shapes = pending, shapes
+    def __init__(self, pending: object,
+                 layouts: list[tuple[torch.Size, tuple[int, ...]]]) -> None:
+        self._pending, self._layouts = pending, layouts
 
     def wait(self) -> list[Tensor]:
-        return split_bucket(self._pending.wait(), self._shapes)
+        return split_bucket(self._pending.wait(), self._layouts)
 
 
 def pending_name(b: Bucket) -> str:
@@ -227,19 +237,36 @@ def pending_name(b: Bucket) -> str:
     return f"<bucket {b.index}>"
 
 
+def storage_order(t: Tensor) -> tuple[int, ...]:
+    """The permutation of ``t``'s dimensions that makes it contiguous when ``t`` is dense in
+    some order (a transposed weight gradient: ``(1, 0)``); the identity otherwise. Size-1
+    dimensions keep their place (their stride is arbitrary)."""
+    dims = tuple(range(t.dim()))
+    if t.is_contiguous():
+        return dims
+    perm = tuple(sorted(dims, key=lambda d: (-t.stride(d) if t.shape[d] > 1 else 0, d)))
+    return perm if t.permute(perm).is_contiguous() else dims
+
+
 def start_bucket(b: Bucket, values: Sequence[Tensor], comm: object) -> PendingBucket:
     """Start the all-reduce of ``values`` (this rank's pieces, in member order) as one buffer
-    (``comm.all_reduce_start``); the values may be freed once this returns."""
-    flat = torch.cat([v.reshape(-1) for v in values])
-    return PendingBucket(comm.all_reduce_start(flat, b.group, b.op), [v.shape for v in values])
+    (``comm.all_reduce_start``, which may reduce in it); the values may be freed once this
+    returns."""
+    orders = [storage_order(v) for v in values]
+    flat = torch.cat([v.permute(o).reshape(-1) for v, o in zip(values, orders)])
+    return PendingBucket(comm.all_reduce_start(flat, b.group, b.op, donate=True),
+                         [(v.shape, o) for v, o in zip(values, orders)])
 
 
-def split_bucket(reduced: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
-    """The pieces of a reduced flat buffer, views shaped as ``shapes``."""
+def split_bucket(reduced: Tensor, layouts: Sequence[tuple[torch.Size, tuple[int, ...]]]
+                 ) -> list[Tensor]:
+    """The pieces of a reduced flat buffer: views shaped as each ``(shape, order)``'s shape,
+    laid out in ``order`` (``storage_order`` of the value that went in)."""
     out, at = [], 0
-    for shape in shapes:
+    for shape, order in layouts:
         n = math.prod(shape)
-        out.append(reduced[at:at + n].view(shape))
+        piece = reduced[at:at + n].view([shape[d] for d in order])
+        out.append(piece.permute(sorted(range(len(order)), key=order.__getitem__)))
         at += n
     return out
 
@@ -251,4 +278,4 @@ def run_bucket(b: Bucket, values: Sequence[Tensor], comm: object) -> list[Tensor
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "BucketStart", "PendingBucket", "bucket",
-           "pending_name", "run_bucket", "split_bucket", "start_bucket"]
+           "pending_name", "run_bucket", "split_bucket", "start_bucket", "storage_order"]

@@ -21,7 +21,9 @@ Non-blocking all-reduce: ``all_reduce_start(t, group, op)`` issues the all-reduc
 same result, same bytes). Every rank of the group must start its collectives in the same order,
 blocking ones included, as always; waits may come in any order and other collectives may run
 while one is in flight. ``t`` may be reused as soon as the start returns (the transport works on
-its own copy). The ``CommRecord`` is appended when ``wait()`` returns, once: ``start_s`` is when
+its own copy), unless the caller donates it: ``all_reduce_start(t, group, op, donate=True)`` says
+the caller reads ``t`` no more, and the transport may reduce in ``t`` itself (a contiguous ``t``
+of a float or integer dtype; the result may then be ``t``). The ``CommRecord`` is appended when ``wait()`` returns, once: ``start_s`` is when
 the all-reduce was issued and ``dur_s`` runs until the wait returned, so it spans whatever the
 rank did in between (a record whose span overlaps the next records' is an overlapped one); a
 failure surfaces from ``start`` or ``wait`` as from the blocking call. A one-member group is done
@@ -115,7 +117,7 @@ class Communicator(Protocol):
                    op: str = "sum") -> torch.Tensor: ...
 
     def all_reduce_start(self, t: torch.Tensor, group: tuple[int, ...],
-                         op: str = "sum") -> PendingReduce: ...
+                         op: str = "sum", *, donate: bool = False) -> PendingReduce: ...
 
     def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor: ...
 
@@ -243,8 +245,8 @@ class CommBase:
                            lambda: self._all_reduce(t, g, op))
 
     def all_reduce_start(self, t: torch.Tensor, group: tuple[int, ...],
-                         op: str = "sum") -> PendingReduce:
-        """``all_reduce`` without waiting for it: see the module docstring."""
+                         op: str = "sum", *, donate: bool = False) -> PendingReduce:
+        """``all_reduce`` without waiting for it: see the module docstring (``donate``)."""
         g = self._group(group, "all_reduce_start")
         op = check_reduce_op(op, t.dtype, "all_reduce_start")
         if len(g) == 1:
@@ -252,7 +254,7 @@ class CommBase:
             return PendingReduce(lambda: out)
         kind, nbytes = CollectiveKind.ALL_REDUCE, int(t.nbytes)
         start, t0 = time.time(), time.perf_counter()
-        finish = self._guard(kind, g, lambda: self._all_reduce_start(t, g, op))
+        finish = self._guard(kind, g, lambda: self._all_reduce_start(t, g, op, donate))
 
         def record() -> None:
             self.records.append(CommRecord(kind, g, nbytes, start, time.perf_counter() - t0))
@@ -328,7 +330,7 @@ class CommBase:
     # transports implement these
     def _all_reduce(self, t, g, op): raise NotImplementedError
 
-    def _all_reduce_start(self, t, g, op):
+    def _all_reduce_start(self, t, g, op, donate=False):
         out = self._all_reduce(t, g, op)
         return lambda: out
 
@@ -464,8 +466,8 @@ class TorchCommunicator(CommBase):
     def _all_reduce(self, t, g, op):
         return self._all_reduce_start(t, g, op)()
 
-    def _all_reduce_start(self, t, g, op):
-        out = contiguous_copy(t)
+    def _all_reduce_start(self, t, g, op, donate=False):
+        out = t if donate and t.is_contiguous() else contiguous_copy(t)
         work = dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g],
                                async_op=True)
 

@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from .._errors import LoweringError
 from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, last_uses
+from ..ir._graph import _iter_refs
 from ..ir._interpret import constant_tensor
 from ..ir._ops import resolve
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
@@ -92,12 +94,20 @@ class Program:
     results: tuple[Ref, ...]
     device: str = "cpu"                   # what the kernels were chosen for
 
+    @cached_property
+    def prepared(self) -> tuple[_Op | None, ...]:
+        """Per instruction: the ready-to-call ``Compute`` (``run``'s hot path), else None.
+        Built on the first run and kept (the program is immutable)."""
+        return tuple(_Op(i, self.device) if isinstance(i, Compute) else None
+                     for i in self.instructions)
 
-def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+
+def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
           device: str = "cpu", kernels: bool = True, check_available: bool = True) -> Program:
     """The program of ``rank`` (row-major over the plan's mesh axes). All-reduces of values
     that exist together are merged into buckets of up to ``bucket_bytes`` (``_bucket.py``;
-    0 turns that off and every collective is then exactly the plan's). Where a registered
+    None: the plan's ``bucket_bytes``, which the cost model chose, else DDP's 25 MiB; 0 turns
+    bucketing off and every collective is then exactly the plan's). Where a registered
     kernel for ``device`` can replace a chain of ops on this rank's pieces, one ``KernelCall``
     does (``_kernels.py``; ``kernels=False`` or ``MESHPLAN_KERNELS=off``: none;
     ``check_available=False``: also kernels this process could not run, for reports)."""
@@ -148,6 +158,8 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         else:
             need(o.ref, rep, "<result>")
             results.append(o.ref)
+    if bucket_bytes is None:
+        bucket_bytes = plan.bucket_bytes if plan.bucket_bytes is not None else DEFAULT_BUCKET_BYTES
     instrs = bucket(instrs, graph, sizes, bucket_bytes)
     if kernels:
         instrs = substitute(instrs, graph, out_layout, sizes, device,
@@ -282,7 +294,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
     (``perf_counter``). ``donate=True``: the caller gives up ``state``'s tensors, and kernels
     that update state in place (the optimizer's) may overwrite them instead of copying."""
     env: dict[str, tuple] = {}
-    copies: dict[tuple[str, int, Layout], Tensor] = {}
+    copies: dict[str, dict[tuple[int, Layout], Tensor]] = {}   # node -> (index, layout) -> piece
     graph_inputs = {**state, **data}
     for name, target in program.input_nodes.items():
         try:
@@ -294,17 +306,35 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         v = env[ref.node][ref.index]
         if layout is None or not isinstance(v, Tensor):
             return v
-        return copies.get((ref.node, ref.index, layout), v)
+        c = copies.get(ref.node)
+        return v if c is None else c.get((ref.index, layout), v)
 
     timed = observer is not None and observer.time_ops
     caller_inputs = {name: v[0] for name, v in env.items()}
     with torch.no_grad():
-        for ins in program.instructions:
-            if isinstance(ins, Reshard):
+        for ins, op in zip(program.instructions, program.prepared):
+            if op is not None:                       # a Compute: the hot path, kept flat
+                vals = []
+                for node, index, layout in op.reads:
+                    v = env[node][index]
+                    if layout is not None:
+                        c = copies.get(node)
+                        if c is not None:
+                            v = c.get((index, layout), v)
+                    vals.append(v)
+                t0 = time.perf_counter() if timed else 0.0
+                env[op.name] = op(vals)
+                if timed:
+                    observer.compute(ins.node, t0, time.perf_counter() - t0)
+            elif isinstance(ins, Free):
+                for name in ins.names:
+                    env.pop(name, None)
+                    copies.pop(name, None)
+            elif isinstance(ins, Reshard):
                 v = env[ins.ref.node][ins.ref.index]
                 first = len(comm.records)
-                copies[(ins.ref.node, ins.ref.index, ins.dst)] = reshard(v, ins.steps, comm,
-                                                                         program.coords)
+                copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
+                    v, ins.steps, comm, program.coords)
                 if observer is not None:
                     observer.reshard(ins, first, len(comm.records))
             elif isinstance(ins, BucketStart):       # pending until its Bucket (the wait)
@@ -319,7 +349,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                 else:
                     pieces = pending[0].wait()
                 for m, v in zip(ins.members, pieces):
-                    copies[(m.ref.node, m.ref.index, m.dst)] = v
+                    copies.setdefault(m.ref.node, {})[(m.ref.index, m.dst)] = v
                 if observer is not None:
                     observer.reshard(ins, first, len(comm.records))
             elif isinstance(ins, KernelCall):
@@ -327,23 +357,59 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                 run_kernel(ins, read, env, caller_inputs, donate)
                 if timed:
                     observer.compute(ins, t0, time.perf_counter() - t0)
-            elif isinstance(ins, Compute):
-                args = [read(r, l) for r, l in zip(ins.node.refs(), ins.reads)]
-                if timed:
-                    t0 = time.perf_counter()
-                    env[ins.node.name] = _call(ins, args, program.device)
-                    observer.compute(ins.node, t0, time.perf_counter() - t0)
-                else:
-                    env[ins.node.name] = _call(ins, args, program.device)
             else:
-                for name in ins.names:
-                    env.pop(name, None)
-                dead = set(ins.names)
-                for key in [k for k in copies if k[0] in dead]:
-                    del copies[key]
+                raise LoweringError(f"rank {program.rank}: unknown instruction {ins!r}")
     results = [read(r, tuple(Replicate() for _ in program.sizes)) for r in program.results]
     new_state = {name: read(ref, layout) for name, (ref, layout) in program.state_out.items()}
     return results, new_state
+
+
+class _Op:
+    """A ``Compute`` made ready to call: its function resolved for the program's device, its
+    literal arguments built once, and where each value read goes. ``op(values)`` (values in
+    ``reads`` order) returns the node's outputs, flattened."""
+
+    __slots__ = ("name", "reads", "_ins", "_fn", "_args", "_kwargs", "_slots", "_device")
+
+    def __init__(self, ins: Compute, device: str) -> None:
+        node = ins.node
+        self._ins, self._device, self.name = ins, device, node.name
+        self.reads = tuple((r.node, r.index, layout) for r, layout in zip(node.refs(), ins.reads))
+        fn = None if node.kind is NodeKind.CONSTANT else (
+            (device != "cpu" and DEVICE_TWINS.get(node.target)) or _LOCAL_OPS.get(node.target)
+            or resolve(node))
+        # an aten overload's own callable: OpOverload.__call__ is one Python frame around it
+        self._fn = fn._op if isinstance(fn, torch._ops.OpOverload) else fn
+        # Refs only at the top level of the arguments (most ops): fill slots in a copied
+        # template; otherwise ``_fill`` walks the nested arguments on every call.
+        flat = not any(isinstance(a, tuple) and any(_iter_refs(a))
+                       for a in (*ins.args, *(v for _, v in ins.kwargs)))
+        self._slots = None
+        if flat:
+            none = iter(())
+            self._args = [a if isinstance(a, Ref) else _fill(a, none) for a in ins.args]
+            self._kwargs = {k: v if isinstance(v, Ref) else _fill(v, none) for k, v in ins.kwargs}
+            self._slots = ([i for i, a in enumerate(ins.args) if isinstance(a, Ref)],
+                           [k for k, v in ins.kwargs if isinstance(v, Ref)])
+
+    def __call__(self, values: list[Any]) -> tuple:
+        if self._fn is None or self._slots is None:
+            return _call(self._ins, values, self._device)
+        arg_slots, kw_slots = self._slots
+        args = self._args.copy()
+        for i, v in zip(arg_slots, values):
+            args[i] = v
+        if kw_slots:
+            kwargs = self._kwargs.copy()
+            for k, v in zip(kw_slots, values[len(arg_slots):]):
+                kwargs[k] = v
+        else:
+            kwargs = self._kwargs
+        try:
+            out = self._fn(*args, **kwargs)
+        except Exception as e:
+            raise _op_error(self._ins.node, e) from e
+        return (out,) if isinstance(out, Tensor) else tuple(_flatten(out))
 
 
 def _on_device(ins: Compute, device: str) -> Compute:
@@ -370,12 +436,17 @@ def _call(ins: Compute, values: list[Any], device: str = "cpu") -> tuple:
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
-        where = f" at {node.source}" if node.source else ""
-        err = LoweringError(f"{node.target} ({node.name}){where} failed on local shards: "
-                            f"{type(e).__name__}: {e}")
-        err.meshplan_where = str(node.source) if node.source else None  # type: ignore[attr-defined]
-        raise err from e
+        raise _op_error(node, e) from e
     return tuple(_flatten(out))
+
+
+def _op_error(node: Node, e: Exception) -> LoweringError:
+    """The error of an op that failed on this rank's pieces: the node, its source line."""
+    where = f" at {node.source}" if node.source else ""
+    err = LoweringError(f"{node.target} ({node.name}){where} failed on local shards: "
+                        f"{type(e).__name__}: {e}")
+    err.meshplan_where = str(node.source) if node.source else None  # type: ignore[attr-defined]
+    return err
 
 
 # A view in the traced graph may rely on the strides its input had in the traced run (a

@@ -150,10 +150,12 @@ class MPICommunicator(CommBase):
     def _all_reduce(self, t, g, op):
         return self._all_reduce_start(t, g, op)()
 
-    def _all_reduce_start(self, t, g, op):
+    def _all_reduce_start(self, t, g, op, donate=False):
         """Issues the ``Iallreduce``; the returned function polls it (``wait``) and finishes."""
         if t.dtype in _HALF:
             wide = t.to(torch.float32, memory_format=torch.contiguous_format)
+        elif donate and t.is_contiguous():
+            wide = t
         else:
             wide = contiguous_copy(t)
         dtype = t.dtype

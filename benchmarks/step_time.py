@@ -1,6 +1,7 @@
 """Step-time benchmark (issue 4): meshplan's plans next to DDP and FSDP2 on gloo.
 
     python benchmarks/step_time.py [--ranks 2 4] [--steps 10] [--warmup 2] [--quick]
+                                   [--rounds 1] [--only ddp,dp,...]
 
 The GPT example (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64, global batch 16, AdamW,
 gradient clipping at 1.0) trained on N CPU processes, all variants in one invocation on the
@@ -18,9 +19,13 @@ a worker plugin loaded by this file times the ``step`` handler inside every work
 controller's overhead per step is the call minus the slowest rank's in-worker step. meshplan's
 trace + plan (``step.plan``), its first call (worker launch + first mesh step; on a runtime
 that takes the first step on the controller, that step) and its second call (then the launch)
-are reported apart and not in the medians. Peak memory is each rank's peak RSS (``VmHWM``; see
-``_rss_kib`` for why not ``ru_maxrss``), not an allocator peak; ``+MiB`` is its growth over the
-RSS the rank had before it built the model (meshplan: before setup).
+are reported apart and not in the medians. ``--rounds R`` runs the whole list R times, one
+variant after another in each round, so that a slow minute on a shared machine hits every
+variant alike: medians are then over every round's steps, and ``x DDP`` adds the range of the
+rounds' own ratios (each round's median against the same round's DDP). Peak memory is each
+rank's peak RSS (``VmHWM``; see ``_rss_kib`` for why not ``ru_maxrss``), not an allocator
+peak; ``+MiB`` is its growth over the RSS the rank had before it built the model (meshplan:
+before setup).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class Result:
     loss: float | None = None           # loss of the last step (global batch)
     load: float | None = None           # the machine's 1-minute load average after the run
     error: str | None = None
+    round_s: tuple[float, ...] = ()     # median step of each round (--rounds)
 
 
 # ---- shared pieces -------------------------------------------------------------------------
@@ -186,14 +192,22 @@ def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
     try:
         ctx = mp.spawn(_baseline_rank, args=args, nprocs=n, join=False)
         deadline = time.monotonic() + TIMEOUT_S
+        reps: list[dict[str, Any]] = []
         while not ctx.join(timeout=1.0):
+            while not q.empty():               # ranks report before they tear down
+                reps.append(q.get())
             if time.monotonic() > deadline:
                 for proc in ctx.processes:     # our own children; their stacks are on stderr
                     proc.kill()
+                if len(reps) == n:             # every rank measured, then hung at exit
+                    print(f"  {kind} on {n}: every rank reported, then hung tearing down "
+                          "(stopped)", file=sys.stderr, flush=True)
+                    break
                 return Result(variant=kind, ranks=n, error=f"timed out after {TIMEOUT_S:.0f} s")
     except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
         return Result(variant=kind, ranks=n, error=_error_line(exc))
-    reps = sorted((q.get() for _ in range(n)), key=lambda r: r["rank"])
+    reps += [q.get() for _ in range(n - len(reps))]
+    reps.sort(key=lambda r: r["rank"])
     return Result(variant=kind, ranks=n,
                   step_s=tuple(max(ts) for ts in zip(*(r["times"] for r in reps))),
                   rss_kib=tuple(r["rss"] for r in reps), base_kib=tuple(r["base"] for r in reps),
@@ -302,27 +316,59 @@ def _mesh_steps(step: Any, batches: Sequence[tuple[Tensor, Tensor]], warmup: int
 
 # ---- the run and its tables ----------------------------------------------------------------
 
-def run(ranks: Sequence[int], warmup: int, steps: int) -> list[Result]:
+VARIANTS = ("eager", *BASELINES, *STRATEGIES)
+
+
+def run(ranks: Sequence[int], warmup: int, steps: int, rounds: int = 1,
+        only: Sequence[str] = VARIANTS) -> list[Result]:
     skip = 2 + warmup       # baselines skip as many steps as meshplan does (same batches)
     for n in ranks:
         if CONFIG.batch_size % n:
             raise SystemExit(f"--ranks {n}: the global batch of {CONFIG.batch_size} does not "
                              "split evenly; use a divisor of it")
-    todo = [lambda: run_baseline("eager", 1, skip, steps)]
+    todo = [("eager", 1, lambda: run_baseline("eager", 1, skip, steps))] if "eager" in only else []
     for n in ranks:
-        todo += [lambda n=n, k=k: _baseline_retried(k, n, skip, steps) for k in BASELINES]
-        todo += [lambda n=n, s=s: run_meshplan(s, n, warmup, steps) for s in STRATEGIES]
-    out = []
-    for job in todo:
-        out.append(replace(job(), load=os.getloadavg()[0]))
-        _progress(out[-1])
-    return out
+        todo += [(k, n, lambda n=n, k=k: _baseline_retried(k, n, skip, steps))
+                 for k in BASELINES if k in only]
+        todo += [(s, n, lambda n=n, s=s: run_meshplan(s, n, warmup, steps))
+                 for s in STRATEGIES if s in only]
+    merged: dict[tuple[str, int], Result] = {}
+    for rnd in range(rounds):
+        if rounds > 1:
+            print(f"round {rnd + 1} of {rounds}", file=sys.stderr, flush=True)
+        for kind, n, job in todo:
+            r = replace(job(), load=os.getloadavg()[0])
+            _progress(r)
+            merged[(kind, n)] = _merge(merged.get((kind, n)), r)
+    return [merged[(kind, n)] for kind, n, _ in todo]
+
+
+def _merge(a: Result | None, b: Result) -> Result:
+    """One variant over rounds: the steps of every round that ran, each round's median (None
+    for a round that failed); the first round's one-off times (trace, first calls); the last
+    error if no round ran."""
+    b = replace(b, round_s=(statistics.median(b.step_s) if b.step_s and not b.error else None,))
+    if a is None:
+        return b
+    rounds = a.round_s + b.round_s
+    if a.error or b.error:
+        ok = b if a.error else a          # both failed: the last error
+        return replace(ok, round_s=rounds)
+    variant = a.variant if a.variant == b.variant else a.variant.split(" (")[0] + " (restarted)"
+    rss = (tuple(map(max, a.rss_kib, b.rss_kib)) if len(a.rss_kib) == len(b.rss_kib)
+           else a.rss_kib)
+    return replace(a, variant=variant, step_s=a.step_s + b.step_s,
+                   worker_s=a.worker_s + b.worker_s, comm_s=a.comm_s + b.comm_s, rss_kib=rss,
+                   round_s=rounds, loss=b.loss,
+                   load=max((x for x in (a.load, b.load) if x is not None), default=None))
 
 
 def _baseline_retried(kind: str, n: int, skip: int, steps: int) -> Result:
-    """A baseline, run once more if it timed out: gloo baselines on 4 ranks hung at start-up
-    in some runs here (no rank reached its first line, so no stack was dumped) and ran
-    normally when started again. The retry is said in the variant's name."""
+    """A baseline, run once more if it timed out. Gloo baselines hung in some runs here: at
+    start-up (no rank reached its first line, so no stack), and after the work, in a rank whose
+    function had returned (its stack ends in torch's spawn wrapper: tearing down DDP and gloo
+    objects). ``run_baseline`` keeps the times of ranks that all reported before hanging; a
+    start-up hang runs again, and the variant's name says so."""
     r = run_baseline(kind, n, skip, steps)
     if r.error and "timed out" in r.error:
         print(f"  {kind} on {n}: {r.error}; starting it again", file=sys.stderr, flush=True)
@@ -350,6 +396,10 @@ def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
     ref = ddp.get(r.ranks)
     ratio = (f"{statistics.median(r.step_s) / statistics.median(ref.step_s):.2f}"
              if ref and ref.step_s and r.step_s else "-")
+    per = [x / y for x, y in zip(r.round_s, ref.round_s if ref else ())
+           if x is not None and y is not None]
+    if ratio != "-" and r is not ref and len(per) > 1:     # rounds where both ran
+        ratio += f" ({min(per):.2f}-{max(per):.2f})"
     over = ([c - w for c, w in zip(r.step_s, r.worker_s)]
             if len(r.worker_s) == len(r.step_s) else [])
     grow = max((a - b for a, b in zip(r.rss_kib, r.base_kib)), default=None)
@@ -387,14 +437,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant (10)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed mesh steps (2)")
     ap.add_argument("--quick", action="store_true", help="2 ranks, 4 timed steps, 1 warm-up")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every variant this many times, interleaved (1)")
+    ap.add_argument("--only", default=",".join(VARIANTS),
+                    help=f"comma-separated variants to run ({','.join(VARIANTS)})")
     args = ap.parse_args()
+    only = [v.strip() for v in args.only.split(",") if v.strip()]
+    if unknown := sorted(set(only) - set(VARIANTS)) or not only:
+        raise SystemExit(f"--only {args.only!r}: unknown variants {unknown or '(none given)'}; "
+                         f"choose among {', '.join(VARIANTS)}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     steps = args.steps or (4 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     print(f"GPT {CONFIG}, AdamW, clip {CLIP}; {len(os.sched_getaffinity(0))} cores; "
-          f"torch {torch.__version__}; median of {steps} steps after {warmup} warm-up",
-          file=sys.stderr)
-    results = run(ranks, warmup, steps)
+          f"torch {torch.__version__}; median of {steps} steps after {warmup} warm-up"
+          + (f", {args.rounds} rounds" if args.rounds > 1 else ""), file=sys.stderr)
+    results = run(ranks, warmup, steps, args.rounds, only)
     print(plain(results))
     print()
     print(markdown(results))

@@ -129,7 +129,7 @@ def adamw_fused_cpu_(params: Sequence[Tensor], grads: Sequence[Tensor],
             g = g.contiguous()
             ts = (p, g, m, v)
         if p.numel():
-            a, b, c, d = (t.detach().view(-1).numpy() for t in ts)
+            a, b, c, d = (t.view(-1).numpy(force=t.requires_grad) for t in ts)
             cast = a.dtype.type          # numpy float32 / float64
             kernel(a, b, c, d, cast(decay), cast(lerp_weight), cast(1.0 - lerp_weight),
                    lerp_weight < 0.5, cast(beta2), cast(addcmul_value),

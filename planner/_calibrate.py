@@ -32,7 +32,7 @@ import numpy as np
 
 from .._errors import PlanError, RuntimeFailure
 from ._comm import Collective, collective_time
-from ._mesh import Link, Topology
+from ._mesh import Link, Topology, get_topology
 from ._summary import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,8 @@ def _combine(ranks: list[dict], cfg: dict, wall_s: float) -> Calibration:
         memory_bandwidth=min(r["memory_bandwidth"] for r in ranks),
         memory_bytes=_total_ram() // n, devices_per_node=max(64, os.cpu_count() or 1),
         intra_node=link, inter_node=link, compute_efficiency=1.0,
-        kernel_floor_s=max(r["kernel_floor_s"] for r in ranks))
+        kernel_floor_s=max(r["kernel_floor_s"] for r in ranks),
+        comm_overlap=get_topology("cpu").comm_overlap)     # gloo on the ranks' own cores
     return Calibration(topology=topo, world_size=n, threads=cfg["threads"], samples=samples,
                        fits=fits, matmul_sizes=ranks[0]["matmul_sizes"], wall_s=wall_s,
                        phase_s={k: max(r["phases"][k] for r in ranks) for k in ranks[0]["phases"]})
@@ -523,7 +524,7 @@ def from_telemetry(store: object, run_id: str | None = None,
                       memory_bandwidth=topo.memory_bandwidth, memory_bytes=topo.memory_bytes,
                       devices_per_node=topo.devices_per_node, intra_node=link, inter_node=link,
                       compute_efficiency=topo.compute_efficiency,
-                      kernel_floor_s=topo.kernel_floor_s)
+                      kernel_floor_s=topo.kernel_floor_s, comm_overlap=topo.comm_overlap)
     return fitted, samples, link
 
 

@@ -8,6 +8,7 @@ all-gather. These are the textbook bus-bandwidth formulas NCCL's own performance
 from __future__ import annotations
 
 import enum
+import math
 
 from .._errors import PlanError
 from ._mesh import Link
@@ -38,6 +39,35 @@ def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> floa
     if kind is Collective.BROADCAST:
         return (n - 1) * a + nbytes / b      # pipelined ring
     raise PlanError(f"unknown collective {kind}")
+
+
+BUCKET_SIZES: tuple[int, ...] = tuple(1 << k for k in range(18, 31))   # 256 KiB .. 1 GiB
+
+
+def bucket_time(bucket_bytes: int, total_bytes: float, n: int, link: Link,
+                overlap: float) -> float:
+    """Seconds a step is held up by all-reducing ``total_bytes`` of gradients in buckets of
+    ``bucket_bytes`` over ``n`` ranks, when a fraction ``overlap`` of collective time can run
+    under compute: every bucket pays the ring's latency; the bytes cost their bandwidth time,
+    of which ``overlap`` hides under backward except for the last bucket's (it starts only
+    once backward has made its last gradient)."""
+    if n <= 1 or total_bytes <= 0:
+        return 0.0
+    buckets = math.ceil(total_bytes / bucket_bytes)
+    latency = 2 * (n - 1) * link.latency            # collective_time's ring, per call
+    wire = lambda b: 2 * (n - 1) / n * b / link.bandwidth   # noqa: E731 - and per byte
+    last = min(bucket_bytes, total_bytes)
+    return buckets * latency + (1 - overlap) * wire(total_bytes) + overlap * wire(last)
+
+
+def best_bucket_bytes(total_bytes: float, n: int, link: Link, overlap: float) -> int:
+    """The bucket size (one of ``BUCKET_SIZES``) with the least ``bucket_time``; among equals
+    the one with fewer buckets, then the smaller (less memory for the same calls). Without
+    overlap that is one bucket for everything (each extra bucket only adds latency); with full
+    overlap it is near ``sqrt(total * latency * bandwidth)``, where one more bucket's latency
+    equals the bandwidth time the smaller last bucket saves."""
+    return min(BUCKET_SIZES, key=lambda b: (bucket_time(b, total_bytes, n, link, overlap),
+                                            math.ceil(total_bytes / b), b))
 
 
 def transition(src: Placement, dst: Placement) -> Collective | None | bool:

@@ -45,6 +45,9 @@ class Topology:
     inter_node: Link
     compute_efficiency: float = 0.7       # fraction of peak a good kernel reaches
     kernel_floor_s: float = 5e-6          # no op takes less (launch/dispatch overhead)
+    # fraction of a collective's time that can run under compute: 1 where collectives have
+    # their own engine (NCCL, RDMA), 0 where they take the cores the compute needs
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.flops, Mapping):
@@ -55,6 +58,8 @@ class Topology:
             raise PlanError(f"topology {self.name!r}: memory and devices_per_node must be > 0")
         if not 0 < self.compute_efficiency <= 1:
             raise PlanError(f"topology {self.name!r}: compute_efficiency must be in (0, 1]")
+        if not 0 <= self.comm_overlap <= 1:
+            raise PlanError(f"topology {self.name!r}: comm_overlap must be in [0, 1]")
 
     def flops_for(self, dtype: str) -> float:
         table = dict(self.flops)
@@ -74,6 +79,7 @@ class Topology:
                 intra_node=Link(**d["intra_node"]), inter_node=Link(**d["inter_node"]),
                 compute_efficiency=float(d.get("compute_efficiency", 0.7)),
                 kernel_floor_s=float(d.get("kernel_floor_s", 5e-6)),
+                comm_overlap=float(d.get("comm_overlap", 1.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"bad topology description ({type(e).__name__}: {e})") from None
@@ -90,13 +96,15 @@ GiB = 1 << 30
 PRESETS: dict[str, Topology] = {
     # This kind of machine: CPU processes on one host, gloo over TCP loopback. Measured here
     # (ANCHORS.md: gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks); `meshplan calibrate`
-    # replaces these with the local machine's numbers.
+    # replaces these with the local machine's numbers. No overlap: gloo's thread runs on the
+    # core its rank computes on (a gradient all-reduce started during backward on this 2-core
+    # machine finished after backward whatever the bucket size; benchmarks/README.md).
     "cpu": Topology(
         name="cpu", flops={"float32": 50e9, "float64": 25e9, "bfloat16": 10e9, "float16": 10e9},
         memory_bandwidth=10 * GB, memory_bytes=8 * GiB, devices_per_node=64,
         intra_node=Link(bandwidth=1.0 * GB, latency=50e-6),
         inter_node=Link(bandwidth=1.0 * GB, latency=50e-6),
-        compute_efficiency=0.5, kernel_floor_s=10e-6,
+        compute_efficiency=0.5, kernel_floor_s=10e-6, comm_overlap=0.0,
     ),
     # H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM, 80 GB; NVLink 450 GB/s per direction
     # inside a node of 8; 400 Gb/s NIC per GPU between nodes (~48 GB/s achieved).

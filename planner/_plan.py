@@ -63,6 +63,9 @@ class Plan:
     memory_limit_bytes: int
     fallbacks: tuple[str, ...]
     solver: dict[str, Any] = field(default_factory=dict)
+    # gradient bucket cap the cost model chose for the lowering (planner/_comm.py:
+    # best_bucket_bytes); None: no bucketable all-reduce, or a plan written before it was chosen
+    bucket_bytes: int | None = None
     # what the plan was made with; None: unknown (a file written before these were recorded)
     torch_version: str | None = field(default_factory=lambda: _torch_version())
     meshplan_version: str | None = field(default_factory=lambda: _meshplan_version())
@@ -139,6 +142,7 @@ class Plan:
             "memory_limit_bytes": self.memory_limit_bytes,
             "fallbacks": list(self.fallbacks),
             "solver": self.solver,
+            "bucket_bytes": self.bucket_bytes,
             "graph_hash": self.graph_hash,
             "torch_version": self.torch_version,
             "meshplan_version": self.meshplan_version,
@@ -222,6 +226,7 @@ def _plan_from_body(b: dict[str, Any]) -> Plan:
         memory_limit_bytes=int(b["memory_limit_bytes"]),
         fallbacks=tuple(b["fallbacks"]),
         solver=dict(b["solver"]),
+        bucket_bytes=None if b.get("bucket_bytes") is None else int(b["bucket_bytes"]),
         torch_version=b.get("torch_version"),
         meshplan_version=b.get("meshplan_version"),
     )

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from .._errors import PlanError
 from ..ir import Graph, Ref, split_foreach
+from ._comm import Collective, best_bucket_bytes
 from ._hand import FAMILY_COLLECTIVES, HAND_STRATEGIES, hand_pins, hand_reads, hand_update_reads
 from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, parse_placement
@@ -133,7 +134,24 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
         estimated_step_time_s=sol.compute_s + comm, compute_time_s=sol.compute_s,
         comm_time_s=comm, peak_memory_bytes=sol.peak_memory_bytes, memory_limit_bytes=limit,
         fallbacks=tuple(problem.fallbacks), solver=dict(sol.solver),
+        bucket_bytes=plan_bucket_bytes(mesh, redistributions),
     )
+
+
+def plan_bucket_bytes(mesh: Mesh, redistributions: Sequence[Redistribution]) -> int | None:
+    """The gradient bucket cap for the lowering: ``best_bucket_bytes`` for the mesh axis that
+    all-reduces the most bytes in single all-reduces (the redistributions the lowering
+    buckets: a partial sum made whole along one axis); None when there are none."""
+    per_axis: dict[str, float] = {}
+    for r in redistributions:
+        if len(r.collectives) == 1 and r.collectives[0][0] == Collective.ALL_REDUCE.value:
+            _, axis, nbytes = r.collectives[0]
+            per_axis[axis] = per_axis.get(axis, 0.0) + nbytes * r.count
+    if not per_axis:
+        return None
+    axis, total = max(per_axis.items(), key=lambda kv: (kv[1], kv[0]))
+    a = mesh.names.index(axis)
+    return best_bucket_bytes(total, mesh.sizes[a], mesh.link(a), mesh.topology.comm_overlap)
 
 
 def _redistribution(problem: Problem, ref: Ref, consumer: str, src: Layout,

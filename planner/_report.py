@@ -24,6 +24,8 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
 * ``collectives``: every redistribution: ``value``, ``consumer``, ``src``, ``dst``, ``steps``
   (``[[kind, axis, bytes], ...]``), ``count``, ``time_s``; ``collective_totals``: per
   ``[kind, axis]``: ``count``, ``bytes``, ``time_s``;
+* ``bucket_bytes``: the gradient bucket cap the cost model chose (``planner/_comm.py``:
+  ``best_bucket_bytes``; null: nothing to bucket, or a plan saved before it was chosen);
 * ``fallbacks``: op targets without a sharding rule (run replicated); ``solver``: its stats
   (``*_s`` fields are wall times and vary between runs);
 * ``kernels`` (added by ``meshplan plan show``, which may lower; the planner does not know the
@@ -78,6 +80,7 @@ def plan_report(plan: Plan) -> dict[str, Any]:
         "layers": _layers(plan),
         "collectives": [_collective(r) for r in plan.redistributions],
         "collective_totals": _totals(plan),
+        "bucket_bytes": plan.bucket_bytes,
         "fallbacks": list(plan.fallbacks),
         "solver": dict(plan.solver),
     }
@@ -333,8 +336,10 @@ def diff(a: Plan, b: Plan) -> dict[str, Any]:
         "compute_time_s": _delta(a.compute_time_s, b.compute_time_s),
         "comm_time_s": _delta(a.comm_time_s, b.comm_time_s),
         "peak_memory_bytes": _delta(a.peak_memory_bytes, b.peak_memory_bytes),
+        "bucket_bytes": _change(str(a.bucket_bytes), str(b.bucket_bytes)),
     }
     out["identical"] = not (out["mesh"] or out["strategy"] or changed or out["nodes_only_in_a"]
+                            or out["bucket_bytes"]
                             or out["nodes_only_in_b"] or out["collectives_only_in_a"]
                             or out["collectives_only_in_b"]
                             or out["estimated_step_time_s"]["delta"]

@@ -54,6 +54,11 @@ def render_summary(plan: Plan, width: int = 100) -> str:
         for (kind, axis), (count, nbytes, t) in sorted(agg.items(), key=lambda kv: -kv[1][2]):
             table.add_row(kind, axis, str(int(count)), format_bytes(nbytes), _t(t))
         con.print(table)
+        if plan.bucket_bytes is not None:
+            overlap = plan.mesh.topology.comm_overlap
+            con.print(f"  gradient all-reduces in buckets of up to {format_bytes(plan.bucket_bytes)}"
+                      f" (cost model: {overlap:.0%} of collective time overlaps compute on "
+                      f"{plan.mesh.topology.name})")
     else:
         con.print("  no communication")
     params = _param_layouts(plan)

@@ -148,18 +148,21 @@ def _program(comm) -> dict:
 def _overlapped(comm, out: dict) -> None:
     """Non-blocking all-reduces: every all_reduce case started on each of its groups, all in
     flight together with a blocking all_gather issued after them, then waited for in reverse
-    order (records: the all_gather's, then one per wait). Each input is overwritten right after
-    its start (the transport must have its own copy); a second wait gives the same tensor."""
+    order (records: the all_gather's, then one per wait). Every other start donates its input
+    (``donate=True``: the transport may reduce in it); the others' inputs are overwritten right
+    after their start (the transport must have its own copy); a second wait gives the same
+    tensor."""
     r = comm.rank
     pending = []
     for k, case in enumerate(CASES):
         if case.kind != "all_reduce":
             continue
         for a, axis in enumerate(AXES[comm.world_size]):
-            x = _case_input(k, r).clone()
+            x, donate = _case_input(k, r).clone(), (k + a) % 2 == 1
             pending.append((f"async/{k}/{a}", comm.all_reduce_start(
-                x, next(g for g in axis if r in g), case.args[0])))
-            x.zero_()
+                x, next(g for g in axis if r in g), case.args[0], donate=donate)))
+            if not donate:
+                x.zero_()
     out["results"]["async/gather"] = comm.all_gather(_case_input(0, r), tuple(
         range(comm.world_size)), 0)
     for name, handle in reversed(pending):

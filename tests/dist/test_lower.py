@@ -337,3 +337,67 @@ def test_buckets_start_after_their_last_gradient_and_wait_before_the_first_reade
     assert not any(isinstance(i, Reshard) and i in {m for b in starts for m in
                                                      ins[starts[b]].bucket.members}
                    for i in ins)                        # members' own all-reduces are gone
+
+
+def test_bucket_members_travel_in_memory_order_and_keep_their_strides() -> None:
+    """A bucket packs each dense member in its storage order (a transposed weight gradient,
+    a permuted 3-d value, size-1 dims) and hands back pieces with the input's strides; a
+    member dense in no order (a strided slice) travels in logical order. Sums are exact on
+    two ranks, and the flat buffer is given to the transport (``donate``)."""
+    from meshplan.backends._bucket import Bucket, run_bucket, storage_order
+
+    def values(r: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(r)
+        base = torch.randn(64, 48, generator=g)
+        return [base.t(),                                           # transposed: (1, 0)
+                torch.randn(3, 4, 5, generator=g).permute(2, 0, 1),  # dense, permuted
+                torch.randn(1, 7, generator=g).t(),                  # size-1 dim
+                torch.randn(6, 10, generator=g)[:, ::2],             # not dense in any order
+                torch.randn(5, generator=g)]
+    assert [storage_order(v) for v in values(0)] == [(1, 0), (1, 2, 0), (0, 1), (0, 1), (0,)]
+    b = Bucket(members=(), group=(0, 1), op="sum", dtype="float32", nbytes=0)
+
+    def one(comm):
+        mine = values(comm.rank)
+        return mine, run_bucket(b, mine, comm)
+
+    (v0, got0), (v1, got1) = ThreadMesh(2, timeout_s=30).run(one)
+    def strides(t):           # a size-1 dim's stride is arbitrary
+        return [s for s, n in zip(t.stride(), t.shape) if n > 1]
+
+    for a, c, g0, g1 in zip(v0, v1, got0, got1):
+        assert torch.equal(g0, a + c) and torch.equal(g1, a + c)
+        assert g0.shape == a.shape
+        if storage_order(a) != tuple(range(a.dim())) or a.is_contiguous():
+            assert strides(g0) == strides(a)          # the same layout as the value
+        else:
+            assert g0.is_contiguous()
+
+
+def test_an_op_that_fails_on_local_pieces_names_its_node_and_source_line() -> None:
+    """A rank's op that raises (here: data of the wrong width) is a LoweringError naming the
+    aten op, its node and the user's source line; the program stays usable afterwards."""
+    from meshplan import LoweringError
+
+    ex, traced = _example("mlp")
+    graph = traced.graph
+    plan = plan_graph(graph, {"dp": 2}, topology="cpu", strategy="dp")
+    program = lower(plan, 0)
+    full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
+    names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
+    data = {n.target: full[n.target] for n in graph.inputs if n.meta.role.value == "data"}
+    x_name = next(k for k, v in data.items() if v.is_floating_point())
+    bad = {**data, x_name: torch.cat([data[x_name], data[x_name]], dim=-1)}   # twice as wide
+
+    def one(comm, batch):
+        return run(program if comm.rank == 0 else lower(plan, 1), comm,
+                   split_inputs(plan, comm.rank, {k: full[k] for k in names}),
+                   split_inputs(plan, comm.rank, batch))
+
+    with pytest.raises(Exception) as info:
+        ThreadMesh(2, timeout_s=30).run(lambda comm: one(comm, bad))
+    err = info.value if isinstance(info.value, LoweringError) else info.value.__cause__
+    assert isinstance(err, LoweringError), info.value
+    assert "failed on local shards" in str(err) and "aten." in str(err)
+    assert "mlp.py" in str(err) and err.meshplan_where and "mlp.py" in err.meshplan_where
+    ThreadMesh(2, timeout_s=30).run(lambda comm: one(comm, data))      # still runs

@@ -231,3 +231,54 @@ def test_megatron_tensor_parallel_emerges_when_memory_forces_it() -> None:
     gathered = {r.value for r in plan.redistributions
                 if any(c[0] == "all_gather" for c in r.collectives)}
     assert w1.name not in gathered and w2.name not in gathered
+
+
+def test_bucket_size_follows_the_cost_model() -> None:
+    """Without overlap (the ``cpu`` topology: gloo runs on the ranks' own cores) every extra
+    bucket only adds latency: one bucket holds all gradients, the smallest size that does.
+    With full overlap (NCCL) the size balances one more call's latency against the last
+    bucket's exposed bandwidth time, near sqrt(total * latency * bandwidth), and grows with
+    the gradients; every choice is the minimum of ``bucket_time`` over the candidates."""
+    import math
+
+    from meshplan.planner._comm import BUCKET_SIZES, best_bucket_bytes, bucket_time
+    from meshplan.planner._mesh import PRESETS, Link
+
+    cpu, h100 = PRESETS["cpu"], PRESETS["h100"]
+    assert best_bucket_bytes(14e6, 2, cpu.intra_node, cpu.comm_overlap) == 16 << 20
+    assert best_bucket_bytes(100e6, 4, cpu.intra_node, cpu.comm_overlap) == 128 << 20
+    link = Link(bandwidth=100e9, latency=10e-6)
+    sizes = [best_bucket_bytes(g, 8, link, 1.0) for g in (1e8, 1e9, 1e10)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    for g, b in zip((1e8, 1e9, 1e10), sizes):
+        ideal = math.sqrt(g * 2 * 7 * link.latency * link.bandwidth / (2 * 7 / 8))
+        assert ideal / 4 <= b <= ideal * 4, (g, b, ideal)
+        assert bucket_time(b, g, 8, link, 1.0) == min(bucket_time(c, g, 8, link, 1.0)
+                                                      for c in BUCKET_SIZES)
+    assert bucket_time(1 << 20, 1e8, 1, link, 1.0) == 0.0       # one rank: nothing to reduce
+
+
+def test_plans_carry_their_bucket_size_and_lower_with_it(tmp_path) -> None:  # noqa: ANN001
+    """A dp plan's gradient all-reduces get the cost model's bucket cap; it survives saving,
+    ``plan show`` prints it, and the lowering uses it unless told otherwise. A plan with no
+    gradient all-reduce has none (the lowering then uses DDP's 25 MiB)."""
+    from meshplan.backends._bucket import Bucket
+    from meshplan.backends._lower import lower
+    from meshplan.planner._comm import best_bucket_bytes
+
+    g = _graph("gpt")
+    plan = plan_graph(g, {"dp": 2}, topology="cpu", strategy="dp")
+    total = sum(r.collectives[0][2] * r.count for r in plan.redistributions
+                if [c[0] for c in r.collectives] == ["all_reduce"])
+    assert total > 0
+    assert plan.bucket_bytes == best_bucket_bytes(total, 2, plan.mesh.link(0), 0.0)
+    path = tmp_path / "dp.plan"
+    plan.save(path)
+    assert Plan.load(path).bucket_bytes == plan.bucket_bytes
+    assert "buckets of up to" in plan.summary()
+    buckets = [i for i in lower(plan, 0).instructions if isinstance(i, Bucket)]
+    assert max(b.nbytes for b in buckets) <= plan.bucket_bytes
+    assert len([b for b in buckets if len(b.members) > 1]) == 1        # everything in one
+    small = [i for i in lower(plan, 0, bucket_bytes=4096).instructions if isinstance(i, Bucket)]
+    assert len(small) > len(buckets)
+    assert plan_graph(g, {"dp": 2}, topology="cpu", strategy="fsdp").bucket_bytes is None
