@@ -21,13 +21,13 @@ Non-blocking all-reduce: ``all_reduce_start(t, group, op)`` issues the all-reduc
 same result, same bytes). Every rank of the group must start its collectives in the same order,
 blocking ones included, as always; waits may come in any order and other collectives may run
 while one is in flight. ``t`` may be reused as soon as the start returns (the transport works on
-its own copy), unless the caller donates it: ``all_reduce_start(t, group, op, donate=True)`` says
-the caller reads ``t`` no more, and the transport may reduce in ``t`` itself (a contiguous ``t``
-of a float or integer dtype; the result may then be ``t``). The ``CommRecord`` is appended when ``wait()`` returns, once: ``start_s`` is when
-the all-reduce was issued and ``dur_s`` runs until the wait returned, so it spans whatever the
-rank did in between (a record whose span overlaps the next records' is an overlapped one); a
-failure surfaces from ``start`` or ``wait`` as from the blocking call. A one-member group is done
-at the start and records nothing.
+its own copy), unless the caller donates it: ``all_reduce_start(t, group, op, donate=True)``
+says the caller reads ``t`` no more, and the transport may reduce in ``t`` itself when it is
+contiguous (the result may then be ``t``). The ``CommRecord`` is appended when ``wait()``
+returns, once: ``start_s`` is when the all-reduce was issued and ``dur_s`` runs until the wait
+returned, so it spans whatever the rank did in between (a record whose span overlaps the next
+records' is an overlapped one); a failure surfaces from ``start`` or ``wait`` as from the
+blocking call. A one-member group is done at the start and records nothing.
 
 ``ThreadMesh`` (``_threadcomm.py``) runs every rank as a thread of one process with the same
 semantics; tests of the lowering use it.
