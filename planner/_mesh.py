@@ -97,8 +97,8 @@ PRESETS: dict[str, Topology] = {
     # This kind of machine: CPU processes on one host, gloo over TCP loopback. Measured here
     # (ANCHORS.md: gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks); `meshplan calibrate`
     # replaces these with the local machine's numbers. No overlap: gloo's thread runs on the
-    # core its rank computes on (a gradient all-reduce started during backward on this 2-core
-    # machine finished after backward whatever the bucket size; benchmarks/README.md).
+    # core its rank computes on; on this 2-core machine small buckets started during backward
+    # gained nothing over one bucket (benchmarks/bucket_size.py, benchmarks/README.md).
     "cpu": Topology(
         name="cpu", flops={"float32": 50e9, "float64": 25e9, "bfloat16": 10e9, "float16": 10e9},
         memory_bandwidth=10 * GB, memory_bytes=8 * GiB, devices_per_node=64,

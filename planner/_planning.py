@@ -141,10 +141,16 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
 def plan_bucket_bytes(mesh: Mesh, redistributions: Sequence[Redistribution]) -> int | None:
     """The gradient bucket cap for the lowering: ``best_bucket_bytes`` for the mesh axis that
     all-reduces the most bytes in single all-reduces (the redistributions the lowering
-    buckets: a partial sum made whole along one axis); None when there are none."""
+    buckets: a partial sum made whole along one axis); None when there are none. A value
+    with several consumers is listed once per consumer but reduced once (the lowering reuses
+    the reduced copy), so it counts once."""
     per_axis: dict[str, float] = {}
+    seen: set[tuple] = set()
     for r in redistributions:
         if len(r.collectives) == 1 and r.collectives[0][0] == Collective.ALL_REDUCE.value:
+            if (r.value, r.src, r.dst) in seen:
+                continue
+            seen.add((r.value, r.src, r.dst))
             _, axis, nbytes = r.collectives[0]
             per_axis[axis] = per_axis.get(axis, 0.0) + nbytes * r.count
     if not per_axis:
