@@ -369,11 +369,11 @@ class _Op:
     literal arguments built once, and where each value read goes. ``op(values)`` (values in
     ``reads`` order) returns the node's outputs, flattened."""
 
-    __slots__ = ("name", "reads", "_ins", "_fn", "_args", "_kwargs", "_slots", "_device")
+    __slots__ = ("name", "reads", "_node", "_fn", "_args", "_kwargs", "_slots", "_device")
 
     def __init__(self, ins: Compute, device: str) -> None:
         node = ins.node
-        self._ins, self._device, self.name = ins, device, node.name
+        self._node, self._device, self.name = node, device, node.name
         self.reads = tuple((r.node, r.index, layout) for r, layout in zip(node.refs(), ins.reads))
         fn = None if node.kind is NodeKind.CONSTANT else (
             (device != "cpu" and DEVICE_TWINS.get(node.target)) or _LOCAL_OPS.get(node.target)
@@ -384,31 +384,37 @@ class _Op:
         # template; otherwise ``_fill`` walks the nested arguments on every call.
         flat = not any(isinstance(a, tuple) and any(_iter_refs(a))
                        for a in (*ins.args, *(v for _, v in ins.kwargs)))
-        self._slots = None
         if flat:
             none = iter(())
             self._args = [a if isinstance(a, Ref) else _fill(a, none) for a in ins.args]
             self._kwargs = {k: v if isinstance(v, Ref) else _fill(v, none) for k, v in ins.kwargs}
             self._slots = ([i for i, a in enumerate(ins.args) if isinstance(a, Ref)],
                            [k for k, v in ins.kwargs if isinstance(v, Ref)])
+        else:
+            self._args, self._kwargs, self._slots = ins.args, dict(ins.kwargs), None
 
     def __call__(self, values: list[Any]) -> tuple:
-        if self._fn is None or self._slots is None:
-            return _call(self._ins, values, self._device)
-        arg_slots, kw_slots = self._slots
-        args = self._args.copy()
-        for i, v in zip(arg_slots, values):
-            args[i] = v
-        if kw_slots:
-            kwargs = self._kwargs.copy()
-            for k, v in zip(kw_slots, values[len(arg_slots):]):
-                kwargs[k] = v
+        if self._fn is None:                          # a constant: a fresh tensor each step
+            t = constant_tensor(self._node)
+            return (t if self._device == "cpu" else t.to(self._device),)
+        if self._slots is None:                       # Refs nested in tuples: walk them
+            it = iter(values)
+            args = [_fill(a, it) for a in self._args]
+            kwargs = {k: _fill(v, it) for k, v in self._kwargs.items()}
         else:
+            arg_slots, kw_slots = self._slots
+            args = self._args.copy()
+            for i, v in zip(arg_slots, values):
+                args[i] = v
             kwargs = self._kwargs
+            if kw_slots:
+                kwargs = kwargs.copy()
+                for k, v in zip(kw_slots, values[len(arg_slots):]):
+                    kwargs[k] = v
         try:
             out = self._fn(*args, **kwargs)
         except Exception as e:
-            raise _op_error(self._ins.node, e) from e
+            raise _op_error(self._node, e) from e
         return (out,) if isinstance(out, Tensor) else tuple(_flatten(out))
 
 
@@ -421,23 +427,6 @@ def _on_device(ins: Compute, device: str) -> Compute:
     swap = lambda v: dev if isinstance(v, torch.device) else v  # noqa: E731
     return Compute(ins.node, ins.reads, tuple(swap(a) for a in ins.args),
                    tuple((k, swap(v)) for k, v in ins.kwargs))
-
-
-def _call(ins: Compute, values: list[Any], device: str = "cpu") -> tuple:
-    node = ins.node
-    if node.kind is NodeKind.CONSTANT:
-        t = constant_tensor(node)
-        return (t if device == "cpu" else t.to(device),)
-    it = iter(values)
-    args = [_fill(a, it) for a in ins.args]
-    kwargs = {k: _fill(v, it) for k, v in ins.kwargs}
-    fn = ((device != "cpu" and DEVICE_TWINS.get(node.target)) or _LOCAL_OPS.get(node.target)
-          or resolve(node))
-    try:
-        out = fn(*args, **kwargs)
-    except Exception as e:
-        raise _op_error(node, e) from e
-    return tuple(_flatten(out))
 
 
 def _op_error(node: Node, e: Exception) -> LoweringError:

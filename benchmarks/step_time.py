@@ -416,8 +416,13 @@ HEAD = ("ranks", "variant", "step ms", "x DDP", "worker ms", "overhead ms", "com
         "2nd call s", "last loss", "load")
 
 
+def _ddp_refs(results: Sequence[Result]) -> dict[int, Result]:
+    """The DDP result each rank count's ratios are taken against."""
+    return {r.ranks: r for r in results if r.variant.startswith("ddp") and not r.error}
+
+
 def markdown(results: Sequence[Result]) -> str:
-    ddp = {r.ranks: r for r in results if r.variant.startswith("ddp") and not r.error}
+    ddp = _ddp_refs(results)
     lines = ["| " + " | ".join(HEAD) + " |",
              "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     lines += ["| " + " | ".join(_cells(r, ddp)) + " |" for r in results]
@@ -425,7 +430,7 @@ def markdown(results: Sequence[Result]) -> str:
 
 
 def plain(results: Sequence[Result]) -> str:
-    ddp = {r.ranks: r for r in results if r.variant.startswith("ddp") and not r.error}
+    ddp = _ddp_refs(results)
     rows = [list(HEAD), *(_cells(r, ddp) for r in results)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEAD))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

@@ -204,9 +204,9 @@ def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse; returns whether it did. Every step allocates
     and frees the same large buffers (activations, gradients, the buckets' flat buffers); by
     default glibc returns blocks above its mmap threshold to the kernel on free and trims the
-    heap's top, so the next step faults the same pages in again: ~2,000 page faults a step per
-    rank for ``benchmarks/step_time.py``'s GPT on 4 ranks, a few ms of kernel time each step,
-    none in eager PyTorch there. Blocks up to 32 MiB (glibc's largest mmap threshold) now come
+    heap's top, so the next step faults the same pages in again: 4,400-7,200 page faults a
+    step per rank for ``benchmarks/step_time.py``'s GPT on 4 ranks (3-340 with this), a few ms
+    of kernel time each step, none in eager PyTorch in one process. Blocks up to 32 MiB (glibc's largest mmap threshold) now come
     from the heap and the heap is not trimmed; the resident set stays at its peak, which is
     what a step needs anyway. ``MESHPLAN_MALLOC=default`` keeps glibc's policy; other C
     libraries are left alone."""
