@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import LoweringError, RuntimeFailure
+from . import _shm
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +350,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_SHM_MSG = 256                 # the shared-memory setup broadcast: flag, path, NUL, token
+_ALIGN_ELEMS = 64              # slot sizes are multiples of this many bytes
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """bool travels as uint8 (same bytes): gloo sums bool bytes to 2, which is no bool."""
     return t.view(torch.uint8) if t.dtype == torch.bool else t
@@ -394,11 +399,22 @@ class TorchCommunicator(CommBase):
 
     With NCCL the communicator uses ``cuda:(LOCAL_RANK or rank) % device_count`` and sets it as
     the current device; ``recv`` allocates there (``self.device``).
+
+    Shared memory (``shm``): on gloo, all-reduces (blocking and started), and all-gathers and
+    reduce-scatters whose input fits a slot, of a group whose members share this host's
+    ``/dev/shm`` go through a ``_shm.ShmGroup`` instead of TCP on loopback. The group's
+    members set it up at their first such collective on it (a broadcast and an
+    all-reduce over gloo: the first member creates the file, the others map it and prove it
+    with its token; if any member cannot, the group keeps gloo, the same on every member).
+    ``shm=None`` (default) turns it on for gloo on Linux unless ``MESHPLAN_SHM=0``;
+    ``MESHPLAN_SHM_BYTES`` sets the slot size (default 4 MiB; a group's file holds
+    ``2 x members`` slots). Sums then run in a fixed order (each member reduces one segment,
+    own slot first), so every member gets bit-identical results.
     """
 
     def __init__(self, rank: int, world_size: int, groups: Sequence[tuple[int, ...]], *,
                  backend: str | None = None, timeout_s: float = 300.0,
-                 init_method: str | None = None) -> None:
+                 init_method: str | None = None, shm: bool | None = None) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise LoweringError(f"TorchCommunicator: world_size must be >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -437,6 +453,11 @@ class TorchCommunicator(CommBase):
             pg = dist.new_group(list(g), timeout=timeout, backend=self.backend, sort_ranks=False)
             if rank in g:
                 self._pgs[g] = pg
+        if shm is None:
+            shm = os.environ.get("MESHPLAN_SHM", "1") != "0"
+        self._shm_on = bool(shm) and self.backend == "gloo" and _shm.available()
+        self._shm_capacity = int(os.environ.get("MESHPLAN_SHM_BYTES", _shm.DEFAULT_CAPACITY))
+        self._shm: dict[tuple[int, ...], _shm.ShmGroup | None] = {}
         logger.debug("rank %s: %s process group of %s ranks, %s groups", rank, self.backend,
                      world_size, len(declared))
 
@@ -466,7 +487,59 @@ class TorchCommunicator(CommBase):
     def _all_reduce(self, t, g, op):
         return self._all_reduce_start(t, g, op)()
 
+    def _shm_group(self, g: tuple[int, ...]) -> _shm.ShmGroup | None:
+        """``g``'s shared-memory region, set up by its members at their first all-reduce on
+        it; None where a member cannot map it (another host, no room in ``/dev/shm``)."""
+        if g in self._shm:
+            return self._shm[g]
+        pg, index, n = self._pgs[g], g.index(self.rank), len(g)
+        cap = max(_ALIGN_ELEMS, self._shm_capacity // _ALIGN_ELEMS * _ALIGN_ELEMS)
+        msg = torch.zeros(_SHM_MSG, dtype=torch.uint8)
+        mine: _shm.ShmGroup | None = None
+        path = ""
+        try:
+            if index == 0:
+                try:
+                    path, token = _shm.create_file(n, cap, f"r{self.rank}")
+                    mine = _shm.ShmGroup(path, token, n, 0, cap, init=True,
+                                         timeout_s=self.timeout_s)
+                    raw = path.encode() + b"\0" + token
+                    msg[0] = 1
+                    msg[1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                except OSError as exc:
+                    logger.info("rank %s: no shared memory for group %s (%s); gloo it is",
+                                self.rank, g, exc)
+            dist.broadcast(msg, src=g[0], group=pg)
+            if index != 0 and msg[0] == 1:
+                raw = bytes(msg[1:].tolist())
+                name, token = raw.split(b"\0", 1)
+                try:
+                    mine = _shm.ShmGroup(name.decode(), token[:_shm.TOKEN_BYTES], n, index, cap,
+                                         init=False, timeout_s=self.timeout_s)
+                except OSError:
+                    mine = None
+                if mine is not None and not mine.check_token():
+                    mine.close()
+                    mine = None
+            ok = torch.tensor([int(mine is not None)], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)
+        finally:
+            if path:
+                os.unlink(path)          # every member has mapped it, given up, or failed
+        if not ok.item() and mine is not None:
+            mine.close()
+            mine = None
+        self._shm[g] = mine
+        return mine
+
     def _all_reduce_start(self, t, g, op, donate=False):
+        shm = self._shm_group(g) if self._shm_on else None
+        if shm is not None:
+            src = t if t.is_contiguous() else contiguous_copy(t)
+            out = src if donate or src is not t else torch.empty_like(src)
+            wire_op = "max" if t.dtype == torch.bool else op
+            finish = shm.all_reduce_start(_wire(src).view(-1), _wire(out).view(-1), wire_op)
+            return lambda: (finish(), out)[1]
         out = t if donate and t.is_contiguous() else contiguous_copy(t)
         work = dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g],
                                async_op=True)
@@ -479,13 +552,21 @@ class TorchCommunicator(CommBase):
     def _all_gather(self, t, g, dim):
         n = len(g)
         flat = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        _all_gather_single(_wire(flat), _wire(t.contiguous()), group=self._pgs[g])
+        src = _wire(t.contiguous())
+        shm = self._shm_group(g) if self._shm_on else None
+        if shm is None or not shm.all_gather(src.view(-1), _wire(flat).view(-1)):
+            _all_gather_single(_wire(flat), src, group=self._pgs[g])
         return merge_leading(flat.view(n, *t.shape), dim)
 
     def _reduce_scatter(self, t, g, dim, op):
         n = len(g)
         stacked = split_leading(t, dim, n)
         out = torch.empty(stacked.shape[1:], dtype=t.dtype, device=t.device)
+        shm = self._shm_group(g) if self._shm_on else None
+        wire_op = "max" if t.dtype == torch.bool else op
+        if shm is not None and shm.reduce_scatter(_wire(stacked).reshape(-1),
+                                                  _wire(out).view(-1), wire_op):
+            return out
         _reduce_scatter_single(_wire(out), _wire(stacked.flatten(0, 1)),
                                op=_dist_op(op, t.dtype), group=self._pgs[g])
         return out.div_(n) if op == "avg" else out
@@ -520,6 +601,9 @@ class TorchCommunicator(CommBase):
         """Destroy the default process group and every sub-group; idempotent."""
         if not self._closed:
             self._closed = True
+            for group in self._shm.values():
+                if group is not None:
+                    group.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
 

@@ -11,7 +11,10 @@ same global batches:
   when another job holds one of the cores);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on gloo, batch/N per rank;
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and on the root, gloo;
-- ``meshplan <strategy>``: ``meshplan.distribute(step, mesh={"dp": N}, strategy=...)``.
+- ``meshplan <strategy>``: ``meshplan.distribute(step, mesh={"dp": N}, strategy=...)``; the
+  workers' collectives between ranks of this host run through shared memory (see
+  ``backends/_shm.py``); ``meshplan dp-tcp`` is the ``dp`` plan with ``MESHPLAN_SHM=0``, on
+  gloo's own TCP collectives as DDP is.
 
 Baselines time each step on every rank after a barrier and keep the slowest rank. meshplan is
 timed around each call on the controller (split the batch, ZeroMQ round trip, gather the loss);
@@ -56,6 +59,8 @@ CONFIG = gpt.GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, d_model
 CLIP = 1.0
 SEED = 0
 STRATEGIES = ("dp", "auto", "fsdp")
+# meshplan variants beyond the strategies: (strategy, environment of the workers)
+MESHPLAN_EXTRA = {"dp-tcp": ("dp", {"MESHPLAN_SHM": "0"})}   # gloo's own TCP all-reduce
 BASELINES = ("ddp", "fsdp2")
 TIMEOUT_S = 180.0           # per variant; a rank that takes longer is stopped and reported
 
@@ -236,12 +241,13 @@ def _install_worker_timer() -> None:
 
 
 @contextmanager
-def _meshplan_env(threads: int) -> Iterator[bool]:
-    """Workers launched inside get ``threads`` intra-op threads and this file as a plugin.
-    Yields whether the plugin could be added (no runtime file is edited for it)."""
+def _meshplan_env(threads: int, env: dict[str, str] | None = None) -> Iterator[bool]:
+    """Workers launched inside get ``threads`` intra-op threads, ``env`` and this file as a
+    plugin. Yields whether the plugin could be added (no runtime file is edited for it)."""
     from meshplan.runtime import _distributed
-    old_env, old = os.environ.get("OMP_NUM_THREADS"), getattr(_distributed, "_HANDLERS", None)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    env = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+    saved, old = {k: os.environ.get(k) for k in env}, getattr(_distributed, "_HANDLERS", None)
+    os.environ.update(env)
     if isinstance(old, str):
         _distributed._HANDLERS = f"{old},{_PLUGIN}"
     try:
@@ -249,10 +255,11 @@ def _meshplan_env(threads: int) -> Iterator[bool]:
     finally:
         if isinstance(old, str):
             _distributed._HANDLERS = old
-        if old_env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old_env
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _split_records(last_comm: Sequence[Sequence[dict[str, Any]]]) -> tuple[list, list]:
@@ -276,14 +283,16 @@ def _timed_call(step: Any, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, float]
     return loss, time.perf_counter() - t0
 
 
-def run_meshplan(strategy: str, n: int, warmup: int, steps: int) -> Result:
+def run_meshplan(variant: str, n: int, warmup: int, steps: int) -> Result:
+    """``variant``: a strategy, or a name in ``MESHPLAN_EXTRA``."""
+    strategy, env = MESHPLAN_EXTRA.get(variant, (variant, {}))
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
     batches = _batches(2 + warmup + steps)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",
                                example_inputs=batches[0], timeout_s=TIMEOUT_S)
-    name = f"meshplan {strategy}"
+    name = f"meshplan {variant}"
     try:
-        with _meshplan_env(_threads(n)), step:
+        with _meshplan_env(_threads(n), env), step:
             t0 = time.perf_counter()
             _ = step.plan                                  # trace + plan; changes no state
             plan_s = time.perf_counter() - t0
@@ -316,7 +325,7 @@ def _mesh_steps(step: Any, batches: Sequence[tuple[Tensor, Tensor]], warmup: int
 
 # ---- the run and its tables ----------------------------------------------------------------
 
-VARIANTS = ("eager", *BASELINES, *STRATEGIES)
+VARIANTS = ("eager", *BASELINES, *STRATEGIES, *MESHPLAN_EXTRA)
 
 
 def run(ranks: Sequence[int], warmup: int, steps: int, rounds: int = 1,
@@ -331,7 +340,7 @@ def run(ranks: Sequence[int], warmup: int, steps: int, rounds: int = 1,
         todo += [(k, n, lambda n=n, k=k: _baseline_retried(k, n, skip, steps))
                  for k in BASELINES if k in only]
         todo += [(s, n, lambda n=n, s=s: run_meshplan(s, n, warmup, steps))
-                 for s in STRATEGIES if s in only]
+                 for s in (*STRATEGIES, *MESHPLAN_EXTRA) if s in only]
     merged: dict[tuple[str, int], Result] = {}
     for rnd in range(rounds):
         if rounds > 1:

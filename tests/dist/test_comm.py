@@ -5,7 +5,9 @@ groups (0, 1) and (1, 0) (order kept), world 4 as a 2x2 mesh with (0, 1), (2, 3)
 and the world group; six dtypes, dims 0..2, sum / avg / max, (non-)contiguous inputs that
 differ on every rank, send / recv on a ring, a barrier, one-member groups. It runs on a
 ``ThreadMesh`` (threads) and on ``TorchCommunicator`` over gloo (real processes on loopback, one
-job per world size, batching every check), and the results are compared with the reference:
+job per world size, batching every check; world 2 once more with ``MESHPLAN_SHM=0``, so that
+all-reduces take gloo's own TCP path instead of shared memory), and the results are compared
+with the reference:
 
 - ThreadMesh: bit-equal everywhere (its sums run in group order, as the reference's do).
 - gloo: bit-equal for all_gather, all_to_all, broadcast, send / recv, max, int64 and bool, and for
@@ -431,6 +433,7 @@ def _worker(world: int, rank: int, port: int, port2: int, outdir: Path,
                              init_method=f"tcp://127.0.0.1:{port}")
     out = _program(comm)
     out["is_communicator"] = isinstance(comm, Communicator)
+    out["shm"] = any(group is not None for group in comm._shm.values())
     if world == 4:
         try:
             comm.all_reduce(torch.ones(2), (3, 2, 1, 0))
@@ -445,8 +448,9 @@ def _worker(world: int, rank: int, port: int, port2: int, outdir: Path,
     os.replace(outdir / f"rank{rank}.tmp", outdir / f"rank{rank}.pt")
 
 
-def _run_gloo(world: int, outdir: Path, timeout_s: float = 100) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _run_gloo(world: int, outdir: Path, timeout_s: float = 100, shm: bool = True
+              ) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MESHPLAN_SHM="1" if shm else "0")
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"
     port, port2, port3 = _free_port(), _free_port(), _free_port()
@@ -500,10 +504,16 @@ def test_torch_communicator_of_one_rank_and_a_second_init() -> None:
     comm.close()                                      # idempotent
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+@pytest.fixture(scope="module", params=[(2, True), (4, True), (2, False)],
+                ids=["world2", "world4", "world2-no-shm"])
 def gloo_run(request, tmp_path_factory) -> tuple[int, list[dict]]:
-    world = request.param
-    return world, _run_gloo(world, tmp_path_factory.mktemp(f"gloo{world}"))
+    """``shm``: all-reduces through shared memory (the default between ranks of one host,
+    ``backends/_shm.py``) or through gloo's own TCP all-reduce (``MESHPLAN_SHM=0``)."""
+    world, shm = request.param
+    outs = _run_gloo(world, tmp_path_factory.mktemp(f"gloo{world}"), shm=shm)
+    for out in outs:
+        assert out["shm"] == shm
+    return world, outs
 
 
 @pytest.mark.timeout(120)

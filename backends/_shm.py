@@ -1,0 +1,305 @@
+"""Collectives through shared memory for ranks on one host (the gloo communicator's fast path).
+
+Gloo moves every byte through TCP on loopback, even between processes of one machine: an
+all-reduce of the benchmark GPT's 14 MiB of gradients waited 22 ms on 2 ranks and 48 ms on 4
+(benchmarks/README.md). NCCL has its SHM/P2P transports and MPI its shared-memory channel for
+the same reason. ``ShmGroup`` is that channel for the CPU ranks of one group on one host:
+
+- one file in ``/dev/shm`` per group, mapped by every member and unlinked as soon as all have
+  mapped it (nothing outlives the processes, ``kill -9`` included);
+- two process-shared POSIX semaphores per member (glibc/musl ``sem_post`` /
+  ``sem_timedwait`` through ctypes), which block instead of spinning, so 4 ranks on 2 cores do
+  not steal each other's time, and which order memory on every architecture;
+- ``2 x members`` slots of ``capacity`` bytes: each member copies its tensor (or a chunk of
+  ``capacity`` bytes) into its slot, the members wait for each other, member ``i`` reduces
+  segment ``i`` of every slot into its own slot, the members wait again, and each copies the
+  ``n`` reduced segments out. Two barriers an all-reduce, every element reduced once, so all
+  members get bit-identical results in a deterministic order (own slot first, then the others
+  in group order);
+- all-gather and reduce-scatter of inputs that fit one slot take one barrier: copy in, wait,
+  then copy every slot out (all-gather) or reduce one chunk of every slot (reduce-scatter);
+  larger ones are the caller's to send another way;
+- one operation at a time per group: starting one while another is in flight finishes the
+  earlier one first (same order on every member, as the Communicator protocol requires).
+  Consecutive operations alternate between two halves of the slots, so a member copying the
+  next input in never overwrites a slot a slower member still reads: it starts operation
+  ``k + 2`` only after a barrier of ``k + 1``, which every member reaches after finishing
+  ``k``.
+
+Why two semaphores per member: member ``j`` posts ``s[i][p % 2]`` for every other ``i`` at
+barrier ``p`` and then takes ``s[j][p % 2]`` ``n - 1`` times. A post for barrier ``p + 2`` can
+only come after its poster took every post of ``p + 1``, which each member sends after taking
+all of ``p``: posts of two barriers never mix on one semaphore.
+
+A member that never arrives makes the others raise ``RuntimeFailure`` after ``timeout_s``.
+Linux only (``posix_fallocate`` reserves the file up front, so a full ``/dev/shm`` is an error
+at setup, not a ``SIGBUS`` in the middle of a step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from .._errors import RuntimeFailure
+
+DEFAULT_CAPACITY = 4 << 20          # bytes per slot (one chunk of one member's input)
+SHM_DIR = "/dev/shm"
+_ALIGN = 64
+_SEM_STRIDE = 64                    # >= sizeof(sem_t) (32 on 64-bit Linux), one cache line
+TOKEN_BYTES = 16                         # random bytes at offset 0 that prove a member mapped our file
+_SLICE_S = 0.2                      # sem_timedwait slices (signals are handled between them)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    lib = ctypes.CDLL(None, use_errno=True)          # the process's libc (and libpthread)
+    for name in ("sem_init", "sem_post", "sem_timedwait", "sem_destroy"):
+        if not hasattr(lib, name):
+            return None
+    lib.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+    lib.sem_post.argtypes = [ctypes.c_void_p]
+    lib.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    return lib
+
+
+_LIB = _libc()
+
+
+def available() -> bool:
+    """Whether this platform has what ``ShmGroup`` needs (Linux, process-shared semaphores,
+    a writable ``/dev/shm``)."""
+    return _LIB is not None and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def region_bytes(members: int, capacity: int) -> int:
+    """Size of a group's file: the semaphores, then ``2 x members`` slots."""
+    return _data_offset(members) + 2 * members * capacity
+
+
+def _data_offset(members: int) -> int:
+    head = TOKEN_BYTES + 2 * members * _SEM_STRIDE
+    return -(-head // _ALIGN) * _ALIGN
+
+
+def create_file(members: int, capacity: int, tag: str) -> tuple[str, bytes]:
+    """Create and reserve a group's file (by its first member, before the others map it);
+    returns its path and the token written at its start. Raises ``OSError`` when
+    ``/dev/shm`` has no room."""
+    path = os.path.join(SHM_DIR, f"meshplan-{tag}-{secrets.token_hex(8)}")
+    token = secrets.token_bytes(TOKEN_BYTES)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, region_bytes(members, capacity))
+        os.pwrite(fd, token, 0)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path, token
+
+
+class ShmGroup:
+    """One member's view of a group's shared region (see the module docstring).
+
+    ``path``/``token`` come from ``create_file`` on the group's first member (``index`` 0),
+    which also initialises the semaphores (``init=True``) BEFORE any other member maps the
+    file; the caller then makes sure every member mapped it (a collective) and unlinks it.
+    ``check_token()`` tells a member whether it mapped the creator's file (a container with
+    its own ``/dev/shm`` would not)."""
+
+    def __init__(self, path: str, token: bytes, members: int, index: int, capacity: int, *,
+                 init: bool, timeout_s: float) -> None:
+        assert _LIB is not None
+        self.members, self.index, self.capacity = members, index, capacity
+        self.timeout_s, self._token = float(timeout_s), token
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != region_bytes(members, capacity):
+                raise OSError(f"{path}: {size} bytes, expected {region_bytes(members, capacity)}")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        base = self._bytes.data_ptr()
+        self._sems = [[base + TOKEN_BYTES + (2 * i + p) * _SEM_STRIDE for p in (0, 1)]
+                      for i in range(members)]
+        if init:
+            for pair in self._sems:
+                for s in pair:
+                    if _LIB.sem_init(s, 1, 0) != 0:
+                        raise OSError(ctypes.get_errno(), "sem_init failed")
+        self._data = _data_offset(members)
+        self._barriers = 0          # barriers passed (their parity picks the semaphore)
+        self._ops = 0               # operations started (their parity picks the half)
+        self._pending: Callable[[], None] | None = None
+
+    def check_token(self) -> bool:
+        return bytes(self._mm[:TOKEN_BYTES]) == self._token
+
+    # ---- synchronisation -----------------------------------------------------------------
+
+    def _arrive(self) -> None:
+        p = self._barriers % 2
+        for i in range(self.members):
+            if i != self.index and _LIB.sem_post(self._sems[i][p]) != 0:
+                raise RuntimeFailure(f"shared-memory group: sem_post failed "
+                                     f"({os.strerror(ctypes.get_errno())})")
+
+    def _depart(self, what: str) -> None:
+        sem = self._sems[self.index][self._barriers % 2]
+        deadline = time.monotonic() + self.timeout_s
+        ts = _Timespec()
+        for _ in range(self.members - 1):
+            while True:
+                now = time.time()
+                end = now + min(_SLICE_S, max(0.0, deadline - time.monotonic()))
+                ts.tv_sec, ts.tv_nsec = int(end), int((end % 1) * 1e9)
+                if _LIB.sem_timedwait(sem, ctypes.byref(ts)) == 0:
+                    break
+                if time.monotonic() >= deadline:
+                    raise RuntimeFailure(
+                        f"{what}: a member of this rank's shared-memory group did not arrive "
+                        f"within {self.timeout_s:g} s (member {self.index} of {self.members}); "
+                        "a peer died or issued its collectives in another order")
+        self._barriers += 1
+
+    # ---- all-reduce ------------------------------------------------------------------------
+
+    def _slot(self, half: int, member: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+        off = self._data + (half * self.members + member) * self.capacity
+        return self._bytes[off:off + n * dtype.itemsize].view(dtype)
+
+    def _segment(self, n: int, i: int) -> tuple[int, int]:
+        q, r = divmod(n, self.members)
+        lo = i * q + min(i, r)
+        return lo, lo + q + (i < r)
+
+    def finish_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending()
+
+    def all_reduce_start(self, flat: torch.Tensor, out: torch.Tensor, op: str
+                         ) -> Callable[[], torch.Tensor]:
+        """Start reducing the 1-D contiguous ``flat`` across the group into ``out`` (same
+        shape and dtype; may be ``flat`` itself); ``op`` is ``"sum"``, ``"avg"`` or ``"max"``
+        (``bool`` comes as ``uint8`` with ``"max"``). Returns the function that finishes it."""
+        self.finish_pending()
+        if flat.numel() == 0:
+            return lambda: out
+        per = max(1, self.capacity // flat.element_size())
+        chunks = [(lo, min(lo + per, flat.numel())) for lo in range(0, flat.numel(), per)]
+        done = [False]
+
+        def finish() -> torch.Tensor:
+            if not done[0]:
+                done[0] = True
+                if self._pending is finish:
+                    self._pending = None
+                for i, (lo, hi) in enumerate(chunks):
+                    if i:
+                        self._copy_in(flat[lo:hi])
+                    self._reduce_out(out[lo:hi], op)
+            return out
+
+        self._copy_in(flat[chunks[0][0]:chunks[0][1]])
+        self._pending = finish
+        return finish
+
+    def _copy_in(self, chunk: torch.Tensor) -> None:
+        self._slot(self._ops % 2, self.index, chunk.dtype, chunk.numel()).copy_(chunk)
+        self._arrive()
+
+    def _reduce_out(self, out: torch.Tensor, op: str) -> None:
+        half, n, dtype = self._ops % 2, out.numel(), out.dtype
+        self._ops += 1
+        self._depart("all_reduce")
+        lo, hi = self._segment(n, self.index)
+        if hi > lo:
+            acc = self._slot(half, self.index, dtype, n)[lo:hi]
+            for j in range(self.members):
+                if j != self.index:
+                    other = self._slot(half, j, dtype, n)[lo:hi]
+                    if op == "max":
+                        torch.maximum(acc, other, out=acc)
+                    else:
+                        acc.add_(other)
+            if op == "avg":
+                acc.div_(self.members)
+        self._arrive()
+        self._depart("all_reduce")
+        for j in range(self.members):
+            a, b = self._segment(n, j)
+            if b > a:
+                out[a:b].copy_(self._slot(half, j, dtype, n)[a:b])
+
+    # ---- all-gather and reduce-scatter (inputs that fit one slot) ----------------------------
+
+    def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> bool:
+        """Gather every member's 1-D contiguous ``flat`` into ``out`` (``members x`` its
+        length, in member order). False, with nothing done, when ``flat`` does not fit a slot
+        (the same answer on every member: their inputs have one shape)."""
+        n = flat.numel()
+        if n * flat.element_size() > self.capacity:
+            return False
+        self.finish_pending()
+        half = self._ops % 2
+        self._ops += 1
+        self._slot(half, self.index, flat.dtype, n).copy_(flat)
+        self._arrive()
+        self._depart("all_gather")
+        for j in range(self.members):
+            out[j * n:(j + 1) * n].copy_(self._slot(half, j, flat.dtype, n))
+        return True
+
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, op: str) -> bool:
+        """Reduce every member's 1-D contiguous ``flat`` (``members`` equal chunks) and keep
+        chunk ``index`` in ``out``; own chunk first, then the others in member order. False,
+        with nothing done, when ``flat`` does not fit a slot."""
+        n, m = flat.numel(), out.numel()
+        if n * flat.element_size() > self.capacity:
+            return False
+        self.finish_pending()
+        half = self._ops % 2
+        self._ops += 1
+        self._slot(half, self.index, flat.dtype, n).copy_(flat)
+        self._arrive()
+        self._depart("reduce_scatter")
+        lo = self.index * m
+        out.copy_(self._slot(half, self.index, flat.dtype, n)[lo:lo + m])
+        for j in range(self.members):
+            if j != self.index:
+                other = self._slot(half, j, flat.dtype, n)[lo:lo + m]
+                if op == "max":
+                    torch.maximum(out, other, out=out)
+                else:
+                    out.add_(other)
+        if op == "avg":
+            out.div_(self.members)
+        return True
+
+    def close(self) -> None:
+        """Unmap (after finishing an operation in flight, if the peers still can)."""
+        self._pending = None
+        mm, self._mm = self._mm, None
+        self._bytes = None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:      # a view still exported: the mapping goes with the process
+                pass
