@@ -400,9 +400,8 @@ class TorchCommunicator(CommBase):
     With NCCL the communicator uses ``cuda:(LOCAL_RANK or rank) % device_count`` and sets it as
     the current device; ``recv`` allocates there (``self.device``).
 
-    Shared memory (``shm``): on gloo, all-reduces (blocking and started), and all-gathers and
-    reduce-scatters whose input fits a slot, of a group whose members share this host's
-    ``/dev/shm`` go through a ``_shm.ShmGroup`` instead of TCP on loopback. The group's
+    Shared memory (``shm``): on gloo, all-reduces (blocking and started), all-gathers and
+    reduce-scatters of a group whose members share this host's ``/dev/shm`` go through a ``_shm.ShmGroup`` instead of TCP on loopback. The group's
     members set it up at their first such collective on it (a broadcast and an
     all-reduce over gloo: the first member creates the file, the others map it and prove it
     with its token; if any member cannot, the group keeps gloo, the same on every member).
@@ -554,7 +553,9 @@ class TorchCommunicator(CommBase):
         flat = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         src = _wire(t.contiguous())
         shm = self._shm_group(g) if self._shm_on else None
-        if shm is None or not shm.all_gather(src.view(-1), _wire(flat).view(-1)):
+        if shm is not None:
+            shm.all_gather(src.view(-1), _wire(flat).view(-1))
+        else:
             _all_gather_single(_wire(flat), src, group=self._pgs[g])
         return merge_leading(flat.view(n, *t.shape), dim)
 
@@ -564,8 +565,8 @@ class TorchCommunicator(CommBase):
         out = torch.empty(stacked.shape[1:], dtype=t.dtype, device=t.device)
         shm = self._shm_group(g) if self._shm_on else None
         wire_op = "max" if t.dtype == torch.bool else op
-        if shm is not None and shm.reduce_scatter(_wire(stacked).reshape(-1),
-                                                  _wire(out).view(-1), wire_op):
+        if shm is not None:
+            shm.reduce_scatter(_wire(stacked).reshape(-1), _wire(out).view(-1), wire_op)
             return out
         _reduce_scatter_single(_wire(out), _wire(stacked.flatten(0, 1)),
                                op=_dist_op(op, t.dtype), group=self._pgs[g])

@@ -16,9 +16,9 @@ the same reason. ``ShmGroup`` is that channel for the CPU ranks of one group on 
   ``n`` reduced segments out. Two barriers an all-reduce, every element reduced once, so all
   members get bit-identical results in a deterministic order (own slot first, then the others
   in group order);
-- all-gather and reduce-scatter of inputs that fit one slot take one barrier: copy in, wait,
-  then copy every slot out (all-gather) or reduce one chunk of every slot (reduce-scatter);
-  larger ones are the caller's to send another way;
+- all-gather and reduce-scatter take one barrier per slot-sized chunk: copy in, wait, then
+  copy every slot out (all-gather) or reduce this member's piece of every slot
+  (reduce-scatter);
 - one operation at a time per group: starting one while another is in flight finishes the
   earlier one first (same order on every member, as the Communicator protocol requires).
   Consecutive operations alternate between two halves of the slots, so a member copying the
@@ -250,48 +250,48 @@ class ShmGroup:
 
     # ---- all-gather and reduce-scatter (inputs that fit one slot) ----------------------------
 
-    def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> bool:
+    def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Gather every member's 1-D contiguous ``flat`` into ``out`` (``members x`` its
-        length, in member order). False, with nothing done, when ``flat`` does not fit a slot
-        (the same answer on every member: their inputs have one shape)."""
-        n = flat.numel()
-        if n * flat.element_size() > self.capacity:
-            return False
+        length, in member order), in chunks of one slot."""
         self.finish_pending()
-        half = self._ops % 2
-        self._ops += 1
-        self._slot(half, self.index, flat.dtype, n).copy_(flat)
-        self._arrive()
-        self._depart("all_gather")
-        for j in range(self.members):
-            out[j * n:(j + 1) * n].copy_(self._slot(half, j, flat.dtype, n))
-        return True
+        n, per = flat.numel(), max(1, self.capacity // flat.element_size())
+        for lo in range(0, n, per):
+            hi = min(lo + per, n)
+            half = self._ops % 2
+            self._ops += 1
+            self._slot(half, self.index, flat.dtype, hi - lo).copy_(flat[lo:hi])
+            self._arrive()
+            self._depart("all_gather")
+            for j in range(self.members):
+                out[j * n + lo:j * n + hi].copy_(self._slot(half, j, flat.dtype, hi - lo))
 
-    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, op: str) -> bool:
-        """Reduce every member's 1-D contiguous ``flat`` (``members`` equal chunks) and keep
-        chunk ``index`` in ``out``; own chunk first, then the others in member order. False,
-        with nothing done, when ``flat`` does not fit a slot."""
-        n, m = flat.numel(), out.numel()
-        if n * flat.element_size() > self.capacity:
-            return False
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """Reduce every member's 1-D contiguous ``flat`` (``members`` equal pieces) and keep
+        piece ``index`` in ``out``: own piece first, then the others in member order. Long
+        pieces go in chunks: every member copies the same columns of all its pieces in."""
         self.finish_pending()
-        half = self._ops % 2
-        self._ops += 1
-        self._slot(half, self.index, flat.dtype, n).copy_(flat)
-        self._arrive()
-        self._depart("reduce_scatter")
-        lo = self.index * m
-        out.copy_(self._slot(half, self.index, flat.dtype, n)[lo:lo + m])
-        for j in range(self.members):
-            if j != self.index:
-                other = self._slot(half, j, flat.dtype, n)[lo:lo + m]
-                if op == "max":
-                    torch.maximum(out, other, out=out)
+        k, m = self.members, out.numel()
+        pieces = flat.view(k, m)
+        per = max(1, self.capacity // (flat.element_size() * k))
+        for lo in range(0, m, per):
+            hi = min(lo + per, m)
+            half = self._ops % 2
+            self._ops += 1
+            self._slot(half, self.index, flat.dtype, k * (hi - lo)).view(k, hi - lo).copy_(
+                pieces[:, lo:hi])
+            self._arrive()
+            self._depart("reduce_scatter")
+            acc = out[lo:hi]
+            for j in (self.index, *(j for j in range(k) if j != self.index)):
+                mine = self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[self.index]
+                if j == self.index:
+                    acc.copy_(mine)
+                elif op == "max":
+                    torch.maximum(acc, mine, out=acc)
                 else:
-                    out.add_(other)
-        if op == "avg":
-            out.div_(self.members)
-        return True
+                    acc.add_(mine)
+            if op == "avg":
+                acc.div_(k)
 
     def close(self) -> None:
         """Unmap (after finishing an operation in flight, if the peers still can)."""

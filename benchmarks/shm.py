@@ -9,9 +9,8 @@ gloo's own all-reduce / all-gather / reduce-scatter over loopback). Collectives 
 lowered programs issue them: ``all_reduce`` started with a donated buffer and waited for (a
 gradient bucket), ``all_gather`` and ``reduce_scatter`` blocking, float32, dim 0. A barrier
 before each call; each rank's median over ``--repeats`` calls, then the slowest rank. Sizes are
-the all-reduce's buffer, the all-gather's output and the reduce-scatter's input. The
-all-gather/reduce-scatter shared-memory path takes inputs up to one slot (4 MiB by default);
-larger ones run on gloo in both columns.
+the all-reduce's buffer, the all-gather's output and the reduce-scatter's input; inputs larger
+than a slot (4 MiB by default) move through shared memory in slot-sized chunks.
 """
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ def test_every_op_dtype_and_size_back_to_back_with_chunks(members: int) -> None:
 
 @pytest.mark.parametrize("members", [2, 3])
 def test_all_gather_and_reduce_scatter_between_started_all_reduces(members: int) -> None:
-    """A started all-reduce is finished by the next operation; an input larger than a slot is
-    refused (False, nothing moved) on every member alike."""
+    """A started all-reduce is finished by the next operation; inputs larger than a slot go
+    in chunks."""
     groups = _group(members, 512)
 
     def member(i: int) -> dict:
@@ -142,17 +142,17 @@ def test_all_gather_and_reduce_scatter_between_started_all_reduces(members: int)
         x = _input(1, i, torch.float32, 6 * members)
         pending = g.all_reduce_start(x, torch.empty_like(x), "sum")
         gathered = torch.empty(members * 5, dtype=torch.int64)
-        assert g.all_gather(_input(2, i, torch.int64, 5), gathered)
+        g.all_gather(_input(2, i, torch.int64, 5), gathered)
         scattered = torch.empty(6)
-        assert g.reduce_scatter(_input(3, i, torch.float64, 6 * members).float(), scattered,
-                                "avg")
+        g.reduce_scatter(_input(3, i, torch.float64, 6 * members).float(), scattered, "avg")
         maxed = torch.empty(2, dtype=torch.uint8)
-        assert g.reduce_scatter(_input(4, i, torch.bool, 2 * members).view(torch.uint8),
-                                maxed, "max")
-        refused = [g.all_gather(torch.ones(129), torch.empty(129 * members)),
-                   g.reduce_scatter(torch.ones(129 * members), torch.empty(129), "sum")]
+        g.reduce_scatter(_input(4, i, torch.bool, 2 * members).view(torch.uint8), maxed, "max")
+        big_gather = torch.empty(301 * members)          # 301 floats: 3 chunks of a 512 B slot
+        g.all_gather(_input(5, i, torch.float32, 301), big_gather)
+        big_scatter = torch.empty(301)                   # in chunks of 512 / (4 x members) B
+        g.reduce_scatter(_input(6, i, torch.float32, 301 * members), big_scatter, "sum")
         return {"ar": pending(), "ag": gathered, "rs": scattered, "or": maxed.bool(),
-                "refused": refused}
+                "big_ag": big_gather, "big_rs": big_scatter}
     outs = _threads(member, members)
     want_rs = _reference([_input(3, i, torch.float64, 6 * members).float()
                           for i in range(members)], "avg")
@@ -164,7 +164,11 @@ def test_all_gather_and_reduce_scatter_between_started_all_reduces(members: int)
                                                  for j in range(members)]))
         assert torch.allclose(out["rs"], want_rs[6 * i:6 * (i + 1)], rtol=1e-6, atol=1e-6)
         assert torch.equal(out["or"], want_or[2 * i:2 * (i + 1)])
-        assert out["refused"] == [False, False]
+        assert torch.equal(out["big_ag"], torch.cat([_input(5, j, torch.float32, 301)
+                                                     for j in range(members)]))
+        xs = [_input(6, j, torch.float32, 301 * members)[301 * i:301 * (i + 1)]
+              for j in range(members)]
+        assert _close(out["big_rs"], xs, "sum")
 
 
 def test_in_place_and_started_operations_finish_in_issue_order() -> None:
