@@ -244,7 +244,7 @@ def test_bucket_size_follows_the_cost_model() -> None:
     from meshplan.planner._comm import BUCKET_SIZES, best_bucket_bytes, bucket_time
     from meshplan.planner._mesh import PRESETS, Link
 
-    cpu, h100 = PRESETS["cpu"], PRESETS["h100"]
+    cpu = PRESETS["cpu"]
     assert best_bucket_bytes(14e6, 2, cpu.intra_node, cpu.comm_overlap) == 16 << 20
     assert best_bucket_bytes(100e6, 4, cpu.intra_node, cpu.comm_overlap) == 128 << 20
     link = Link(bandwidth=100e9, latency=10e-6)
