@@ -351,7 +351,21 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 _SHM_MSG = 256                 # the shared-memory setup broadcast: flag, path, NUL, token
-_ALIGN_ELEMS = 64              # slot sizes are multiples of this many bytes
+
+
+def _shm_bytes(text: str | None) -> int:
+    """``MESHPLAN_SHM_BYTES``: the slot size, rounded down to a multiple of 64 bytes."""
+    if text is None:
+        return _shm.DEFAULT_CAPACITY
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 64:
+        raise RuntimeFailure(f"MESHPLAN_SHM_BYTES={text!r}: the shared-memory slot size must be "
+                             "a whole number of bytes, at least 64 (default 4194304); unset it "
+                             "or set MESHPLAN_SHM=0 to use gloo's TCP collectives")
+    return value // 64 * 64
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -401,14 +415,15 @@ class TorchCommunicator(CommBase):
     the current device; ``recv`` allocates there (``self.device``).
 
     Shared memory (``shm``): on gloo, all-reduces (blocking and started), all-gathers and
-    reduce-scatters of a group whose members share this host's ``/dev/shm`` go through a ``_shm.ShmGroup`` instead of TCP on loopback. The group's
-    members set it up at their first such collective on it (a broadcast and an
-    all-reduce over gloo: the first member creates the file, the others map it and prove it
-    with its token; if any member cannot, the group keeps gloo, the same on every member).
-    ``shm=None`` (default) turns it on for gloo on Linux unless ``MESHPLAN_SHM=0``;
-    ``MESHPLAN_SHM_BYTES`` sets the slot size (default 4 MiB; a group's file holds
-    ``2 x members`` slots). Sums then run in a fixed order (each member reduces one segment,
-    own slot first), so every member gets bit-identical results.
+    reduce-scatters of a group whose members share this host's ``/dev/shm`` go through a
+    ``_shm.ShmGroup`` instead of TCP on loopback. The group's members set it up at their first
+    such collective on it (a broadcast and an all-reduce over gloo: the first member creates
+    the file, the others map it and prove it with its token; if any member cannot, the group
+    keeps gloo, the same on every member). ``shm=None`` (default) turns it on for gloo on Linux
+    unless ``MESHPLAN_SHM=0``; ``MESHPLAN_SHM_BYTES`` sets the slot size (default 4 MiB; a
+    group's file holds ``2 x members`` slots). Both must be the same on every rank (the
+    launchers pass one environment to all). Sums then run in a fixed order (each member
+    reduces one segment, own slot first), so every member gets bit-identical results.
     """
 
     def __init__(self, rank: int, world_size: int, groups: Sequence[tuple[int, ...]], *,
@@ -455,7 +470,7 @@ class TorchCommunicator(CommBase):
         if shm is None:
             shm = os.environ.get("MESHPLAN_SHM", "1") != "0"
         self._shm_on = bool(shm) and self.backend == "gloo" and _shm.available()
-        self._shm_capacity = int(os.environ.get("MESHPLAN_SHM_BYTES", _shm.DEFAULT_CAPACITY))
+        self._shm_capacity = _shm_bytes(os.environ.get("MESHPLAN_SHM_BYTES"))
         self._shm: dict[tuple[int, ...], _shm.ShmGroup | None] = {}
         logger.debug("rank %s: %s process group of %s ranks, %s groups", rank, self.backend,
                      world_size, len(declared))
@@ -487,12 +502,13 @@ class TorchCommunicator(CommBase):
         return self._all_reduce_start(t, g, op)()
 
     def _shm_group(self, g: tuple[int, ...]) -> _shm.ShmGroup | None:
-        """``g``'s shared-memory region, set up by its members at their first all-reduce on
-        it; None where a member cannot map it (another host, no room in ``/dev/shm``)."""
+        """``g``'s shared-memory region, set up by its members at their first all-reduce,
+        all-gather or reduce-scatter on it; None where a member cannot map it (another host,
+        no room in ``/dev/shm``)."""
         if g in self._shm:
             return self._shm[g]
         pg, index, n = self._pgs[g], g.index(self.rank), len(g)
-        cap = max(_ALIGN_ELEMS, self._shm_capacity // _ALIGN_ELEMS * _ALIGN_ELEMS)
+        cap = self._shm_capacity
         msg = torch.zeros(_SHM_MSG, dtype=torch.uint8)
         mine: _shm.ShmGroup | None = None
         path = ""

@@ -54,7 +54,7 @@ DEFAULT_CAPACITY = 4 << 20          # bytes per slot (one chunk of one member's 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _SEM_STRIDE = 64                    # >= sizeof(sem_t) (32 on 64-bit Linux), one cache line
-TOKEN_BYTES = 16                         # random bytes at offset 0 that prove a member mapped our file
+TOKEN_BYTES = 16                    # random bytes at offset 0: proof a member mapped our file
 _SLICE_S = 0.2                      # sem_timedwait slices (signals are handled between them)
 
 
@@ -65,7 +65,7 @@ class _Timespec(ctypes.Structure):
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
-    lib = ctypes.CDLL(None, use_errno=True)          # the process's libc (and libpthread)
+    lib = ctypes.CDLL(None, use_errno=True)      # the process's libc (and libpthread)
     for name in ("sem_init", "sem_post", "sem_timedwait", "sem_destroy"):
         if not hasattr(lib, name):
             return None
@@ -294,7 +294,7 @@ class ShmGroup:
                 acc.div_(k)
 
     def close(self) -> None:
-        """Unmap (after finishing an operation in flight, if the peers still can)."""
+        """Unmap; an operation still in flight is dropped (its peers time out)."""
         self._pending = None
         mm, self._mm = self._mm, None
         self._bytes = None

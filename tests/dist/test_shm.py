@@ -203,6 +203,15 @@ def test_a_member_that_never_arrives_raises_within_the_timeout() -> None:
     assert all(0.9 <= w <= 5.0 for w in waited[:2]), waited
 
 
+def test_a_bad_slot_size_is_one_clear_error() -> None:
+    from meshplan.backends._comm import _shm_bytes
+    assert _shm_bytes(None) == _shm.DEFAULT_CAPACITY and _shm_bytes("1000") == 960
+    for bad in ("4MiB", "-1", "10"):
+        with pytest.raises(RuntimeFailure,
+                           match=r"MESHPLAN_SHM_BYTES=.*at least 64.*MESHPLAN_SHM=0"):
+            _shm_bytes(bad)
+
+
 def test_a_full_dev_shm_is_an_error_at_creation_and_leaves_no_file() -> None:
     before = set(os.listdir(_shm.SHM_DIR))
     with pytest.raises(OSError):
