@@ -373,8 +373,13 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
+def _wire_op(op: str, dtype: torch.dtype) -> str:
+    """The reduction on the wire: or on bool is max of 0/1 bytes."""
+    return "max" if dtype == torch.bool else op
+
+
 def _dist_op(op: str, dtype: torch.dtype):
-    if op == "max" or dtype == torch.bool:       # or on bool, as max of 0/1 bytes
+    if _wire_op(op, dtype) == "max":
         return dist.ReduceOp.MAX
     return dist.ReduceOp.SUM                     # avg = sum, then one division by us
 
@@ -552,8 +557,8 @@ class TorchCommunicator(CommBase):
         if shm is not None:
             src = t if t.is_contiguous() else contiguous_copy(t)
             out = src if donate or src is not t else torch.empty_like(src)
-            wire_op = "max" if t.dtype == torch.bool else op
-            finish = shm.all_reduce_start(_wire(src).view(-1), _wire(out).view(-1), wire_op)
+            finish = shm.all_reduce_start(_wire(src).view(-1), _wire(out).view(-1),
+                                          _wire_op(op, t.dtype))
             return lambda: (finish(), out)[1]
         out = t if donate and t.is_contiguous() else contiguous_copy(t)
         work = dist.all_reduce(_wire(out), op=_dist_op(op, t.dtype), group=self._pgs[g],
@@ -580,9 +585,9 @@ class TorchCommunicator(CommBase):
         stacked = split_leading(t, dim, n)
         out = torch.empty(stacked.shape[1:], dtype=t.dtype, device=t.device)
         shm = self._shm_group(g) if self._shm_on else None
-        wire_op = "max" if t.dtype == torch.bool else op
         if shm is not None:
-            shm.reduce_scatter(_wire(stacked).reshape(-1), _wire(out).view(-1), wire_op)
+            shm.reduce_scatter(_wire(stacked).reshape(-1), _wire(out).view(-1),
+                               _wire_op(op, t.dtype))
             return out
         _reduce_scatter_single(_wire(out), _wire(stacked.flatten(0, 1)),
                                op=_dist_op(op, t.dtype), group=self._pgs[g])

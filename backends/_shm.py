@@ -178,7 +178,7 @@ class ShmGroup:
                         "a peer died or issued its collectives in another order")
         self._barriers += 1
 
-    # ---- all-reduce ------------------------------------------------------------------------
+    # ---- operations ------------------------------------------------------------------------
 
     def _slot(self, half: int, member: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         off = self._data + (half * self.members + member) * self.capacity
@@ -194,6 +194,25 @@ class ShmGroup:
             pending, self._pending = self._pending, None
             pending()
 
+    def _publish(self, src: torch.Tensor) -> int:
+        """Begin the next operation: copy ``src`` into this member's slot of the next half
+        (shaped as ``src``) and arrive at the barrier; returns the half."""
+        half = self._ops % 2
+        self._ops += 1
+        self._slot(half, self.index, src.dtype, src.numel()).view(src.shape).copy_(src)
+        self._arrive()
+        return half
+
+    def _combine(self, acc: torch.Tensor, others: list[torch.Tensor], op: str) -> None:
+        """``acc`` (this member's part) reduced with ``others`` in their order, in place."""
+        for other in others:
+            if op == "max":
+                torch.maximum(acc, other, out=acc)
+            else:
+                acc.add_(other)
+        if op == "avg":
+            acc.div_(self.members)
+
     def all_reduce_start(self, flat: torch.Tensor, out: torch.Tensor, op: str
                          ) -> Callable[[], torch.Tensor]:
         """Start reducing the 1-D contiguous ``flat`` across the group into ``out`` (same
@@ -204,6 +223,7 @@ class ShmGroup:
             return lambda: out
         per = max(1, self.capacity // flat.element_size())
         chunks = [(lo, min(lo + per, flat.numel())) for lo in range(0, flat.numel(), per)]
+        first = self._publish(flat[chunks[0][0]:chunks[0][1]])
         done = [False]
 
         def finish() -> torch.Tensor:
@@ -212,35 +232,23 @@ class ShmGroup:
                 if self._pending is finish:
                     self._pending = None
                 for i, (lo, hi) in enumerate(chunks):
-                    if i:
-                        self._copy_in(flat[lo:hi])
-                    self._reduce_out(out[lo:hi], op)
+                    half = self._publish(flat[lo:hi]) if i else first
+                    self._reduce_out(half, out[lo:hi], op)
             return out
 
-        self._copy_in(flat[chunks[0][0]:chunks[0][1]])
         self._pending = finish
         return finish
 
-    def _copy_in(self, chunk: torch.Tensor) -> None:
-        self._slot(self._ops % 2, self.index, chunk.dtype, chunk.numel()).copy_(chunk)
-        self._arrive()
-
-    def _reduce_out(self, out: torch.Tensor, op: str) -> None:
-        half, n, dtype = self._ops % 2, out.numel(), out.dtype
-        self._ops += 1
+    def _reduce_out(self, half: int, out: torch.Tensor, op: str) -> None:
+        """The rest of an all-reduce whose input is in ``half``: wait, reduce this member's
+        segment, wait, copy every segment out."""
+        n, dtype = out.numel(), out.dtype
         self._depart("all_reduce")
         lo, hi = self._segment(n, self.index)
         if hi > lo:
-            acc = self._slot(half, self.index, dtype, n)[lo:hi]
-            for j in range(self.members):
-                if j != self.index:
-                    other = self._slot(half, j, dtype, n)[lo:hi]
-                    if op == "max":
-                        torch.maximum(acc, other, out=acc)
-                    else:
-                        acc.add_(other)
-            if op == "avg":
-                acc.div_(self.members)
+            self._combine(self._slot(half, self.index, dtype, n)[lo:hi],
+                          [self._slot(half, j, dtype, n)[lo:hi]
+                           for j in range(self.members) if j != self.index], op)
         self._arrive()
         self._depart("all_reduce")
         for j in range(self.members):
@@ -248,7 +256,7 @@ class ShmGroup:
             if b > a:
                 out[a:b].copy_(self._slot(half, j, dtype, n)[a:b])
 
-    # ---- all-gather and reduce-scatter (inputs that fit one slot) ----------------------------
+    # ---- all-gather and reduce-scatter -----------------------------------------------------
 
     def all_gather(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Gather every member's 1-D contiguous ``flat`` into ``out`` (``members x`` its
@@ -257,10 +265,7 @@ class ShmGroup:
         n, per = flat.numel(), max(1, self.capacity // flat.element_size())
         for lo in range(0, n, per):
             hi = min(lo + per, n)
-            half = self._ops % 2
-            self._ops += 1
-            self._slot(half, self.index, flat.dtype, hi - lo).copy_(flat[lo:hi])
-            self._arrive()
+            half = self._publish(flat[lo:hi])
             self._depart("all_gather")
             for j in range(self.members):
                 out[j * n + lo:j * n + hi].copy_(self._slot(half, j, flat.dtype, hi - lo))
@@ -275,23 +280,13 @@ class ShmGroup:
         per = max(1, self.capacity // (flat.element_size() * k))
         for lo in range(0, m, per):
             hi = min(lo + per, m)
-            half = self._ops % 2
-            self._ops += 1
-            self._slot(half, self.index, flat.dtype, k * (hi - lo)).view(k, hi - lo).copy_(
-                pieces[:, lo:hi])
-            self._arrive()
+            half = self._publish(pieces[:, lo:hi])
             self._depart("reduce_scatter")
+            mine = [self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[self.index]
+                    for j in range(k)]
             acc = out[lo:hi]
-            for j in (self.index, *(j for j in range(k) if j != self.index)):
-                mine = self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[self.index]
-                if j == self.index:
-                    acc.copy_(mine)
-                elif op == "max":
-                    torch.maximum(acc, mine, out=acc)
-                else:
-                    acc.add_(mine)
-            if op == "avg":
-                acc.div_(k)
+            acc.copy_(mine[self.index])
+            self._combine(acc, [x for j, x in enumerate(mine) if j != self.index], op)
 
     def close(self) -> None:
         """Unmap; an operation still in flight is dropped (its peers time out)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -25,15 +24,11 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rma import _free_port, _size, _sizes  # noqa: E402  (the rma benchmark's size helpers)
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def _sizes(limit: int) -> list[int]:
-    out, s = [], 4 << 10
-    while s <= limit:
-        out.append(s)
-        s *= 4
-    return out
+MIN_SIZE = 4 << 10
 
 
 def _call(comm, kind: str, x: torch.Tensor, g: tuple[int, ...]) -> None:
@@ -69,20 +64,6 @@ def _rank(rank: int, n: int, port: int, sizes: list[int], repeats: int, q) -> No
     comm.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bytes(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for u, m in units.items():
-        if text.endswith(u):
-            return int(float(text[: -len(u)]) * m)
-    return int(text)
-
-
 def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
@@ -93,7 +74,7 @@ def main() -> None:
     ap.add_argument("--max", default="64MiB")
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
-    sizes = _sizes(_bytes(args.max))
+    sizes = [s for s in _sizes(_size(args.max)) if s >= MIN_SIZE]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"{os.cpu_count()} cores; torch {torch.__version__}; median of {args.repeats} calls, "
           "slowest rank", file=sys.stderr)

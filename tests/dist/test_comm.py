@@ -6,8 +6,8 @@ and the world group; six dtypes, dims 0..2, sum / avg / max, (non-)contiguous in
 differ on every rank, send / recv on a ring, a barrier, one-member groups. It runs on a
 ``ThreadMesh`` (threads) and on ``TorchCommunicator`` over gloo (real processes on loopback, one
 job per world size, batching every check; world 2 once more with ``MESHPLAN_SHM=0``, so that
-all-reduces take gloo's own TCP path instead of shared memory), and the results are compared
-with the reference:
+all-reduces, all-gathers and reduce-scatters take gloo's own TCP path instead of shared
+memory), and the results are compared with the reference:
 
 - ThreadMesh: bit-equal everywhere (its sums run in group order, as the reference's do).
 - gloo: bit-equal for all_gather, all_to_all, broadcast, send / recv, max, int64 and bool, and for
@@ -507,8 +507,9 @@ def test_torch_communicator_of_one_rank_and_a_second_init() -> None:
 @pytest.fixture(scope="module", params=[(2, True), (4, True), (2, False)],
                 ids=["world2", "world4", "world2-no-shm"])
 def gloo_run(request, tmp_path_factory) -> tuple[int, list[dict]]:
-    """``shm``: all-reduces through shared memory (the default between ranks of one host,
-    ``backends/_shm.py``) or through gloo's own TCP all-reduce (``MESHPLAN_SHM=0``)."""
+    """``shm``: all-reduces, all-gathers and reduce-scatters through shared memory (the default
+    between ranks of one host, ``backends/_shm.py``) or through gloo's own TCP collectives
+    (``MESHPLAN_SHM=0``)."""
     world, shm = request.param
     outs = _run_gloo(world, tmp_path_factory.mktemp(f"gloo{world}"), shm=shm)
     for out in outs:
