@@ -1,6 +1,7 @@
 """``meshplan files push``: ship a file tree (plans, code, checkpoints) to every rank.
 
-    meshplan files push SRC --dest PATH_TEMPLATE --ranks N [--launcher local|mpi] [--json]
+    meshplan files push SRC --dest PATH_TEMPLATE --ranks N [--launcher local|mpi]
+                        [--bwlimit RATE] [--json]
 
 ``PATH_TEMPLATE`` may use ``{rank}`` and ``{host}``. The design (pipelined chain broadcast,
 checksums, resume) is in ``meshplan/runtime/_files.py``. Every failure is one line on stderr and
@@ -30,6 +31,8 @@ def add_files_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=int, required=True, help="how many ranks to push to")
     p.add_argument("--launcher", default="local", help="local (default) or mpi (mpiexec)")
     p.add_argument("--chunk-size", default="4MiB", help="transfer chunk, e.g. 4MiB (default)")
+    p.add_argument("--bwlimit", default=None, metavar="RATE",
+                   help="bytes per second each sender may use, e.g. 100MB (default: no limit)")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--debug", action="store_true", help="show the traceback of a failure")
@@ -49,11 +52,21 @@ def cmd_files_push(args: argparse.Namespace) -> int:
     except MeshplanError:
         raise RuntimeFailure(f"--chunk-size {args.chunk_size!r}: expected a size such as "
                              "4MiB") from None
+    rate = None
+    if args.bwlimit is not None:
+        try:
+            rate = parse_size(args.bwlimit)
+        except MeshplanError:
+            rate = 0
+        if rate <= 0:
+            raise RuntimeFailure(f"--bwlimit {args.bwlimit!r}: expected bytes per second "
+                                 "such as 100MB or 1GiB")
+    opts = dict(ranks=args.ranks, chunk_bytes=chunk, timeout_s=args.timeout,
+                launcher=args.launcher, bwlimit=rate)
     if args.json or not sys.stderr.isatty():
-        result = push_files(args.src, args.dest, ranks=args.ranks, chunk_bytes=chunk,
-                            timeout_s=args.timeout, launcher=args.launcher)
+        result = push_files(args.src, args.dest, **opts)
     else:
-        result = _with_progress(args, chunk)
+        result = _with_progress(args, opts)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0
@@ -68,7 +81,7 @@ def cmd_files_push(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_progress(args: argparse.Namespace, chunk: int) -> Any:
+def _with_progress(args: argparse.Namespace, opts: dict[str, Any]) -> Any:
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     from .runtime._files import push_files
@@ -80,5 +93,4 @@ def _with_progress(args: argparse.Namespace, chunk: int) -> Any:
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        return push_files(args.src, args.dest, ranks=args.ranks, chunk_bytes=chunk,
-                          timeout_s=args.timeout, progress=progress, launcher=args.launcher)
+        return push_files(args.src, args.dest, progress=progress, **opts)

@@ -58,6 +58,12 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
                    ".meshplan/telemetry.duckdb)")
     r.add_argument("--telemetry", metavar="LEVEL",
                    help="off, steps, collectives (default) or ops")
+    r.add_argument("--checkpoint", metavar="FILE",
+                   help="start from this checkpoint (written by --save-checkpoint or "
+                   "save_checkpoint; any mesh); under mpi it is pushed to every host first")
+    r.add_argument("--save-checkpoint", metavar="FILE",
+                   help="after the last step, write the whole state here (safetensors, "
+                   "atomically)")
     r.add_argument("--json", action="store_true", help="print one JSON line per step")
     r.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     r.set_defaults(func=_guarded(cmd_run))
@@ -158,7 +164,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
                                launcher=args.launcher,
                                timeout_s=_decorator_options(fn)["timeout_s"],
-                               telemetry=_telemetry(args))
+                               telemetry=_telemetry(args), checkpoint=args.checkpoint)
     table = None if args.json else _LossTable(name, plan)
     done = 0
     with step:
@@ -172,8 +178,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 table.add(i, value)
             done = i + 1
         run_id = step.run_id
+        saved = step.save_checkpoint(args.save_checkpoint) if args.save_checkpoint else None
+    if saved is not None and args.json:
+        print(json.dumps({"checkpoint": saved}), flush=True)
     if table is not None:
         table.show()
+        if saved is not None:
+            _console().print(f"checkpoint: {saved}")
         if step.telemetry is not None and run_id is not None:
             db = step.telemetry.db
             _console().print(f"telemetry: run {run_id} in {db} (meshplan telemetry summary "

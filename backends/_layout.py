@@ -9,6 +9,7 @@ convention, and the lowering keeps every redistribution consistent with it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -60,22 +61,36 @@ def piece(layout: Layout, sizes: tuple[int, ...], coords: tuple[int, ...],
     return index, count
 
 
+def local_slices(shape: Sequence[int], layout: Layout, sizes: tuple[int, ...],
+                 coords: tuple[int, ...]) -> tuple[slice, ...]:
+    """Where the piece of a whole tensor of ``shape`` that the rank at ``coords`` holds under
+    ``layout`` lies in it: one slice per dim (Partial axes aside, see ``local_part``)."""
+    out = []
+    for dim, n in enumerate(shape):
+        index, count = piece(layout, sizes, coords, dim)
+        if n % count:
+            raise LoweringError(f"dim {dim} of shape {list(shape)} does not split into "
+                                f"{count} pieces; use a size the mesh divides")
+        step = n // count
+        out.append(slice(index * step, (index + 1) * step))
+    return tuple(out)
+
+
 def local_part(full: Tensor, layout: Layout, sizes: tuple[int, ...],
                coords: tuple[int, ...]) -> Tensor:
     """The piece of a whole tensor that the rank at ``coords`` holds under ``layout``
     (a Partial(sum) axis: coordinate 0 holds the value, the others zeros)."""
-    out = full
-    for dim in range(full.dim()):
-        index, count = piece(layout, sizes, coords, dim)
-        if count > 1:
-            if out.shape[dim] % count:
-                raise LoweringError(f"dim {dim} of shape {list(full.shape)} does not split into "
-                                    f"{count} pieces; use a size the mesh divides")
-            out = out.chunk(count, dim)[index]
-    for p, c in zip(layout, coords):
-        if isinstance(p, Partial) and p.op is ReduceOp.SUM and c != 0:
-            out = torch.zeros_like(out)
+    out = full[local_slices(full.shape, layout, sizes, coords)]
+    if holds_zeros(layout, coords):
+        out = torch.zeros_like(out)
     return out.contiguous()
+
+
+def holds_zeros(layout: Layout, coords: tuple[int, ...]) -> bool:
+    """Whether the rank at ``coords`` holds zeros of a whole value under ``layout`` (it is not
+    coordinate 0 of a Partial(sum) axis)."""
+    return any(isinstance(p, Partial) and p.op is ReduceOp.SUM and c != 0
+               for p, c in zip(layout, coords))
 
 
 def assemble(parts: dict[tuple[int, ...], Tensor], layout: Layout,

@@ -2,6 +2,7 @@
 a naive star and one local ``cp``, all in one invocation.
 
     python benchmarks/files.py [--size 1GiB] [--ranks 2 4 8] [--dir /tmp] [--chunk 4MiB]
+                               [--link-rate RATE] [--only chain,star-seq,star-pull,cp]
 
 One file of ``--size`` random bytes goes to N ranks, each into its own folder (all on this
 machine's one disk). Every variant ends with the data fsynced, as ``push_files`` does:
@@ -19,6 +20,14 @@ SRC is fsynced after it is written and one untimed 1-rank push warms caches and 
 Ratios are time to N ranks / time to 1 rank of the same variant. The goal for ``chain`` is
 <= 1.15 for every N; on one machine every rank's copy lands on the same disk and CPUs, so the
 bound here is N copies' worth of disk writes, not one (see the README's section).
+
+``--link-rate RATE`` (e.g. ``50MB``) emulates a cluster's hosts on this one machine: every
+sender's link is held to RATE bytes/s (``push_files(bwlimit=)``: the controller's and each
+forwarding rank's), as each host's NIC would hold it, and RATE is chosen low enough that the
+shared CPUs and disk are not the bound. The chain then shows what it does across hosts: every
+link carries the data once, so time to N stays near time to 1. ``star-seq`` is paced the same
+(the controller's one link carries N copies); ``star-pull`` is left out (it models a shared
+filesystem, not links).
 """
 
 from __future__ import annotations
@@ -72,10 +81,12 @@ def _launch(n: int) -> Any:
     return LocalLauncher().launch(n, env={"MESHPLAN_WORKER_PLUGINS": f"{FILES_PLUGIN},{_PLUGIN}"})
 
 
-def _chain(workers: Any, src: str, out: str, chunk: int) -> tuple[float, float]:
+def _chain(workers: Any, src: str, out: str, chunk: int,
+           rate: float | None) -> tuple[float, float]:
     from meshplan.runtime import push_files
 
-    result = push_files(src, os.path.join(out, "r{rank}"), workers=workers, chunk_bytes=chunk)
+    result = push_files(src, os.path.join(out, "r{rank}"), workers=workers, chunk_bytes=chunk,
+                        bwlimit=rate)
     assert result.bytes_sent == os.path.getsize(src)
     return result.seconds, result.transfer_seconds
 
@@ -87,10 +98,10 @@ def _star_pull(workers: Any, src: str, out: str) -> float:
     return time.perf_counter() - t
 
 
-def _star_seq(one: Any, n: int, src: str, out: str, chunk: int) -> float:
+def _star_seq(one: Any, n: int, src: str, out: str, chunk: int, rate: float | None) -> float:
     t = time.perf_counter()
     for r in range(n):
-        _chain(one, src, os.path.join(out, f"seq{r}"), chunk)
+        _chain(one, src, os.path.join(out, f"seq{r}"), chunk, rate)
     return time.perf_counter() - t
 
 
@@ -102,7 +113,11 @@ def _cp(src: str, out: str) -> float:
     return time.perf_counter() - t
 
 
-def run(size: int, ranks: list[int], base: str, chunk: int) -> list[dict[str, Any]]:
+VARIANTS = ("chain", "star-pull", "star-seq", "cp")
+
+
+def run(size: int, ranks: list[int], base: str, chunk: int, rate: float | None = None,
+        only: tuple[str, ...] = VARIANTS) -> list[dict[str, Any]]:
     work = tempfile.mkdtemp(prefix="meshplan-files-bench-", dir=base)
     src = os.path.join(work, "src", "data")
     os.makedirs(os.path.dirname(src))
@@ -111,16 +126,17 @@ def run(size: int, ranks: list[int], base: str, chunk: int) -> list[dict[str, An
         _make_source(src, size)
         with _launch(1) as one:
             out = os.path.join(work, "out")
-            _chain(one, src, os.path.join(work, "warmup"), chunk)      # untimed: caches, imports
+            _chain(one, src, os.path.join(work, "warmup"), chunk, None)   # untimed: caches, imports
             shutil.rmtree(os.path.join(work, "warmup"))
             for n in [1, *ranks]:
                 workers = one if n == 1 else _launch(n)
                 row: dict[str, Any] = {"n": n}
-                for name, fn in [("chain", lambda: _chain(workers, src, out, chunk)),
+                for name, fn in [("chain", lambda: _chain(workers, src, out, chunk, rate)),
                                  ("star-pull", lambda: _star_pull(workers, src, out)),
-                                 ("star-seq", lambda: _star_seq(one, n, src, out, chunk)),
+                                 ("star-seq", lambda: _star_seq(one, n, src, out, chunk, rate)),
                                  ("cp", lambda: _cp(src, out))]:
-                    if name == "cp" and n != 1:
+                    if (name not in only or (name == "cp" and n != 1)
+                            or (name == "star-pull" and rate)):
                         continue
                     shutil.rmtree(out, ignore_errors=True)
                     os.makedirs(out)
@@ -139,21 +155,25 @@ def run(size: int, ranks: list[int], base: str, chunk: int) -> list[dict[str, An
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], size: int) -> str:
+def markdown(rows: list[dict[str, Any]], size: int, rate: float | None = None) -> str:
     one = rows[0]
-    lines = ["| ranks | chain push s | chain xfer s | chain ratio | star-seq s | star-seq ratio "
-             "| star-pull s | star-pull ratio | cp + sync s (1 copy) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['n']} | {r['chain']:.2f} | {r['chain-xfer']:.2f} | {r['chain'] / one['chain']:.2f} "
-            f"| {r['star-seq']:.2f} | {r['star-seq'] / one['star-seq']:.2f} "
-            f"| {r['star-pull']:.2f} | {r['star-pull'] / one['star-pull']:.2f} "
-            f"| {one['cp']:.2f} |")
+    cols = [("chain push s", lambda r: f"{r['chain']:.2f}"),
+            ("chain xfer s", lambda r: f"{r['chain-xfer']:.2f}"),
+            ("chain ratio", lambda r: f"{r['chain'] / one['chain']:.2f}")]
+    for name in ("star-seq", "star-pull"):
+        if name in one:
+            cols += [(f"{name} s", lambda r, k=name: f"{r[k]:.2f}"),
+                     (f"{name} ratio", lambda r, k=name: f"{r[k] / one[k]:.2f}")]
+    if "cp" in one:
+        cols.append(("cp + sync s (1 copy)", lambda r: f"{one['cp']:.2f}"))
+    lines = ["| ranks | " + " | ".join(c for c, _ in cols) + " |",
+             "|---:|" + "---:|" * len(cols)]
+    lines += ["| " + " | ".join([str(r["n"])] + [f(r) for _, f in cols]) + " |" for r in rows]
     goal = all(r["chain"] / one["chain"] <= 1.15 for r in rows)
     lines.append("")
-    lines.append(f"{size / 2**30:.2f} GiB; chain goal (<= 1.15 x the 1-rank time for every N): "
-                 f"{'met' if goal else 'not met'}")
+    links = f"; every link held to {rate / 1e6:.0f} MB/s" if rate else ""
+    lines.append(f"{size / 2**30:.2f} GiB{links}; chain goal (<= 1.15 x the 1-rank time for "
+                 f"every N): {'met' if goal else 'not met'}")
     return "\n".join(lines)
 
 
@@ -166,15 +186,26 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (needs "
                    "(max ranks + 2) x size free)")
     p.add_argument("--chunk", default="4MiB", help="chain chunk size")
+    p.add_argument("--link-rate", default=None, help="emulate one link per host: hold every "
+                   "sender to this many bytes/s, e.g. 50MB (default: no limit)")
+    p.add_argument("--only", default=",".join(VARIANTS),
+                   help=f"comma-separated variants to run (default: all of {','.join(VARIANTS)}; "
+                   "chain always runs)")
     args = p.parse_args()
+    only = tuple({"chain", *args.only.split(",")})
+    if set(only) - set(VARIANTS):
+        sys.exit(f"--only: unknown variant(s) {sorted(set(only) - set(VARIANTS))}; "
+                 f"choose from {', '.join(VARIANTS)}")
     size, chunk = parse_size(args.size), parse_size(args.chunk)
+    rate = parse_size(args.link_rate) if args.link_rate else None
     need = (max(args.ranks) + 2) * size
     free = shutil.disk_usage(args.dir).free
     if free < need:
         sys.exit(f"{args.dir} has {free / 2**30:.1f} GiB free; this run needs {need / 2**30:.1f}")
     print(f"{len(os.sched_getaffinity(0))} cores; {args.size} to {args.ranks} ranks in "
-          f"{args.dir}", file=sys.stderr)
-    print(markdown(run(size, sorted(args.ranks), args.dir, chunk), size))
+          f"{args.dir}" + (f"; links held to {args.link_rate}/s" if rate else ""),
+          file=sys.stderr)
+    print(markdown(run(size, sorted(args.ranks), args.dir, chunk, rate, only), size, rate))
 
 
 if __name__ == "__main__":

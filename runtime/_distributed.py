@@ -17,6 +17,8 @@ import contextlib
 import functools
 import logging
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +32,8 @@ from ..frontend import trace
 from ..ir import Role
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig
-from ._launch import LocalLauncher, Workers, WorkerFailure
+from ._files import FILES_PLUGIN
+from ._launch import LocalLauncher, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
 from ._telemetry import ControllerTelemetry, steps_timer
 
@@ -61,7 +64,8 @@ class DistributedStep:
     def __init__(self, fn: Callable[..., Any], *, mesh: Mapping[str, int], launcher: str,
                  topology: Any, strategy: str, plan: str | Plan | None,
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
-                 telemetry: Any = None, kernels: bool | None = None) -> None:
+                 telemetry: Any = None, kernels: bool | None = None,
+                 checkpoint: str | os.PathLike | None = None) -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
@@ -85,6 +89,12 @@ class DistributedStep:
         self.telemetry: TelemetryConfig | None = TelemetryConfig.resolve(telemetry)
         self._tel: ControllerTelemetry | None = None
         self._step_no = 0
+        # a checkpoint to apply once the step is traced: (path, push)
+        self._pending_checkpoint: tuple[str, bool | None] | None = None
+        # the checkpoint the live state came from, for the launch: (path, names, push, stamp)
+        self._launch_from: tuple[str, list[str], bool | None, tuple] | None = None
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
 
     # ---- the public surface --------------------------------------------------------------------
 
@@ -102,9 +112,14 @@ class DistributedStep:
     def __call__(self, *args: Any) -> Any:
         if self._traced is None:
             self._prepare(args)
+        if self._pending_checkpoint is not None:
+            path, push = self._pending_checkpoint
+            self._pending_checkpoint = None
+            self._apply_checkpoint(path, push)
         traced = self._traced
         if not self._has_opt_state() and not self._zero_state():
             logger.info("meshplan: first step (creates optimizer state) runs on the controller")
+            self._launch_from = None          # the mesh starts from the state this step makes
             return traced(*args)
         if self._workers is None:
             self._launch()
@@ -113,8 +128,9 @@ class DistributedStep:
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The whole model and optimizer state, gathered from every rank:
         ``{"model": {name: tensor}, "optim": {name: tensor}}`` (names as the plan's inputs)."""
+        plan = self.plan                  # traces first if only example_inputs were given
         values = self._gather_state() if self._workers is not None else self._local_state()
-        roles = {n.target: n.meta.role for n in self.plan.graph.inputs}
+        roles = {n.target: n.meta.role for n in plan.graph.inputs}
         out: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
         for name, t in values.items():
             out["optim" if roles.get(name) is Role.OPT_STATE else "model"][name] = t
@@ -125,6 +141,7 @@ class DistributedStep:
         values = {**sd.get("model", {}), **sd.get("optim", {})}
         if self._workers is None:
             self._write_local(values)
+            self._launch_from = None
             return
         plan = self.plan
         for rank in range(self._workers.n):
@@ -132,6 +149,41 @@ class DistributedStep:
             names = sorted(pieces)
             self._workers.send(rank, "set_state", {"names": names}, [pieces[n] for n in names])
         self._workers.gather("set_state", self.timeout_s)
+
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
+        """Write the whole model and optimizer state (``state_dict()``: gathered from every
+        rank while the mesh runs) to one safetensors file at ``path``, atomically; returns its
+        absolute path. The file does not depend on the mesh: any mesh and plan of the same
+        step loads it. Format: ``meshplan/runtime/_checkpoint.py``."""
+        from ._checkpoint import save_checkpoint
+
+        sd = self.state_dict()
+        values = {**sd["model"], **sd["optim"]}
+        plan = self.plan
+        roles = {n.target: n.meta.role.value for n in plan.graph.inputs if n.target in values}
+        return save_checkpoint(path, values, roles,
+                               {"mesh": dict(plan.mesh.axes), "strategy": plan.strategy})
+
+    def load_checkpoint(self, path: str | os.PathLike, *, push: bool | None = None) -> None:
+        """Continue from a file written by ``save_checkpoint`` (on any mesh).
+
+        Every rank reads only its own pieces of the file. Under the local launcher they read
+        it in place (one machine); under ``mpi``, or with ``push=True``, the controller first
+        ships it to every host through the chain of ``meshplan files push`` into
+        ``$MESHPLAN_CACHE/<host>/checkpoints`` (default ``<tmp>/meshplan-cache-<uid>``), where
+        an unchanged copy from an earlier run is not sent again. Before the mesh runs, the
+        state is also written into the live model and optimizer (the controller's copy), and
+        the launch starts every rank from the file. Called before the step is first traced
+        (and without ``example_inputs``), it checks the file now and applies it at the first
+        call. A foreign, corrupt or mismatched file is one RuntimeFailure; nothing is changed.
+        """
+        from ._checkpoint import read_info
+
+        info = read_info(path)
+        if self._traced is None and self.example_inputs is None:
+            self._pending_checkpoint = (info.path, push)
+            return
+        self._apply_checkpoint(info.path, push)
 
     def sync(self) -> None:
         """Write the mesh's state back into the live model and optimizer on the controller."""
@@ -218,6 +270,41 @@ class DistributedStep:
                                     strategy=self.strategy,
                                     memory_limit_bytes=self.memory_limit_bytes)
 
+    def _apply_checkpoint(self, path: str, push: bool | None) -> None:
+        from ._checkpoint import check_matches, read_info, read_whole
+
+        plan = self.plan
+        expected = {n.target: (n.meta.shape, n.meta.dtype) for n in plan.graph.inputs
+                    if n.meta.role in _STATE_ROLES}
+        names = check_matches(read_info(path), expected, self.__name__)
+        if self._workers is None:
+            self._write_local(read_whole(path))
+            self._launch_from = (path, names, push, _stamp(path))
+            return
+        paths = self._checkpoint_on_ranks(path, push)
+        with self._recording_failures():
+            for rank in range(self._workers.n):
+                self._workers.send(rank, "load_checkpoint", {"path": paths[rank],
+                                                             "names": names})
+            self._workers.gather("load_checkpoint", self.timeout_s)
+
+    def _checkpoint_on_ranks(self, path: str, push: bool | None) -> list[str]:
+        """Where each rank reads the checkpoint ``path``: in place under the local launcher,
+        else (or with ``push=True``) its host's copy, pushed through the chain first."""
+        workers = self._workers
+        assert workers is not None
+        if not (self.launcher != "local" if push is None else push):
+            return [path] * workers.n
+        from ._files import push_files
+
+        cache = os.environ.get("MESHPLAN_CACHE") or os.path.join(
+            tempfile.gettempdir(), f"meshplan-cache-{os.getuid()}")
+        result = push_files(path, os.path.join(cache, "{host}", "checkpoints"), workers=workers,
+                            timeout_s=self.timeout_s)
+        logger.info("meshplan: checkpoint %s on every host (%d of %d bytes sent)", path,
+                    result.bytes_sent, result.bytes)
+        return [os.path.join(r.dest, os.path.basename(path)) for r in result.ranks]
+
     def _has_opt_state(self) -> bool:
         graph = self.plan.graph
         return (not graph.inputs_with_role(Role.OPT_STATE)
@@ -261,7 +348,18 @@ class DistributedStep:
         data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
         launcher = MPILauncher() if self.launcher == "mpi" else LocalLauncher()
         self._workers = workers = launcher.launch(
-            world, env={"MESHPLAN_WORKER_PLUGINS": _HANDLERS})
+            world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
+        ckpt: list[dict[str, Any]] = [{}] * world
+        path, in_file, push, stamp = self._launch_from or (None, [], None, None)
+        self._launch_from = None
+        if path is not None and _stamp(path) != stamp:
+            logger.warning("meshplan: %s changed since it was loaded; the ranks get the state "
+                           "it held from the controller instead", path)
+        elif path is not None:                # the ranks read the state it holds themselves
+            with self._recording_failures():
+                ckpt = [{"path": p, "names": in_file}
+                        for p in self._checkpoint_on_ranks(path, push)]
+            state = {k: v for k, v in state.items() if k not in in_file}
         header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s,
                                   "kernels": self.kernels}
         if self.telemetry is not None:
@@ -274,7 +372,8 @@ class DistributedStep:
             for rank in range(world):
                 pieces = split_inputs(plan, rank, state)
                 names = sorted(pieces)
-                workers.send(rank, "setup", {**header, "plan": text, "state": names},
+                workers.send(rank, "setup", {**header, "plan": text, "state": names,
+                                             "checkpoint": ckpt[rank]},
                              [pieces[n] for n in names])
             workers.gather("setup", self.timeout_s)
 
@@ -337,7 +436,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                launcher: str = "local", topology: Any = None, strategy: str = "auto",
                plan: str | Plan | None = None, example_inputs: Any = None,
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
-               telemetry: Any = None, kernels: bool | None = None) -> Any:
+               telemetry: Any = None, kernels: bool | None = None,
+               checkpoint: str | os.PathLike | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -350,15 +450,25 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``$MESHPLAN_TELEMETRY`` says; ``off`` there turns it off), False, a database path, or a
     ``meshplan.telemetry.TelemetryConfig``; ``kernels``: let the lowering substitute the
     registry's kernels for matching op chains (``meshplan.kernels``; the default follows
-    ``MESHPLAN_KERNELS``, on unless it says ``off``), False for the plan's ops only.
+    ``MESHPLAN_KERNELS``, on unless it says ``off``), False for the plan's ops only;
+    ``checkpoint``: a file from ``save_checkpoint`` to start from (see ``load_checkpoint``).
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
-                               telemetry=telemetry, kernels=kernels)
+                               telemetry=telemetry, kernels=kernels, checkpoint=checkpoint)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """Identity and version of a file (inode, size, mtime), None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _ingest(config: TelemetryConfig | None) -> None:

@@ -41,6 +41,8 @@ Design (the controller side lives here, the worker side in ``_files_worker``):
   are not in SRC are left alone: this is a push, not a mirror.
 
 Every data link has a socket timeout (``io_timeout_s``), so a stuck peer ends as an error.
+``bwlimit`` holds every sender (the controller and each forwarding writer) to that many bytes/s
+(``Pacer``, a token bucket); each link carries the data once, so it is also each host's share.
 """
 
 from __future__ import annotations
@@ -218,14 +220,50 @@ class LinkError(RuntimeFailure):
     """A data link broke, timed out or received a frame that failed its checks."""
 
 
+class Pacer:
+    """Holds one sender's payload bytes to ``rate`` bytes/s, like rsync's ``--bwlimit``.
+
+    A token bucket, as a NIC draining its send queue is: bytes go out in slices of ``SLICE``,
+    each once the previous ones' share of time has passed; a sender that comes back late
+    (descheduled, busy hashing) may catch up by at most ``BURST`` bytes, so a moment's delay
+    does not lose the link's time for good, and no stretch ever exceeds the rate by more than
+    ``BURST`` + ``SLICE`` bytes. A push keeps the links it uses from starving a running job's
+    traffic this way; the benchmark gives each rank a link of its own speed with it
+    (``benchmarks/files.py --link-rate``).
+    """
+
+    SLICE = 256 << 10
+    BURST = 1 << 20
+
+    def __init__(self, rate: float) -> None:
+        if not rate > 0:
+            raise RuntimeFailure(f"files push: bwlimit={rate!r}: expected bytes per second > 0")
+        self.rate = float(rate)
+        self._next = time.monotonic()      # when the bytes sent so far have had their time
+
+    def send(self, sock: socket.socket, payload: Any) -> None:
+        view = memoryview(payload).cast("B")
+        for start in range(0, len(view), self.SLICE):
+            piece = view[start:start + self.SLICE]
+            now = time.monotonic()
+            if self._next > now:
+                time.sleep(self._next - now)
+                now = time.monotonic()
+            self._next = max(self._next, now - self.BURST / self.rate) + len(piece) / self.rate
+            sock.sendall(piece)
+
+
 class Link:
-    """One direction-agnostic TCP connection between two chain positions of one push."""
+    """One direction-agnostic TCP connection between two chain positions of one push.
+    ``rate``: bytes/s this end may send payload at (None: as fast as the socket takes it)."""
 
     def __init__(self, sock: socket.socket, key: bytes, push: str, me: int, peer: int,
-                 max_payload: int, peer_name: str | None = None) -> None:
+                 max_payload: int, peer_name: str | None = None,
+                 rate: float | None = None) -> None:
         self.sock, self.key, self.push, self.me, self.peer = sock, key, push, me, peer
         self.name = peer_name or _who(peer)
         self.max_payload = max_payload
+        self._pacer = Pacer(rate) if rate is not None else None
         self._send_lock = threading.Lock()
         self._seq = 0
         self._last_seq = 0
@@ -239,7 +277,9 @@ class Link:
             mac = hmac.digest(self.key, prefix + head, "sha256")
             try:
                 self.sock.sendall(prefix + head + mac)
-                if payload:
+                if payload and self._pacer is not None:
+                    self._pacer.send(self.sock, payload)
+                elif payload:
                     self.sock.sendall(payload)
             except OSError as exc:
                 raise LinkError(f"sending to {self.name} failed: {exc}") from exc
@@ -292,10 +332,11 @@ def _who(pos: int) -> str:
 
 
 def connect(address: Sequence[Any], key: bytes, push: str, me: int, peer: int,
-            timeout_s: float, max_payload: int, peer_name: str | None = None) -> Link:
+            timeout_s: float, max_payload: int, peer_name: str | None = None,
+            rate: float | None = None) -> Link:
     sock = socket.create_connection((address[0], int(address[1])), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    link = Link(sock, key, push, me, peer, max_payload, peer_name)
+    link = Link(sock, key, push, me, peer, max_payload, peer_name, rate)
     link.send({"k": "hello"})
     return link
 
@@ -446,7 +487,7 @@ class PushResult:
 def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = None,
                ranks: int | None = None, chunk_bytes: int = DEFAULT_CHUNK, window: int = 8,
                timeout_s: float | None = None, io_timeout_s: float = 60.0,
-               bind_host: str | None = None,
+               bind_host: str | None = None, bwlimit: float | None = None,
                progress: Callable[[int, int], None] | None = None, launcher: str = "local",
                _faults: dict[str, Any] | None = None) -> PushResult:
     """Copy the tree ``src`` to ``dest_template`` (may use ``{rank}``, ``{host}``) on every rank.
@@ -456,6 +497,9 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
     or ``"mpi"``, started by ``mpiexec``). Raises RuntimeFailure on bad input
     or a failed rank (after which, per the launcher's contract, all workers are stopped).
     ``progress(done, total)`` gets the bytes rank 0 has verified, from a background thread.
+    ``bwlimit``: bytes/s each sender (the controller and every forwarding rank) may put on its
+    link, like rsync's ``--bwlimit``; in a chain every link carries the data once, so this is
+    also each host's share of its network. None: no limit.
     ``_faults`` (tests): ``{"corrupt": [[sender_rank or -1, frame]], "delay": [rank, s]}``.
     """
     if (workers is None) == (ranks is None):
@@ -466,11 +510,13 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
         raise RuntimeFailure(f"files push: chunk_bytes={chunk_bytes!r} (at least 4096) and "
                              f"window={window!r} (at least 1) are out of range")
     check_template(dest_template)
+    if bwlimit is not None:
+        Pacer(bwlimit)                      # a bad limit fails here, before any worker starts
     t0 = time.perf_counter()
     tree = scan_tree(src, chunk_bytes)
     scan_s = time.perf_counter() - t0
     opts = dict(window=window, timeout_s=timeout_s, io_timeout_s=io_timeout_s,
-                bind_host=bind_host, progress=progress, faults=_faults or {})
+                bind_host=bind_host, bwlimit=bwlimit, progress=progress, faults=_faults or {})
     if workers is not None:
         return _push(tree, dest_template, workers, t0, scan_s, **opts)
     if not isinstance(ranks, int) or ranks < 1:
@@ -487,7 +533,7 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
 
 def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, window: int,
           timeout_s: float | None, io_timeout_s: float, bind_host: str | None,
-          progress: Callable[[int, int], None] | None, faults: dict[str, Any]) -> PushResult:
+          bwlimit: float | None, progress: Callable[[int, int], None] | None, faults: dict[str, Any]) -> PushResult:
     hosts = list(workers.hostnames)
     dests = destinations(template, hosts)
     owner: dict[tuple[str, str], int] = {}
@@ -498,7 +544,8 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
     corrupt = {int(r): int(k) for r, k in faults.get("corrupt", [])}
     delay = dict([faults["delay"]]) if "delay" in faults else {}
     common = {"push": push, "key": key.hex(), "manifest": tree.manifest(), "window": window,
-              "io_timeout_s": io_timeout_s, "bind": bind_host or workers.master_addr}
+              "io_timeout_s": io_timeout_s, "bind": bind_host or workers.master_addr,
+              "rate": bwlimit}
     feed: dict[str, Any] = {}
     try:
         for rank in range(workers.n):
@@ -515,7 +562,7 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
         t1 = time.perf_counter()
         thread = threading.Thread(target=_feed, name="meshplan-files-feed", daemon=True, args=(
             tree, plan, chain[0], prepared[chain[0]]["addr"], key, push, window, io_timeout_s,
-            corrupt.get(CONTROLLER_POS), progress, feed))
+            bwlimit, corrupt.get(CONTROLLER_POS), progress, feed))
         thread.start()
         workers.broadcast("files.wait", {"push": push})
         done = [m.header for m in workers.gather("files.wait", timeout_s)]
@@ -559,7 +606,8 @@ def _plan(tree: Tree, needs: Sequence[dict[str, list[list[int]]]]) -> list[tuple
 
 def _feed(tree: Tree, plan: Sequence[tuple[int, int, int]], first_rank: int,
           addr: Sequence[Any], key: bytes,
-          push: str, window: int, io_timeout_s: float, corrupt_frame: int | None,
+          push: str, window: int, io_timeout_s: float, rate: float | None,
+          corrupt_frame: int | None,
           progress: Callable[[int, int], None] | None, out: dict[str, Any]) -> None:
     """The controller's end of the chain: read each planned chunk of SRC and send it to rank 0."""
     total = sum(min(tree.chunk_bytes, tree.files[f].size - c * tree.chunk_bytes)
@@ -574,7 +622,7 @@ def _feed(tree: Tree, plan: Sequence[tuple[int, int, int]], first_rank: int,
     fds: dict[int, int] = {}
     try:
         link = out["link"] = connect(addr, key, push, CONTROLLER_POS, 0, io_timeout_s,
-                                     tree.chunk_bytes, f"rank {first_rank}")
+                                     tree.chunk_bytes, f"rank {first_rank}", rate)
         sender = Sender(link, window, corrupt_frame, on_ack)
         if progress is not None:
             progress(0, total)

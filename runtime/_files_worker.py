@@ -89,6 +89,7 @@ class Push:
         self.id, self.key, self.pos = h["push"], bytes.fromhex(h["key"]), int(h["pos"])
         self.root, self.window, self.io_timeout_s = h["dest"], int(h["window"]), h["io_timeout_s"]
         self.corrupt_frame, self.delay_s = h.get("corrupt_frame"), float(h.get("delay_s") or 0)
+        self.rate = h.get("rate")             # bytes/s on the link to the successor, or None
         m = h["manifest"]
         self.chunk_bytes = int(m["chunk_bytes"])
         self.files = [FileEntry(p, s, mode, digest, tuple(ch)) for p, s, mode, digest, ch in m["files"]]
@@ -186,7 +187,8 @@ class Push:
                 self._finish_file(f)
             if self.succ is not None:
                 fwd = _Forwarder(connect(self.succ, self.key, self.id, self.pos, self.pos + 1,
-                                         self.io_timeout_s, self.chunk_bytes, self.succ_name),
+                                         self.io_timeout_s, self.chunk_bytes, self.succ_name,
+                                         self.rate),
                                  self.window, self.corrupt_frame)
             link = self._accept()
             self._receive(link, fwd)

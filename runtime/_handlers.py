@@ -10,7 +10,17 @@ from typing import Any
 
 import torch
 
-from ..backends import MPICommunicator, TorchCommunicator, Transfer, all_axis_groups, lower, run
+from ..backends import (
+    MPICommunicator,
+    TorchCommunicator,
+    Transfer,
+    all_axis_groups,
+    local_slices,
+    lower,
+    rank_coords,
+    run,
+)
+from ..backends._layout import holds_zeros
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
@@ -23,6 +33,8 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     ns = state.ns
     ns.plan = plan
     ns.state = dict(zip(header["state"], tensors))
+    if header.get("checkpoint"):          # the rest of the state: this rank's pieces of a file
+        ns.state.update(_checkpoint_pieces(state.rank, plan, header["checkpoint"]))
     ns.program = lower(plan, state.rank, device=state_device(ns.state),
                        kernels=bool(header.get("kernels", True)))
     ns.data_names = header["data"]
@@ -39,6 +51,29 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
         ns.telemetry = WorkerTelemetry(TelemetryConfig.from_json(tel), tel["run_id"],
                                        state.rank, plan, state_device(ns.state))
     return {"rank": state.rank}, []
+
+
+@register("load_checkpoint")
+def _load_checkpoint(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    ns = state.ns
+    pieces = _checkpoint_pieces(state.rank, ns.plan, header)
+    device = state_device(ns.state)
+    ns.state.update({k: v.to(device) for k, v in pieces.items()})
+    return {"rank": state.rank, "names": len(pieces)}, []
+
+
+def _checkpoint_pieces(rank: int, plan: Plan, ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's pieces of the state named ``ckpt["names"]``, read from the checkpoint file
+    ``ckpt["path"]`` on this host (only the bytes of its own pieces)."""
+    from ._checkpoint import read_pieces
+
+    sizes, coords = plan.mesh.sizes, rank_coords(rank, plan.mesh.sizes)
+    layouts, shapes = plan.input_layouts, {n.target: n.meta.shape for n in plan.graph.inputs}
+    names = list(ckpt["names"])
+    pieces = read_pieces(ckpt["path"], names, {
+        n: local_slices(shapes[n], layouts[n], sizes, coords) for n in names})
+    return {n: torch.zeros_like(t) if holds_zeros(layouts[n], coords) else t
+            for n, t in pieces.items()}
 
 
 @register("step")

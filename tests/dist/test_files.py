@@ -203,6 +203,61 @@ def test_killed_rank_fails_clearly_and_rerun_resumes(tree: Path, tmp_path: Path,
     assert not list(tmp_path.rglob(".*.mppart*"))
 
 
+@pytest.mark.timeout(60)
+def test_bwlimit_holds_every_link_to_its_rate(tmp_path: Path, workers3) -> None:
+    """``bwlimit`` paces the controller and every forwarding rank. A lower bound on the time
+    is safe under any load (a pacer only ever waits longer): 6 MiB at 8 MiB/s cannot arrive in
+    less than (6 MiB - a burst and a slice, which may go at once) / rate, per link and hence
+    for the chain. No upper bound: a loaded machine may be slower. The data arrives intact."""
+    from meshplan.runtime._files import Pacer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data").write_bytes(os.urandom(6 * MIB))
+    rate = 8 * MIB
+    t = time.perf_counter()
+    result = push_files(src, str(tmp_path / "dst{rank}"), workers=workers3, bwlimit=rate,
+                        chunk_bytes=MIB)
+    assert time.perf_counter() - t >= (6 * MIB - Pacer.BURST - Pacer.SLICE) / rate
+    assert result.bytes_sent == 6 * MIB
+    for rank in range(3):
+        _assert_same_tree(src, tmp_path / f"dst{rank}")
+
+
+def test_pacer_spreads_a_payload_over_time() -> None:
+    import socket
+
+    from meshplan.runtime._files import Pacer
+
+    a, b = socket.socketpair()
+    got = bytearray()
+    reader = threading.Thread(target=lambda: [got.extend(x) for x in iter(
+        lambda: b.recv(1 << 20), b"")])
+    reader.start()
+    pacer = Pacer(8 * MIB)
+    payload = os.urandom(4 * MIB)
+    t = time.perf_counter()
+    pacer.send(a, payload)
+    elapsed = time.perf_counter() - t
+    a.close()
+    reader.join()
+    b.close()
+    assert bytes(got) == payload
+    assert elapsed >= (4 * MIB - Pacer.BURST - Pacer.SLICE) / (8 * MIB)
+    time.sleep(0.2)                  # idle: the pacer saves up at most one burst of credit
+    c, d = socket.socketpair()
+    drain = threading.Thread(target=lambda: [None for _ in iter(lambda: d.recv(1 << 20), b"")])
+    drain.start()
+    t = time.perf_counter()
+    pacer.send(c, payload)
+    assert time.perf_counter() - t >= (4 * MIB - Pacer.BURST - Pacer.SLICE) / (8 * MIB)
+    c.close()
+    drain.join()
+    d.close()
+    with pytest.raises(RuntimeFailure, match="bwlimit=0"):
+        Pacer(0)
+
+
 def test_bad_inputs_fail_before_launch(tree: Path, tmp_path: Path) -> None:
     with pytest.raises(RuntimeFailure, match="does not exist"):
         push_files(tmp_path / "missing", str(tmp_path / "d{rank}"), ranks=2)
@@ -215,6 +270,8 @@ def test_bad_inputs_fail_before_launch(tree: Path, tmp_path: Path) -> None:
     os.symlink("../target.txt", tmp_path / "src" / "escape")
     with pytest.raises(RuntimeFailure, match="points outside SRC"):
         push_files(tmp_path / "src", str(tmp_path / "d{rank}"), ranks=2)
+    with pytest.raises(RuntimeFailure, match="bwlimit=-1"):
+        push_files(tree, str(tmp_path / "d{rank}"), ranks=2, bwlimit=-1)
 
 
 @pytest.mark.timeout(60)
@@ -259,6 +316,8 @@ def test_cli_push_json(tmp_path: Path) -> None:
     (["--dest", "/tmp/{foo}"], "uses {foo}"),
     (["--src", "/nonexistent/meshplan-src"], "does not exist"),
     (["--chunk-size", "lots"], "--chunk-size 'lots'"),
+    (["--bwlimit", "fast"], "--bwlimit 'fast'"),
+    (["--bwlimit", "0"], "--bwlimit '0'"),
 ])
 def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
                                  args: list[str], text: str) -> None:

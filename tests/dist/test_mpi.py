@@ -249,3 +249,33 @@ def test_files_push_through_the_mpi_launcher(tmp_path: Path) -> None:
     for rank in range(2):
         for rel in ("sub/a.bin", "b.txt"):
             assert (tmp_path / f"dst{rank}" / rel).read_bytes() == (src / rel).read_bytes()
+
+
+@pytest.mark.timeout(180)
+def test_mpi_launcher_starts_from_a_checkpoint_pushed_to_the_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``launcher="mpi"`` a checkpoint goes to every host through the chain first (into
+    ``$MESHPLAN_CACHE/<host>/checkpoints``) and the ranks read their slices of that copy. Saved
+    on the local launcher after 2 steps (dp=2), resumed by mpiexec on dp=2 x tp=2 under
+    Megatron from other weights: the next losses equal one eager process (tolerance of
+    ``test_distribute.py``)."""
+    import meshplan
+    from meshplan.examples import gpt
+
+    monkeypatch.setenv("MESHPLAN_CACHE", str(tmp_path / "cache"))
+    ref = gpt.build(optimizer="adamw", clip=1.0, seed=0)
+    want = [ref.step(*ref.batch(i)).detach() for i in range(4)]
+    ex = gpt.build(optimizer="adamw", clip=1.0, seed=0)
+    path = tmp_path / "gpt.safetensors"
+    with meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100") as step:
+        for i in range(2):
+            step(*ref.batch(i))
+        step.save_checkpoint(path)
+    other = gpt.build(optimizer="adamw", clip=1.0, seed=1)
+    with meshplan.distribute(other.step, mesh={"dp": 2, "tp": 2}, strategy="megatron_tp",
+                             topology="h100", launcher="mpi", checkpoint=path) as step:
+        for i in range(2, 4):
+            torch.testing.assert_close(step(*ref.batch(i)).detach(), want[i],
+                                       rtol=1e-5, atol=1e-6, msg=f"loss at step {i}")
+    copies = list((tmp_path / "cache").rglob("gpt.safetensors"))
+    assert len(copies) == 1 and copies[0].read_bytes() == path.read_bytes()

@@ -91,7 +91,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         good = pool.submit(cli, folder, "run", STEP, "--plan", "gpt.plan", "--steps", "3",
-                           "--json", "--db", "tel.duckdb", "--telemetry", "ops")
+                           "--json", "--db", "tel.duckdb", "--telemetry", "ops",
+                           "--save-checkpoint", "ckpt.safetensors")
         for case in ("truncated", "tampered", "foreign", "old-torch"):
             results[f"bad:{case}"] = run(plan=str(folder / f"{case}.plan"))
         results["bad:missing-plan"] = run(plan=str(folder / "nosuch.plan"))
@@ -106,6 +107,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
                                                  "--memory-limit", "lots")
         results["debug:tampered"] = run("--debug", plan=str(folder / "tampered.plan"))
         results["run"] = good.result()
+        results["bad:checkpoint"] = run("--checkpoint", str(folder / "gpt.plan"))
+    # resume from the good run's checkpoint: its data starts again at batch 0
+    results["resume"] = cli(folder, "run", STEP, "--plan", "gpt.plan", "--steps", "2", "--json",
+                            "--telemetry", "off", "--checkpoint", "ckpt.safetensors")
     # the step changes after compiling: the gradient clip norm
     src = (folder / "gpt_distributed.py").read_text()
     assert "clip_grad_norm_(model.parameters(), 1.0)" in src
@@ -131,8 +136,9 @@ def test_compile_writes_a_plan_the_summary_describes(runs: dict[str, Result]) ->
     assert plan.meshplan_version is not None
 
 
-def _eager_losses(folder: Path, steps: int) -> list[float]:
-    """The same file's step, undecorated, in this process from the same seed."""
+def _eager_losses(folder: Path, steps: int, again: int = 0) -> list[float]:
+    """The same file's step, undecorated, in this process from the same seed: ``steps``
+    batches, then the first ``again`` batches once more (a run resumed from a checkpoint)."""
     spec = importlib.util.spec_from_file_location("_eager_gpt_distributed",
                                                   folder / "gpt_distributed.py")
     assert spec is not None and spec.loader is not None
@@ -142,8 +148,9 @@ def _eager_losses(folder: Path, steps: int) -> list[float]:
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(folder))
-    batches = module.batches()
-    return [module.train_step.fn(*next(batches)).item() for _ in range(steps)]
+    batches, repeat = module.batches(), module.batches()
+    return ([module.train_step.fn(*next(batches)).item() for _ in range(steps)]
+            + [module.train_step.fn(*next(repeat)).item() for _ in range(again)])
 
 
 def test_run_matches_the_eager_step(runs: dict[str, Result]) -> None:
@@ -151,11 +158,27 @@ def test_run_matches_the_eager_step(runs: dict[str, Result]) -> None:
     order than one process's sum, so fp32 rounding differs by ~1e-7 relative per step."""
     r = runs["run"]
     assert r.returncode == 0, r
-    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in r.stdout.splitlines() if '"step"' in line]
     assert [d["step"] for d in lines] == [0, 1, 2], r
     eager = _eager_losses(runs["folder"], 3)           # type: ignore[arg-type]
     assert torch.allclose(torch.tensor([d["loss"] for d in lines]), torch.tensor(eager),
                           rtol=1e-5, atol=0), (lines, eager)
+
+
+def test_run_saves_a_checkpoint_and_resumes_from_it(runs: dict[str, Result]) -> None:
+    """``--save-checkpoint`` after 3 steps, then ``--checkpoint`` in a new run of 2 steps (its
+    batches start at 0 again): the 5 losses equal one eager process running those 5 batches
+    without a break. Tolerance as above."""
+    folder = runs["folder"]
+    first = [json.loads(line) for line in runs["run"].stdout.splitlines()]
+    assert first[-1] == {"checkpoint": str(folder / "ckpt.safetensors")}    # type: ignore[operator]
+    r = runs["resume"]
+    assert r.returncode == 0, r
+    losses = [d["loss"] for d in (json.loads(line) for line in
+                                  (runs["run"].stdout + r.stdout).splitlines()) if "loss" in d]
+    eager = _eager_losses(folder, 3, again=2)           # type: ignore[arg-type]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(eager), rtol=1e-5, atol=0), \
+        (losses, eager)
 
 
 BAD = {
@@ -172,6 +195,7 @@ BAD = {
     "compile-no-function": ("TraceError", "has no function 'nosuch'"),
     "data": ("TraceError", "cannot import 'no_such_module_xyz'"),
     "memory-limit": ("PlanError", "expected a size such as 70GB"),
+    "checkpoint": ("RuntimeFailure", "is not a safetensors file"),
 }
 
 
@@ -216,7 +240,7 @@ def test_run_records_telemetry_the_sql_command_reads(runs: dict[str, Result]) ->
     """``run --db D --telemetry ops`` records every rank's steps (with the losses it printed)
     and op timings into D; ``telemetry sql --db D --json`` reads them back."""
     folder = runs["folder"]
-    losses = [json.loads(line)["loss"] for line in runs["run"].stdout.splitlines()]
+    losses = [d["loss"] for d in map(json.loads, runs["run"].stdout.splitlines()) if "loss" in d]
     db = str(folder / "tel.duckdb")          # type: ignore[operator]
     r = in_process("telemetry", "sql", "SELECT rank, step, loss FROM steps WHERE rank >= 0 "
                    "ORDER BY step, rank", "--db", db, "--json")
