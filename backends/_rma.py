@@ -30,8 +30,10 @@ inside the MPI library (any call: a collective, a polled ``Test``, ``Win.Free``)
 in Python or torch for 0.5 s delayed a 1 KiB get by 0.5 s here. ``MPIR_CVAR_ASYNC_PROGRESS=1``
 in the workers' environment gives every rank a progress thread (then that get took 30 us), at
 the price of a core each spinning: not the default on a 2-core host. On a cluster with an RDMA
-network the NIC serves the reads and writes. Used by the runtime for ``get_state`` on the MPI launcher (rank 0
-reads every rank's state pieces one-sidedly; see ``runtime/_handlers.py``).
+network the NIC serves the reads and writes. Used by the runtime on the MPI launcher (see
+``runtime/_handlers.py``): ``get_state`` (rank 0 reads every rank's state pieces one-sidedly)
+and ``share_state`` (a rank holding a replica of a state piece reads it from the one rank the
+controller sent it to).
 """
 
 from __future__ import annotations

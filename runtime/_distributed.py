@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from .._errors import RuntimeFailure
-from ..backends import assemble, rank_coords, split_inputs
+from ..backends import assemble, local_slices, rank_coords, split_inputs
+from ..backends._layout import holds_zeros
 from ..frontend import trace
 from ..ir import Role
 from ..planner import Plan, plan_graph
@@ -143,12 +144,15 @@ class DistributedStep:
             self._write_local(values)
             self._launch_from = None
             return
-        plan = self.plan
-        for rank in range(self._workers.n):
-            pieces = split_inputs(plan, rank, values)
-            names = sorted(pieces)
-            self._workers.send(rank, "set_state", {"names": names}, [pieces[n] for n in names])
-        self._workers.gather("set_state", self.timeout_s)
+        plan, workers = self.plan, self._workers
+        owners = self._replica_owners(values)
+        with self._recording_failures():
+            for rank in range(workers.n):
+                pieces = split_inputs(plan, rank, _owned(values, owners, rank))
+                names = sorted(pieces)
+                workers.send(rank, "set_state", {"names": names}, [pieces[n] for n in names])
+            workers.gather("set_state", self.timeout_s)
+            self._share_replicas(owners)
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the whole model and optimizer state (``state_dict()``: gathered from every
@@ -305,6 +309,38 @@ class DistributedStep:
                     result.bytes_sent, result.bytes)
         return [os.path.join(r.dest, os.path.basename(path)) for r in result.ranks]
 
+    def _replica_owners(self, values: Mapping[str, Any]) -> dict[tuple[int, str], int] | None:
+        """Under the mpi launcher: (rank, name) -> the lowest rank that holds the same piece of
+        ``name`` (itself when none lower does). The controller sends each distinct piece once,
+        to its owner; the others read it from there one-sidedly (``_share_replicas``). None
+        (send every rank its pieces) under the local launcher."""
+        if self.launcher != "mpi":
+            return None
+        plan = self.plan
+        sizes, layouts = plan.mesh.sizes, plan.input_layouts
+        shapes = {n.target: n.meta.shape for n in plan.graph.inputs}
+        first: dict[tuple, int] = {}
+        owners = {}
+        for rank in range(math.prod(sizes)):
+            coords = rank_coords(rank, sizes)
+            for name in values:
+                where = tuple((s.start, s.stop) for s in
+                              local_slices(shapes[name], layouts[name], sizes, coords))
+                key = (name, where, holds_zeros(layouts[name], coords))
+                owners[(rank, name)] = first.setdefault(key, rank)
+        return owners
+
+    def _share_replicas(self, owners: dict[tuple[int, str], int] | None) -> None:
+        if not owners or all(owner == rank for (rank, _), owner in owners.items()):
+            return
+        workers = self._workers
+        assert workers is not None
+        names = sorted({name for (rank, name), owner in owners.items() if owner != rank})
+        for rank in range(workers.n):
+            workers.send(rank, "share_state", {"names": names, "fetch": {
+                name: owners[(rank, name)] for name in names if owners[(rank, name)] != rank}})
+        workers.gather("share_state", self.timeout_s)
+
     def _has_opt_state(self) -> bool:
         graph = self.plan.graph
         return (not graph.inputs_with_role(Role.OPT_STATE)
@@ -368,14 +404,16 @@ class DistributedStep:
             header["telemetry"] = {**self.telemetry.to_json(), "run_id": workers.run_id}
         self._step_no = 0
         text = plan.to_json()
+        owners = self._replica_owners(state)
         with self._recording_failures():
             for rank in range(world):
-                pieces = split_inputs(plan, rank, state)
+                pieces = split_inputs(plan, rank, _owned(state, owners, rank))
                 names = sorted(pieces)
                 workers.send(rank, "setup", {**header, "plan": text, "state": names,
                                              "checkpoint": ckpt[rank]},
                              [pieces[n] for n in names])
             workers.gather("setup", self.timeout_s)
+            self._share_replicas(owners)
 
     def _step(self, args: tuple) -> Any:
         plan, workers = self.plan, self._workers
@@ -460,6 +498,14 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint)
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _owned(values: Mapping[str, Any], owners: dict[tuple[int, str], int] | None,
+           rank: int) -> dict[str, Any]:
+    """The values whose piece ``rank`` gets from the controller (all of them without owners)."""
+    if owners is None:
+        return dict(values)
+    return {k: v for k, v in values.items() if owners[(rank, k)] == rank}
 
 
 def _stamp(path: str) -> tuple[int, int, int] | None:

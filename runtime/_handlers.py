@@ -127,6 +127,28 @@ def _get_state_rma(comm: MPICommunicator, held: dict[str, torch.Tensor], names: 
     return {"names": names, "ranks": comm.world_size}, pieces
 
 
+@register("share_state")
+def _share_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """The mpi launcher: ranks whose piece of a state value equals another rank's (a replica)
+    read it from that rank one-sidedly instead of getting it from the controller. For every
+    name in ``names`` (same order on every rank) each rank exposes its piece, or nothing when it
+    fetches that piece (``fetch``: name -> the rank that holds it); then it reads what it
+    fetches. Freeing the windows (collective) waits for every read."""
+    ns = state.ns
+    fetch = header["fetch"]
+    dtypes = {n.target: getattr(torch, n.meta.dtype) for n in ns.plan.graph.inputs}
+    got = {}
+    with Transfer(ns.comm) as tr:
+        for name in header["names"]:
+            tr.expose(name, torch.empty(0, dtype=dtypes[name]) if name in fetch
+                      else ns.state[name])
+        for name, owner in fetch.items():
+            got[name] = tr.get(int(owner), name)
+    device = state_device(ns.state)
+    ns.state.update({k: v.to(device) for k, v in got.items()})
+    return {"rank": state.rank, "fetched": len(got)}, []
+
+
 @register("set_state")
 def _set_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     state.ns.state.update(dict(zip(header["names"], tensors)))

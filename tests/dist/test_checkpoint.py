@@ -62,12 +62,31 @@ def test_resume_on_another_mesh_and_plan_equals_one_process(tmp_path: Path) -> N
         dict(mesh={"dp": 2}, strategy="fsdp"))
 
 
+def _mlp(seed: int):
+    return mlp.build(optimizer="adamw", seed=seed)
+
+
+@pytest.fixture(scope="module")
+def mlp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[torch.Tensor]]:
+    """The MLP saved after ``SAVE_AT`` steps on dp=2, and the eager losses of all ``STEPS``."""
+    ref = _mlp(0)
+    want = [ref.step(*ref.batch(i)).detach() for i in range(STEPS)]
+    ex = _mlp(0)
+    path = tmp_path_factory.mktemp("ckpt") / "mlp.safetensors"
+    with meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100") as step:
+        for i in range(SAVE_AT):
+            step(*ref.batch(i))
+        step.save_checkpoint(path)
+    return path, want
+
+
 @pytest.mark.timeout(240)
-def test_load_into_a_running_mesh_through_the_chain(tmp_path: Path,
+def test_load_into_a_running_mesh_through_the_chain(mlp_checkpoint, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """``push=True`` (what the mpi launcher does by default): the controller ships the file to
     the host's cache through ``push_files`` and the ranks read that copy. A second load of the
     same file sends nothing (the cached copy has the same content hash)."""
+    path, want = mlp_checkpoint
     cache = tmp_path / "cache"
     monkeypatch.setenv("MESHPLAN_CACHE", str(cache))
     sent = []
@@ -81,16 +100,7 @@ def test_load_into_a_running_mesh_through_the_chain(tmp_path: Path,
         return result
 
     monkeypatch.setattr(_files, "push_files", counting)
-    build = lambda seed: mlp.build(optimizer="adamw", seed=seed)     # noqa: E731
-    ref = build(seed=0)
-    want = [ref.step(*ref.batch(i)).detach() for i in range(STEPS)]
-    ex = build(seed=0)
-    path = tmp_path / "mlp.safetensors"
-    with meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100") as step:
-        for i in range(SAVE_AT):
-            step(*ref.batch(i))
-        step.save_checkpoint(path)
-    other = build(seed=1)
+    ref, other = _mlp(0), _mlp(1)
     with meshplan.distribute(other.step, mesh={"dp": 4}, strategy="fsdp",
                              topology="h100") as step:
         step(*ref.batch(0))                  # the mesh runs, from the wrong weights
@@ -105,21 +115,14 @@ def test_load_into_a_running_mesh_through_the_chain(tmp_path: Path,
 
 
 @pytest.mark.timeout(240)
-def test_distribute_checkpoint_argument_starts_the_mesh_from_the_file(tmp_path: Path) -> None:
+def test_distribute_checkpoint_argument_starts_the_mesh_from_the_file(mlp_checkpoint,
+                                                                      tmp_path: Path) -> None:
     """``distribute(checkpoint=PATH)`` before the step was ever traced: the file is checked at
     once and applied at the first call; the launch starts every rank from it."""
-    build = lambda seed: mlp.build(optimizer="adamw", seed=seed)     # noqa: E731
-    ref = build(seed=0)
-    want = [ref.step(*ref.batch(i)).detach() for i in range(STEPS)]
-    ex = build(seed=0)
-    path = tmp_path / "mlp.safetensors"
-    with meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100") as step:
-        for i in range(SAVE_AT):
-            step(*ref.batch(i))
-        step.save_checkpoint(path)
+    path, want = mlp_checkpoint
+    ref, other = _mlp(0), _mlp(1)
     with pytest.raises(meshplan.RuntimeFailure, match="does not exist"):
-        meshplan.distribute(ex.step, mesh={"dp": 2}, checkpoint=tmp_path / "nope.safetensors")
-    other = build(seed=1)
+        meshplan.distribute(other.step, mesh={"dp": 2}, checkpoint=tmp_path / "no.safetensors")
     with meshplan.distribute(other.step, mesh={"dp": 2}, strategy="fsdp", topology="h100",
                              checkpoint=path) as step:
         for i in range(SAVE_AT, STEPS):

@@ -252,19 +252,34 @@ def test_files_push_through_the_mpi_launcher(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_mpi_launcher_starts_from_a_checkpoint_pushed_to_the_host(
+def test_mpi_launcher_starts_from_a_pushed_checkpoint_and_sends_each_replica_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under ``launcher="mpi"`` a checkpoint goes to every host through the chain first (into
-    ``$MESHPLAN_CACHE/<host>/checkpoints``) and the ranks read their slices of that copy. Saved
-    on the local launcher after 2 steps (dp=2), resumed by mpiexec on dp=2 x tp=2 under
-    Megatron from other weights: the next losses equal one eager process (tolerance of
-    ``test_distribute.py``)."""
+    """Two things the mpi launcher does with state, on dp=2 x tp=2 under Megatron (GPT):
+
+    - a checkpoint goes to every host through the chain first (into
+      ``$MESHPLAN_CACHE/<host>/checkpoints``) and the ranks read their slices of that copy:
+      saved on the local launcher after 2 steps (dp=2), resumed by mpiexec from other weights,
+      the next losses equal one eager process (tolerance of ``test_distribute.py``);
+    - the controller sends each distinct piece of the state once, to the lowest rank holding
+      it; ranks holding a replica read it from there through an RMA window (``share_state``).
+      Every piece here has 2 holders (the dp replicas), so ``load_state_dict`` carries at most
+      the state's size, where one piece per rank would be twice that. The launch's setup takes
+      the same path (every mpi equivalence case above runs it)."""
     import meshplan
     from meshplan.examples import gpt
+    from meshplan.runtime._launch import Workers
 
+    sent: dict[str, int] = {}
+    real = Workers.send
+
+    def counting(self, rank, kind, header=None, tensors=()):
+        sent[kind] = sent.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors)
+        return real(self, rank, kind, header, tensors)
+
+    monkeypatch.setattr(Workers, "send", counting)
     monkeypatch.setenv("MESHPLAN_CACHE", str(tmp_path / "cache"))
     ref = gpt.build(optimizer="adamw", clip=1.0, seed=0)
-    want = [ref.step(*ref.batch(i)).detach() for i in range(4)]
+    want = [ref.step(*ref.batch(i)).detach() for i in range(5)]
     ex = gpt.build(optimizer="adamw", clip=1.0, seed=0)
     path = tmp_path / "gpt.safetensors"
     with meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", topology="h100") as step:
@@ -272,10 +287,19 @@ def test_mpi_launcher_starts_from_a_checkpoint_pushed_to_the_host(
             step(*ref.batch(i))
         step.save_checkpoint(path)
     other = gpt.build(optimizer="adamw", clip=1.0, seed=1)
+    sent.clear()
     with meshplan.distribute(other.step, mesh={"dp": 2, "tp": 2}, strategy="megatron_tp",
                              topology="h100", launcher="mpi", checkpoint=path) as step:
         for i in range(2, 4):
             torch.testing.assert_close(step(*ref.batch(i)).detach(), want[i],
                                        rtol=1e-5, atol=1e-6, msg=f"loss at step {i}")
+        assert sent["setup"] == 0                     # every rank read the state from the file
+        sd = step.state_dict()
+        state_bytes = sum(t.numel() * t.element_size()
+                          for part in sd.values() for t in part.values())
+        step.load_state_dict(sd)
+        assert 0 < sent["set_state"] <= state_bytes, (sent, state_bytes)
+        torch.testing.assert_close(step(*ref.batch(4)).detach(), want[4],
+                                   rtol=1e-5, atol=1e-6, msg="loss after load_state_dict")
     copies = list((tmp_path / "cache").rglob("gpt.safetensors"))
     assert len(copies) == 1 and copies[0].read_bytes() == path.read_bytes()
