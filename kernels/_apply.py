@@ -92,6 +92,36 @@ def _sgd_foreach(ops: Operands, attrs: Mapping[str, Any]) -> Results:
     return _sgd_results(ops)
 
 
+def _layer_norm(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """aten's ``native_layer_norm`` results: the output, and mean and rstd of shape
+    ``input.shape[:-1] + (1,)`` in fp32 (what ``native_layer_norm_backward`` reads)."""
+    from ._triton_norm import norm_forward
+    out: Results = {"out": [], "mean": [], "rstd": []}
+    for x, w, b in zip(ops["input"], ops["weight"], ops["bias"]):
+        y, mean, rstd = norm_forward(x.contiguous(), w, b, float(attrs["eps"]), rms=False)
+        stats = (*x.shape[:-1], 1)
+        out["out"].append(y)
+        out["mean"].append(mean.view(stats))
+        out["rstd"].append(rstd.view(stats))
+    return out
+
+
+def _layer_norm_backward(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """aten's ``native_layer_norm_backward`` results (every one computed; the graph reads only
+    those its ``output_mask`` asks for), weight and bias gradients in the weight's dtype."""
+    from ._triton_norm import norm_backward
+    out: Results = {"grad_input": [], "grad_weight": [], "grad_bias": []}
+    for dy, x, mean, rstd, w in zip(ops["grad_out"], ops["input"], ops["mean"], ops["rstd"],
+                                    ops["weight"]):
+        dx, dw, db = norm_backward(dy, x.contiguous(), w, mean.reshape(-1).contiguous(),
+                                   rstd.reshape(-1).contiguous(), rms=False)
+        dtype = x.dtype if w is None else w.dtype
+        out["grad_input"].append(dx)
+        out["grad_weight"].append(dw.to(dtype))
+        out["grad_bias"].append(db.to(dtype))
+    return out
+
+
 # registry name -> adapter
 ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
     "adamw": _adamw_triton,
@@ -99,4 +129,6 @@ ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
     "adamw_foreach": _adamw_foreach,
     "sgd": _sgd_triton,
     "sgd_foreach": _sgd_foreach,
+    "layer_norm": _layer_norm,
+    "layer_norm_backward": _layer_norm_backward,
 }

@@ -13,7 +13,7 @@ from ..ir import Graph, Node, NodeKind, Phase, Ref, Role, TensorMeta
 from ._registry import Match
 
 __all__ = ["match_adamw", "match_sgd", "match_bias_gelu", "match_swiglu", "match_layer_norm",
-           "match_rms_norm", "match_cross_entropy", "match_grad_buckets", "raw_gradient"]
+           "match_layer_norm_backward", "match_rms_norm", "match_cross_entropy", "match_grad_buckets", "raw_gradient"]
 
 _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t.default",
                     "aten.reshape.default", "aten.transpose.int"})
@@ -250,25 +250,41 @@ def match_swiglu(graph: Graph) -> list[Match]:
 
 # ---- norms and loss ----------------------------------------------------------------------
 def match_layer_norm(graph: Graph) -> list[Match]:
-    """``native_layer_norm`` over the last dim and the ``native_layer_norm_backward`` that reads
-    its saved mean and rstd."""
+    """``native_layer_norm`` over the last dim: the forward alone. Its backward is
+    ``match_layer_norm_backward``'s: a kernel call runs at one point of a program, and the
+    forward's results are read long before the backward runs."""
     found = []
     for node in graph.nodes:
         if node.target != "aten.native_layer_norm.default" or len(node.args[1]) != 1:
             continue
-        backward = [b for b in _readers(graph, Ref(node.name, 1),
-                                        "aten.native_layer_norm_backward.default")]
-        results = [("out", Ref(node.name)), ("mean", Ref(node.name, 1)),
-                   ("rstd", Ref(node.name, 2))]
-        for b in backward:
-            results += [(f"grad_input:{b.name}", Ref(b.name)),
-                        (f"grad_weight:{b.name}", Ref(b.name, 1)),
-                        (f"grad_bias:{b.name}", Ref(b.name, 2))]
         found.append(Match(
-            "layer_norm", node.name, (node.name, *(b.name for b in backward)),
+            "layer_norm", node.name, (node.name,),
             (("input", node.args[0]), ("weight", _arg(node, 2, "weight")),
              ("bias", _arg(node, 3, "bias"))),
-            tuple(results), (("eps", _arg(node, 4, "eps", 1e-5)),), _dtype(graph, node.args[0])))
+            (("out", Ref(node.name)), ("mean", Ref(node.name, 1)), ("rstd", Ref(node.name, 2))),
+            (("eps", _arg(node, 4, "eps", 1e-5)),), _dtype(graph, node.args[0])))
+    return found
+
+
+def match_layer_norm_backward(graph: Graph) -> list[Match]:
+    """``native_layer_norm_backward`` over the last dim whose mean and rstd are a
+    ``native_layer_norm``'s (the statistics the forward saved)."""
+    found = []
+    for node in graph.nodes:
+        if node.target != "aten.native_layer_norm_backward.default" or len(node.args[2]) != 1:
+            continue
+        mean, rstd = node.args[3], node.args[4]
+        forward = _op(graph, mean, "aten.native_layer_norm.default")
+        if forward is None or mean != Ref(forward.name, 1) or rstd != Ref(forward.name, 2):
+            continue
+        found.append(Match(
+            "layer_norm_backward", node.name, (node.name,),
+            (("grad_out", node.args[0]), ("input", node.args[1]), ("mean", mean),
+             ("rstd", rstd), ("weight", _arg(node, 5, "weight"))),
+            (("grad_input", Ref(node.name)), ("grad_weight", Ref(node.name, 1)),
+             ("grad_bias", Ref(node.name, 2))),
+            (("output_mask", tuple(_arg(node, 7, "output_mask", (True, True, True)))),),
+            _dtype(graph, node.args[1])))
     return found
 
 
