@@ -122,6 +122,21 @@ def _layer_norm_backward(ops: Operands, attrs: Mapping[str, Any]) -> Results:
     return out
 
 
+def _rms_norm(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """The decomposed RMSNorm's forward values: ``out``; ``rstd`` (the ``rsqrt``, shape
+    ``x.shape[:-1] + (1,)``, in x's dtype as aten's); with a weight, ``normed`` = x * rstd (what
+    the weight's gradient reads)."""
+    from ._triton_norm import norm_forward
+    out: Results = {"out": [], "rstd": [], "normed": []}
+    for x, w in zip(ops["input"], ops["weight"]):
+        y, _, rstd = norm_forward(x.contiguous(), w, None, float(attrs["eps"]), rms=True)
+        rstd = rstd.view(*x.shape[:-1], 1).to(x.dtype)
+        out["out"].append(y)
+        out["rstd"].append(rstd)
+        out["normed"].append(x * rstd if w is not None else y)
+    return out
+
+
 # registry name -> adapter
 ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
     "adamw": _adamw_triton,
@@ -131,4 +146,5 @@ ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
     "sgd_foreach": _sgd_foreach,
     "layer_norm": _layer_norm,
     "layer_norm_backward": _layer_norm_backward,
+    "rms_norm": _rms_norm,
 }

@@ -81,8 +81,9 @@ BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
     KernelSpec(name="rms_norm", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
                targets=frozenset({"aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add.Tensor",
                                   "aten.rsqrt.default", "aten.mul.Tensor"}),
-               matcher=match_rms_norm, entry="._triton_norm:rms_norm",
-               doc="RMSNorm over the last dim, forward and backward"),
+               matcher=match_rms_norm, entry="._triton_norm:norm_forward",
+               doc="RMSNorm over the last dim: its decomposed forward in one pass (the "
+                   "backward's ops read the rstd and normalised values it returns)"),
     KernelSpec(name="cross_entropy", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
                targets=frozenset({"aten._log_softmax.default", "aten.nll_loss_forward.default",
                                   "aten.nll_loss_backward.default",

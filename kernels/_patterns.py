@@ -289,8 +289,10 @@ def match_layer_norm_backward(graph: Graph) -> list[Match]:
 
 
 def match_rms_norm(graph: Graph) -> list[Match]:
-    """nn.RMSNorm's decomposition ``mul(mul(x, rsqrt(add(mean(pow(x, 2), [-1]), eps))), w)``
-    (forward only: its backward is many small nodes the matcher does not claim)."""
+    """nn.RMSNorm's decomposition ``mul(mul(x, rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps))),
+    w)``, forward nodes only. Its backward is aten's own decomposition, which reads the
+    forward's ``rsqrt`` and (with a weight) the normalised ``mul``: the match returns both
+    (``rstd``, ``normed``) beside ``out``, so the backward runs unchanged on them."""
     found = []
     for rsqrt in graph.nodes:
         if rsqrt.target != "aten.rsqrt.default":
@@ -299,7 +301,7 @@ def match_rms_norm(graph: Graph) -> list[Match]:
         mean = add and _op(graph, add.args[0], "aten.mean.dim")
         pow_ = mean and _op(graph, mean.args[0], "aten.pow.Tensor_Scalar")
         if not (pow_ and pow_.args[1] == 2 and tuple(mean.args[1]) in ((-1,), (len(
-                graph.meta(pow_.args[0]).shape) - 1,))):
+                graph.meta(pow_.args[0]).shape) - 1,)) and _arg(mean, 2, "keepdim", False)):
             continue
         x = pow_.args[0]
         for norm in _readers(graph, Ref(rsqrt.name), "aten.mul.Tensor"):
@@ -308,11 +310,14 @@ def match_rms_norm(graph: Graph) -> list[Match]:
             scaled = [m for m in _readers(graph, Ref(norm.name), "aten.mul.Tensor")
                       if _input(graph, m.args[1], Role.PARAM)]
             last = scaled[0] if scaled else norm
+            results = [("out", Ref(last.name)), ("rstd", Ref(rsqrt.name))]
+            if scaled:
+                results.append(("normed", Ref(norm.name)))
             found.append(Match(
                 "rms_norm", last.name,
                 tuple(n.name for n in (pow_, mean, add, rsqrt, norm, *scaled[:1])),
                 (("input", x), ("weight", scaled[0].args[1] if scaled else None)),
-                (("out", Ref(last.name)),), (("eps", add.args[1]),), _dtype(graph, x)))
+                tuple(results), (("eps", add.args[1]),), _dtype(graph, x)))
     return found
 
 

@@ -32,6 +32,8 @@ CPU_OPTIMIZER_KERNELS = ("adamw_cpu", "adamw_foreach", "sgd_foreach")
 @lru_cache(maxsize=None)
 def _example(name: str):
     ex = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
+          "gpt-rms": lambda: gpt.build(optimizer="adamw", clip=1.0,
+                                       config=gpt.GPTConfig(norm="rms")),
           "mlp-sgd": lambda: mlp.build(optimizer="sgd", clip=1.0),
           "mlp": lambda: mlp.build(optimizer="adamw")}[name]()
     ex.step(*ex.batch(0))            # optimizer state exists: the steady-state graph
@@ -194,6 +196,36 @@ def test_layer_norm_kernels_replace_forward_and_backward() -> None:
         ops = {i.node.target for i in prog.instructions if hasattr(i, "node")}
         assert not ops & {"aten.native_layer_norm.default",
                           "aten.native_layer_norm_backward.default"}
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(state, want_state):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(300)
+def test_rms_norm_kernel_replaces_the_decomposed_forward() -> None:
+    """The RMSNorm GPT's 5 norms under FSDP on dp=2: each decomposed forward (pow, mean, add,
+    rsqrt, mul, mul by the weight) becomes one Triton call returning the output, the rstd and
+    the normalised values that aten's backward ops read; 2 steps match the op-by-op program.
+    Tolerances and the interpreter: as for LayerNorm above."""
+    from meshplan.kernels._common import interpreting
+
+    pytest.importorskip("triton")
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
+    axes, strategy = {"dp": 2}, "fsdp"
+    with _on_cpu("rms_norm"):
+        progs, losses, state = _run_steps("gpt-rms", axes, strategy, use_kernels=True,
+                                          keep="adamw_foreach", steps=2)
+    _, want_losses, want_state = _run_steps("gpt-rms", axes, strategy, use_kernels=False,
+                                            steps=2)
+    for prog in progs:
+        summary = {k: (calls, replaced) for k, calls, _, replaced in
+                   kernel_summary(prog.instructions)}
+        assert summary["rms_norm"] == (5, 30)
+        forward = [i.node.target for i in prog.instructions if hasattr(i, "node")
+                   and i.node.phase.value == "forward"]
+        assert "aten.rsqrt.default" not in forward
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(state, want_state):
         for k in want:

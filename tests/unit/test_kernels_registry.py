@@ -170,6 +170,9 @@ def test_sgd_and_rms_norm_on_gpt(sgd_rms_graph) -> None:
     assert len(found["rms_norm"]) == 3
     assert all(sgd_rms_graph.node(m.operand("weight").node).role is Role.PARAM
                for m in found["rms_norm"])
+    for m in found["rms_norm"]:    # what aten's backward reads of the forward is returned
+        assert sgd_rms_graph.node(m.result("rstd").node).target == "aten.rsqrt.default"
+        assert m.result("normed").node in m.nodes and m.result("out").node == m.anchor
     assert "layer_norm" not in found
 
 
