@@ -13,7 +13,8 @@ from ..ir import Graph, Node, NodeKind, Phase, Ref, Role, TensorMeta
 from ._registry import Match
 
 __all__ = ["match_adamw", "match_sgd", "match_bias_gelu", "match_swiglu", "match_layer_norm",
-           "match_layer_norm_backward", "match_rms_norm", "match_cross_entropy", "match_grad_buckets", "raw_gradient"]
+           "match_layer_norm_backward", "match_rms_norm", "match_cross_entropy",
+           "match_grad_buckets", "raw_gradient"]
 
 _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t.default",
                     "aten.reshape.default", "aten.transpose.int"})

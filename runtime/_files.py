@@ -533,7 +533,8 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
 
 def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, window: int,
           timeout_s: float | None, io_timeout_s: float, bind_host: str | None,
-          bwlimit: float | None, progress: Callable[[int, int], None] | None, faults: dict[str, Any]) -> PushResult:
+          bwlimit: float | None, progress: Callable[[int, int], None] | None,
+          faults: dict[str, Any]) -> PushResult:
     hosts = list(workers.hostnames)
     dests = destinations(template, hosts)
     owner: dict[tuple[str, str], int] = {}
