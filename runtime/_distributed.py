@@ -295,19 +295,39 @@ class DistributedStep:
     def _checkpoint_on_ranks(self, path: str, push: bool | None) -> list[str]:
         """Where each rank reads the checkpoint ``path``: in place under the local launcher,
         else (or with ``push=True``) its host's copy, pushed through the chain first."""
-        workers = self._workers
-        assert workers is not None
+        assert self._workers is not None
         if not (self.launcher != "local" if push is None else push):
-            return [path] * workers.n
+            return [path] * self._workers.n
+        return self._on_every_host(path, "checkpoints")
+
+    def _on_every_host(self, path: str, folder: str) -> list[str]:
+        """Push the file ``path`` through the chain to ``$MESHPLAN_CACHE/<host>/<folder>`` on
+        every host (a copy there with the same content is not sent again); returns the path
+        of each rank's copy."""
         from ._files import push_files
 
         cache = os.environ.get("MESHPLAN_CACHE") or os.path.join(
             tempfile.gettempdir(), f"meshplan-cache-{os.getuid()}")
-        result = push_files(path, os.path.join(cache, "{host}", "checkpoints"), workers=workers,
+        result = push_files(path, os.path.join(cache, "{host}", folder), workers=self._workers,
                             timeout_s=self.timeout_s)
-        logger.info("meshplan: checkpoint %s on every host (%d of %d bytes sent)", path,
+        logger.info("meshplan: %s on every host (%d of %d bytes sent)", path,
                     result.bytes_sent, result.bytes)
         return [os.path.join(r.dest, os.path.basename(path)) for r in result.ranks]
+
+    def _plan_for_ranks(self, text: str) -> list[dict[str, str]]:
+        """What each rank's setup carries of the plan: the JSON itself under the local launcher
+        (one machine); under ``mpi`` the path of its host's copy, pushed through the chain once
+        (not once per rank through the controller's channel), named by its content hash."""
+        assert self._workers is not None
+        if self.launcher == "local":
+            return [{"plan": text}] * self._workers.n
+        import hashlib
+
+        with tempfile.TemporaryDirectory(prefix="meshplan-plan-") as folder:
+            path = os.path.join(folder, f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.plan")
+            with open(path, "w") as f:
+                f.write(text)
+            return [{"plan_path": p} for p in self._on_every_host(path, "plans")]
 
     def _replica_owners(self, values: Mapping[str, Any]) -> dict[tuple[int, str], int] | None:
         """Under the mpi launcher: (rank, name) -> the lowest rank that holds the same piece of
@@ -403,13 +423,13 @@ class DistributedStep:
                                             step_name=self.__name__, strategy=plan.strategy)
             header["telemetry"] = {**self.telemetry.to_json(), "run_id": workers.run_id}
         self._step_no = 0
-        text = plan.to_json()
         owners = self._replica_owners(state)
         with self._recording_failures():
+            plans = self._plan_for_ranks(plan.to_json())
             for rank in range(world):
                 pieces = split_inputs(plan, rank, _owned(state, owners, rank))
                 names = sorted(pieces)
-                workers.send(rank, "setup", {**header, "plan": text, "state": names,
+                workers.send(rank, "setup", {**header, **plans[rank], "state": names,
                                              "checkpoint": ckpt[rank]},
                              [pieces[n] for n in names])
             workers.gather("setup", self.timeout_s)

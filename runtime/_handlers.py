@@ -29,7 +29,10 @@ from ._worker import WorkerState, register
 
 @register("setup")
 def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
-    plan = Plan.from_json(header["plan"], where="the plan the controller sent")
+    if "plan_path" in header:          # the mpi launcher: this host's copy, pushed by the chain
+        plan = Plan.load(header["plan_path"])
+    else:
+        plan = Plan.from_json(header["plan"], where="the plan the controller sent")
     ns = state.ns
     ns.plan = plan
     ns.state = dict(zip(header["state"], tensors))

@@ -37,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if "MESHPLAN_TELEMETRY" not in os.environ:
         root = tempfile.mkdtemp(prefix="meshplan-test-telemetry-")
         os.environ["MESHPLAN_TELEMETRY"] = os.path.join(root, "telemetry.duckdb")
+    # the mpi launcher pushes plans (and checkpoints) into a per-host cache: not the user's
+    if "MESHPLAN_CACHE" not in os.environ:
+        os.environ["MESHPLAN_CACHE"] = tempfile.mkdtemp(prefix="meshplan-test-cache-")
 
     # Without a GPU, meshplan.kernels' Triton kernels run under Triton's interpreter, which Triton
     # reads when a kernel is defined: set it before any test module imports one.

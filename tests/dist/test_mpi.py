@@ -254,10 +254,11 @@ def test_files_push_through_the_mpi_launcher(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_mpi_launcher_starts_from_a_pushed_checkpoint_and_sends_each_replica_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two things the mpi launcher does with state, on dp=2 x tp=2 under Megatron (GPT):
+    """What the mpi launcher does with the plan and the state, on dp=2 x tp=2 under Megatron:
 
-    - a checkpoint goes to every host through the chain first (into
-      ``$MESHPLAN_CACHE/<host>/checkpoints``) and the ranks read their slices of that copy:
+    - the plan and a checkpoint go to every host through the chain first (into
+      ``$MESHPLAN_CACHE/<host>/plans`` and ``.../checkpoints``); the ranks load that plan and
+      read their slices of that checkpoint:
       saved on the local launcher after 2 steps (dp=2), resumed by mpiexec from other weights,
       the next losses equal one eager process (tolerance of ``test_distribute.py``);
     - the controller sends each distinct piece of the state once, to the lowest rank holding
@@ -303,3 +304,5 @@ def test_mpi_launcher_starts_from_a_pushed_checkpoint_and_sends_each_replica_onc
                                    rtol=1e-5, atol=1e-6, msg="loss after load_state_dict")
     copies = list((tmp_path / "cache").rglob("gpt.safetensors"))
     assert len(copies) == 1 and copies[0].read_bytes() == path.read_bytes()
+    (plan_copy,) = (tmp_path / "cache").rglob("*.plan")      # the plan went the same way
+    assert meshplan.Plan.load(plan_copy).to_json() == step.plan.to_json()
