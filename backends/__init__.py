@@ -7,7 +7,7 @@ kernels) and the communicators and transfers: torch.distributed (gloo on CPU, NC
 """
 
 from ._comm import CollectiveKind, CommRecord, Communicator, TorchCommunicator
-from ._layout import all_axis_groups, assemble, local_part, local_slices, rank_coords
+from ._layout import all_axis_groups, assemble, holds_zeros, local_part, local_slices, rank_coords
 from ._lower import Program, RunObserver, lower, run, split_inputs
 from ._mpi import MPICommunicator
 from ._rma import Transfer, TransferRecord
@@ -26,6 +26,7 @@ __all__: list[str] = [
     "TransferRecord",
     "all_axis_groups",
     "assemble",
+    "holds_zeros",
     "local_part",
     "local_slices",
     "lower",

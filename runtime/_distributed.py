@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from .._errors import RuntimeFailure
-from ..backends import assemble, local_slices, rank_coords, split_inputs
-from ..backends._layout import holds_zeros
+from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..frontend import trace
 from ..ir import Role
 from ..planner import Plan, plan_graph
@@ -183,11 +182,10 @@ class DistributedStep:
         """
         from ._checkpoint import read_info
 
-        info = read_info(path)
         if self._traced is None and self.example_inputs is None:
-            self._pending_checkpoint = (info.path, push)
+            self._pending_checkpoint = (read_info(path).path, push)     # checked now
             return
-        self._apply_checkpoint(info.path, push)
+        self._apply_checkpoint(path, push)
 
     def sync(self) -> None:
         """Write the mesh's state back into the live model and optimizer on the controller."""
@@ -274,13 +272,15 @@ class DistributedStep:
                                     strategy=self.strategy,
                                     memory_limit_bytes=self.memory_limit_bytes)
 
-    def _apply_checkpoint(self, path: str, push: bool | None) -> None:
+    def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
         from ._checkpoint import check_matches, read_info, read_whole
 
+        info = read_info(path)            # a foreign file fails before any tracing
+        path = info.path
         plan = self.plan
         expected = {n.target: (n.meta.shape, n.meta.dtype) for n in plan.graph.inputs
                     if n.meta.role in _STATE_ROLES}
-        names = check_matches(read_info(path), expected, self.__name__)
+        names = check_matches(info, expected, self.__name__)
         if self._workers is None:
             self._write_local(read_whole(path))
             self._launch_from = (path, names, push, _stamp(path))
@@ -351,11 +351,12 @@ class DistributedStep:
         return owners
 
     def _share_replicas(self, owners: dict[tuple[int, str], int] | None) -> None:
-        if not owners or all(owner == rank for (rank, _), owner in owners.items()):
+        names = sorted({name for (rank, name), owner in (owners or {}).items() if owner != rank})
+        if not names:                     # no owners (local launcher), or no replicas
             return
+        assert owners is not None
         workers = self._workers
         assert workers is not None
-        names = sorted({name for (rank, name), owner in owners.items() if owner != rank})
         for rank in range(workers.n):
             workers.send(rank, "share_state", {"names": names, "fetch": {
                 name: owners[(rank, name)] for name in names if owners[(rank, name)] != rank}})
@@ -406,16 +407,17 @@ class DistributedStep:
         self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
         ckpt: list[dict[str, Any]] = [{}] * world
-        path, in_file, push, stamp = self._launch_from or (None, [], None, None)
-        self._launch_from = None
-        if path is not None and _stamp(path) != stamp:
-            logger.warning("meshplan: %s changed since it was loaded; the ranks get the state "
-                           "it held from the controller instead", path)
-        elif path is not None:                # the ranks read the state it holds themselves
-            with self._recording_failures():
-                ckpt = [{"path": p, "names": in_file}
-                        for p in self._checkpoint_on_ranks(path, push)]
-            state = {k: v for k, v in state.items() if k not in in_file}
+        if self._launch_from is not None:
+            path, in_file, push, stamp = self._launch_from
+            self._launch_from = None
+            if _stamp(path) != stamp:
+                logger.warning("meshplan: %s changed since it was loaded; the ranks get the "
+                               "state it held from the controller instead", path)
+            else:                             # the ranks read the state it holds themselves
+                with self._recording_failures():
+                    ckpt = [{"path": p, "names": in_file}
+                            for p in self._checkpoint_on_ranks(path, push)]
+                state = {k: v for k, v in state.items() if k not in in_file}
         header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s,
                                   "kernels": self.kernels}
         if self.telemetry is not None:

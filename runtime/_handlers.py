@@ -15,12 +15,12 @@ from ..backends import (
     TorchCommunicator,
     Transfer,
     all_axis_groups,
+    holds_zeros,
     local_slices,
     lower,
     rank_coords,
     run,
 )
-from ..backends._layout import holds_zeros
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
