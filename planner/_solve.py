@@ -257,14 +257,17 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
 
     Memory is constrained at the peaks of the unsharded liveness profile; if the solution's
     exact peak lands elsewhere and exceeds the limit, that point is added and the ILP re-solved.
+    ``time_limit`` bounds all rounds together (each solve gets what is left, at least 1 s); when
+    it runs out, the last round's plan stands (its exact peak says whether it fits).
     """
     points = _memory_points(problem, memory_points)
     t_build = t_solve = 0.0
+    deadline = time.perf_counter() + time_limit
     for rounds in range(1, max_rounds + 1):
         t0 = time.perf_counter()
         model, xvar, members, _ = _build(problem, memory_limit, points)
         t_build += time.perf_counter() - t0
-        values, stats = model.solve(time_limit, gap)
+        values, stats = model.solve(max(1.0, deadline - time.perf_counter()), gap)
         t_solve += stats["solve_s"]
         if not values and stats["status"] != "Infeasible":
             raise PlanError(
@@ -280,7 +283,7 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
             for name in names:
                 choice[name] = best
         peak, at = peak_memory(problem, choice)
-        if peak <= memory_limit * (1 + 1e-9) or at in points:
+        if peak <= memory_limit * (1 + 1e-9) or at in points or time.perf_counter() > deadline:
             break
         points.append(at)
     dec = problem.decisions
