@@ -2,20 +2,27 @@
 
 ``substitute(instrs, ...)`` asks the kernel registry (``meshplan.kernels.find_kernels``) which
 patterns of the plan's graph a kernel for this program's device can replace, and rewrites the
-rank's instruction list: the ``Compute`` instructions of a match's nodes go, one ``KernelCall``
-takes the place of the last of them. Matches of a ``batch`` kernel with equal constants become
-one call (AdamW over all of a rank's shards is one multi-tensor update).
+rank's instruction list: the ``Compute`` instructions of a match's nodes go and one
+``KernelCall`` runs instead. A kernel that updates operands in place runs where its last node
+ran; any other as soon as its operands are there (in the layouts its nodes read them in), so
+a backward kernel can hand out a gradient the program reads before its last replaced op would
+have run. Matches of a ``batch`` kernel with equal constants become one call (AdamW over all
+of a rank's shards is one multi-tensor update).
 
 A match is substituted only where that computes exactly what the ops did on this rank's pieces:
 
 - every value a replaced node produces that anything else reads (another op, a redistribution,
   a bucket, the step's results or new state) is one of the kernel's results, and every such
   reader runs after the call;
-- each operand is read in one layout by all of the match's nodes, and element-wise kernels see
-  pieces of one local shape (the planner may shard an update; the kernel then updates shards);
+- each operand is read in one layout by all of the match's nodes, values passed between the
+  match's nodes are read in the layout they are made in, and element-wise kernels see pieces
+  of one local shape (the planner may shard an update; the kernel then updates shards);
 - an operand the kernel updates in place (``KernelSpec.mutates``: param, optimizer state) is
   read by nothing after the call, not even by a redistribution of the old value, and is not
-  partial.
+  partial;
+- a private value (``Match.private``: a forward kernel's own value left in a replaced node's
+  slot for its backward kernel, like cross-entropy's log-sum-exp) is read only by the kernels
+  of its pair, in the layout it is made in; otherwise neither of the pair is substituted.
 
 Anything else keeps its ops. ``MESHPLAN_KERNELS=off`` (``kernels.set_kernels_enabled(False)``)
 or ``lower(..., kernels=False)`` turns the pass off; the program is then the plan's op by op.
@@ -86,7 +93,7 @@ def substitute(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tup
     -> its output layouts in the plan; ``tail_reads``: values read after the last instruction
     (the step's results and new state); ``check_available=False``: kernels for a device this
     process lacks too (what a plan would use there, for reports)."""
-    from ._lower import Compute, Free, Reshard
+    from ._lower import Compute, Free
 
     device = str(device).split(":")[0]               # "cuda:1" -> "cuda"
     matches = [m for m in _kernels.find_kernels(graph, device, check_available=check_available)
@@ -106,15 +113,9 @@ def substitute(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tup
     for r in tail_reads:
         readers.setdefault(r, []).append(len(instrs))
 
-    moves = [(i, ins.ref.node, ins.consumer) for i, ins in enumerate(instrs)
-             if isinstance(ins, Reshard)]
-
     def inside(nodes: Iterable[str]) -> set[int]:
-        """The instructions a kernel for ``nodes`` replaces: their ops, and redistributions of
-        their intermediate values between them (the kernel works on one layout throughout)."""
-        nodes = set(nodes)
-        return {pos[n] for n in nodes} | {i for i, src, dst in moves
-                                          if src in nodes and dst in nodes}
+        """The instructions a kernel for ``nodes`` replaces."""
+        return {pos[n] for n in nodes}
 
     claimed: set[str] = set()
     planned: list[_Member] = []
@@ -126,51 +127,100 @@ def substitute(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tup
             planned.append(member)
             claimed.update(m.nodes)
 
-    calls: list[tuple[int, KernelCall, set[str]]] = []
-    for group in _groups(planned):
-        group = _place(group, readers, pos, inside)
-        if group:
-            spec = _kernels.get_kernel(group[0].match.kernel)
-            at = max(pos[n] for g in group for n in g.match.nodes)
-            calls.append((at, _call(group, spec.mutates), {n for g in group for n in g.match.nodes}))
-    if not calls:
+    ready = _ready(instrs, graph, out_layout, sizes)
+    made_by: dict[Ref, _Member] = {}
+
+    def at_of(group: list[_Member]) -> int:
+        """Where the call goes: after the group's last node for kernels that update operands
+        in place (an in-place update must not move before a reader of the old value); else
+        as soon as every operand is there, in the layout it is read in (a backward kernel
+        whose first result the program reads before its last replaced node would run), and
+        after the call making any operand that another kernel makes."""
+        last = max(pos[n] for g in group for n in g.match.nodes)
+        if _kernels.get_kernel(group[0].match.kernel).mutates:
+            return last
+        at = -1
+        for g in group:
+            for _, ref, layout in g.operands:
+                if isinstance(ref, Ref):
+                    maker = made_by.get(ref)
+                    at = max(at, ready.get((ref, layout), last) if maker is None
+                             else at_of([maker]))
+        return min(at, last)
+
+    while True:                       # placing a group may drop a private value's partner
+        planned = _paired(planned, readers, inside, out_layout, sizes)
+        made_by = {ref: g for g in planned for _, ref, _ in g.results}
+        groups = [g for g in (_place(g, readers, at_of, inside) for g in _groups(planned)) if g]
+        if sum(map(len, groups)) == len(planned):
+            break
+        planned = [m for g in groups for m in g]
+    if not groups:
         return list(instrs)
 
-    replaced = {n for _, _, nodes in calls for n in nodes}
-    dropped = set()                   # redistributions inside one call's nodes
-    for _, _, nodes in calls:
-        dropped |= inside(nodes) - {pos[n] for n in nodes}
-    at_index = {at: call for at, call, _ in calls}
-    # operands whose Free falls inside a call's span must outlive the call
-    deferred: dict[int, set[str]] = {}
+    replaced = {n for g in groups for m in g for n in m.match.nodes}
+    after: dict[int, list[KernelCall]] = {}         # instruction index -> calls right after it
     spans = []
-    for at, call, nodes in calls:
-        first = min(pos[n] for n in nodes)
-        names = {r.node for member in call.operands for _, r, _ in member if isinstance(r, Ref)}
-        spans.append((first, at, names))
+    for group in groups:
+        call = _call(group, _kernels.get_kernel(group[0].match.kernel).mutates)
+        at = at_of(group)
+        after.setdefault(at, []).append(call)
+        spans.append((at, {r.node for member in call.operands for _, r, _ in member
+                           if isinstance(r, Ref)}))
+    # an operand freed at or before its call's place (the logits cross-entropy's backward
+    # reads, which none of its replaced nodes reads) is freed right after the call instead
+    deferred: dict[int, set[str]] = {}
     out: list[Any] = []
+
+    def emit_calls(i: int) -> None:
+        out.extend(after.get(i, ()))
+        if i in deferred:
+            out.append(Free(tuple(sorted(deferred.pop(i)))))
+
+    emit_calls(-1)
     for i, ins in enumerate(instrs):
-        if i in dropped:
-            continue
         if isinstance(ins, Compute) and ins.node.name in replaced:
-            if i in at_index:
-                out.append(at_index[i])
-                if i in deferred:
-                    out.append(Free(tuple(sorted(deferred.pop(i)))))
-            continue
-        if isinstance(ins, Free):
+            pass
+        elif isinstance(ins, Free):
             keep = []
             for name in ins.names:
-                later = [at for first, at, names in spans if first <= i < at and name in names]
+                later = [at for at, names in spans if i <= at and name in names]
                 if later:
                     deferred.setdefault(max(later), set()).add(name)
                 else:
                     keep.append(name)
             if keep:
                 out.append(Free(tuple(keep)))
-            continue
-        out.append(ins)
+        else:
+            out.append(ins)
+        emit_calls(i)
     return out
+
+
+def _ready(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tuple],
+           sizes: tuple[int, ...]) -> dict[tuple[Ref, Layout | None], int]:
+    """``(value, layout) -> index of the instruction that makes it`` (its op, or the
+    redistribution or bucket that brings it into that layout); -1 for the step's inputs. Keys
+    carry both the plain layout and None (a read that takes the value as produced)."""
+    from ._lower import Bucket, Compute, Reshard
+
+    made: dict[tuple[Ref, Layout | None], int] = {}
+    for node in graph.inputs:
+        ref = Ref(node.name)
+        made[(ref, None)] = made[(ref, _produced(out_layout, ref, sizes))] = -1
+    for i, ins in enumerate(instrs):
+        if isinstance(ins, Compute):
+            for k in range(len(ins.node.outputs)):
+                ref = Ref(ins.node.name, k)
+                made[(ref, None)] = i
+                if ins.node.name in out_layout:
+                    made[(ref, _produced(out_layout, ref, sizes))] = i
+        elif isinstance(ins, Reshard):
+            made.setdefault((ins.ref, plain_layout(ins.dst, sizes)), i)
+        elif isinstance(ins, Bucket):
+            for m in ins.members:
+                made.setdefault((m.ref, plain_layout(m.dst, sizes)), i)
+    return made
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +235,21 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
            out_layout: Mapping[str, tuple], sizes: tuple[int, ...],
            readers: Mapping[Ref, list[int]], inside: set[int]) -> _Member | None:
     spec = _kernels.get_kernel(m.kernel)
+    for n in m.nodes:                   # values passed between the replaced nodes stay put
+        for ref, layout in reads[n].items():
+            if (ref.node in m.nodes and layout is not None
+                    and plain_layout(layout, sizes) != _produced(out_layout, ref, sizes)):
+                return None
     operands = []
     shapes = set()
+    layout_from = dict(m.layout_from)
     for name, ref in m.operands:
         if not isinstance(ref, Ref):
             operands.append((name, ref, None))
             continue
+        by = [layout_from[name]] if name in layout_from else m.nodes
         layouts = {None if reads[n][ref] is None else plain_layout(reads[n][ref], sizes)
-                   for n in m.nodes if ref in reads[n]}
+                   for n in by if n in reads and ref in reads[n]}
         if len(layouts) != 1:
             return None                 # read in several layouts (or by no replaced node)
         (layout,) = layouts
@@ -225,6 +282,41 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
     return _Member(m, tuple(operands), tuple(arity), tuple(mutated))
 
 
+def _produced(out_layout: Mapping[str, tuple], ref: Ref, sizes: tuple[int, ...]) -> Layout | None:
+    layout = out_layout[ref.node][ref.index]
+    return None if layout is None else plain_layout(layout, sizes)
+
+
+def _paired(planned: list[_Member], readers: Mapping[Ref, list[int]],
+            inside_of: Callable[[Iterable[str]], set[int]], out_layout: Mapping[str, tuple],
+            sizes: tuple[int, ...]) -> list[_Member]:
+    """``planned`` without the members whose private values (``Match.private``) cannot be
+    handed over: a private result must be read only by the members that read it privately, in
+    the layout it is produced in (no redistribution, no op left reading the graph's value
+    there), and a private operand must come from a planned member's private result."""
+    while True:
+        made: dict[Ref, _Member] = {}
+        taken: dict[Ref, list[tuple[_Member, Layout | None]]] = {}
+        for g in planned:
+            private = set(g.match.private)
+            for name, ref, _ in g.results:
+                if name in private:
+                    made[ref] = g
+            for name, ref, layout in g.operands:
+                if name in private and isinstance(ref, Ref):
+                    taken.setdefault(ref, []).append((g, layout))
+        bad = {id(g) for ref, users in taken.items() if ref not in made for g, _ in users}
+        for ref, g in made.items():
+            users = taken.get(ref, [])
+            allowed = set().union(*(inside_of(m.match.nodes) for m in (g, *(u for u, _ in users))))
+            if (any(i not in allowed for i in readers.get(ref, []))
+                    or any(layout != _produced(out_layout, ref, sizes) for _, layout in users)):
+                bad |= {id(g), *(id(u) for u, _ in users)}
+        if not bad:
+            return planned
+        planned = [g for g in planned if id(g) not in bad]
+
+
 def _groups(planned: list[_Member]) -> list[list[_Member]]:
     groups: dict[tuple, list[_Member]] = {}
     for i, member in enumerate(planned):
@@ -234,13 +326,15 @@ def _groups(planned: list[_Member]) -> list[list[_Member]]:
     return list(groups.values())
 
 
-def _place(group: list[_Member], readers: Mapping[Ref, list[int]], pos: Mapping[str, int],
+def _place(group: list[_Member], readers: Mapping[Ref, list[int]],
+           at_of: Callable[[list[_Member]], int],
            inside_of: Callable[[Iterable[str]], set[int]]) -> list[_Member]:
-    """Drop members until one call at the group's last node works for all: no outside reader
-    of a result before it, no reader of an updated-in-place value after it."""
+    """Drop members until one call right after instruction ``at_of(group)`` works for all: no
+    outside reader of a result at or before it, no reader of an updated-in-place value after
+    it."""
     group = list(group)
     while group:
-        at = max(pos[n] for g in group for n in g.match.nodes)
+        at = at_of(group)
         inside = inside_of(n for g in group for n in g.match.nodes)
         bad = []
         for g in group:

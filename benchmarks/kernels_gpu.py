@@ -310,9 +310,9 @@ def case_sgd(K, dt, sz: Sizes, dev: str) -> Spec:
     n = sum(p.numel() for p in p0)
     optim = K["_triton_optim"]
 
-    def fused() -> Callable[[], object]:
+    def fused(**kw) -> Callable[[], object]:
         p, b = [x.clone() for x in p0], [x.clone() for x in b0]
-        return lambda: optim.sgd_step_(p, g, b, **hp)
+        return lambda: optim.sgd_step_(p, g, b, **hp, **kw)
 
     def torch_opt(dtype, **kw):
         ps = [x.detach().to(dtype).clone().requires_grad_() for x in p0]
@@ -339,8 +339,9 @@ def case_sgd(K, dt, sz: Sizes, dev: str) -> Spec:
                 for i, name in enumerate(("param", "momentum_buffer"))]
 
     return Spec(shape=f"{len(p0)} tensors, {n / 1e6:.1f}M el", bytes=5 * n * p0[0].element_size(),
-                fused=fused, torch={"foreach=False": maker(foreach=False),
-                                    "foreach=True": maker(foreach=True)}, check=check)
+                fused=fused, extra={"per-shard": lambda: fused(multi_tensor=False)},
+                torch={"foreach=False": maker(foreach=False),
+                       "foreach=True": maker(foreach=True)}, check=check)
 
 
 def _targets(n: int, v: int, dev: str) -> torch.Tensor:

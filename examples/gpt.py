@@ -48,15 +48,14 @@ class GPTConfig:
     batch_size: int = 4
     dropout: float = 0.0
     norm: Literal["layer", "rms"] = "layer"
-    activation: Literal["gelu", "silu"] = "gelu"
+    activation: Literal["gelu", "silu", "swiglu"] = "gelu"
 
     def __post_init__(self) -> None:
         if self.norm not in ("layer", "rms"):
             raise ValueError(f"GPTConfig.norm must be 'layer' or 'rms', got {self.norm!r}")
-        if self.activation not in ("gelu", "silu"):
-            raise ValueError(
-                f"GPTConfig.activation must be 'gelu' or 'silu', got {self.activation!r}"
-            )
+        if self.activation not in ("gelu", "silu", "swiglu"):
+            raise ValueError(f"GPTConfig.activation must be 'gelu', 'silu' or 'swiglu', got "
+                             f"{self.activation!r}")
         if self.d_model % self.n_head:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} is not divisible by n_head={self.n_head}"
@@ -91,17 +90,23 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """d_model -> 4 d_model -> d_model with GELU or SiLU."""
+    """d_model -> 4 d_model -> d_model with GELU or SiLU; with SwiGLU (Llama's MLP) the
+    hidden layer is ``silu(c_fc(x)) * c_up(x)`` (bias-free projections)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        swiglu = cfg.activation == "swiglu"
+        self.c_fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=not swiglu)
+        self.c_up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=False) if swiglu else None
         self.act = nn.GELU() if cfg.activation == "gelu" else nn.SiLU()
-        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.c_proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=not swiglu)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        h = self.act(self.c_fc(x))
+        if self.c_up is not None:
+            h = h * self.c_up(x)
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):

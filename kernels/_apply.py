@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["ADAPTERS"]
@@ -137,6 +138,74 @@ def _rms_norm(ops: Operands, attrs: Mapping[str, Any]) -> Results:
     return out
 
 
+def _rms_norm_backward(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """The decomposed RMSNorm backward's input gradient (plus the residual stream's gradient
+    when the match has one), from the forward's rstd (x's dtype, shape ``x.shape[:-1] + (1,)``,
+    as the ``rsqrt`` node made it)."""
+    from ._triton_norm import norm_backward
+    out: Results = {"grad_input": []}
+    for dy, x, w, rstd, res in zip(ops["grad_out"], ops["input"], ops["weight"], ops["rstd"],
+                                   ops["residual"]):
+        dx, _, _ = norm_backward(dy, x.contiguous(), w, None,
+                                 rstd.reshape(-1).to(torch.float32).contiguous(), rms=True,
+                                 weight_grads=False, residual=res)
+        out["grad_input"].append(dx)
+    return out
+
+
+def _cross_entropy(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """``nll_loss_forward(_log_softmax(logits))``'s results, ``loss`` (mean over the rows whose
+    target is not ``ignore_index``) and ``total_weight`` (their count), both 0-d in the logits'
+    dtype as aten's, and the rows' log-sum-exp ``lse`` (float32, ``(N,)``) for the backward."""
+    from ._triton_xent import combine_shard_stats, shard_stats
+    ignore = int(attrs["ignore_index"])
+    out: Results = {"loss": [], "total_weight": [], "lse": []}
+    for logits, target in zip(ops["logits"], ops["target"]):
+        m, s, t = shard_stats(logits.contiguous(), target, ignore_index=ignore)
+        lse, tgt = combine_shard_stats(m[None], s[None], t[None])
+        valid = target != ignore
+        count = valid.sum().to(torch.float32)
+        loss = torch.where(valid, lse - tgt, torch.zeros_like(lse)).sum() / count
+        out["loss"].append(loss.to(logits.dtype))
+        out["total_weight"].append(count.to(logits.dtype))
+        out["lse"].append(lse)
+    return out
+
+
+def _cross_entropy_backward(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """``_log_softmax_backward_data(nll_loss_backward(...))``'s result: ``(softmax - onehot) *
+    grad_loss / total_weight`` per row, zero where the target is ``ignore_index``."""
+    from ._triton_xent import shard_grad
+    out: Results = {"grad_logits": []}
+    for dy, logits, target, total, lse in zip(ops["grad_loss"], ops["logits"], ops["target"],
+                                              ops["total_weight"], ops["lse"]):
+        scale = dy.to(torch.float32) / total.to(torch.float32)
+        out["grad_logits"].append(shard_grad(logits.contiguous(), target, lse, scale,
+                                             ignore_index=int(attrs["ignore_index"])))
+    return out
+
+
+def _swiglu(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    """``silu(gate) * up``; the silu's slot gets an empty tensor (its only readers are the
+    backward kernel's, which recomputes it)."""
+    from ._triton_act import swiglu_forward
+    out: Results = {"out": [], "silu": []}
+    for gate, up in zip(ops["gate"], ops["up"]):
+        out["out"].append(swiglu_forward(gate, up))
+        out["silu"].append(gate.new_empty(0))
+    return out
+
+
+def _swiglu_backward(ops: Operands, attrs: Mapping[str, Any]) -> Results:
+    from ._triton_act import swiglu_backward
+    out: Results = {"grad_gate": [], "grad_up": []}
+    for dy, gate, up in zip(ops["grad_out"], ops["gate"], ops["up"]):
+        da, db = swiglu_backward(dy, gate, up)
+        out["grad_gate"].append(da)
+        out["grad_up"].append(db)
+    return out
+
+
 # registry name -> adapter
 ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
     "adamw": _adamw_triton,
@@ -147,4 +216,9 @@ ADAPTERS: dict[str, Callable[[Operands, Mapping[str, Any]], Results]] = {
     "layer_norm": _layer_norm,
     "layer_norm_backward": _layer_norm_backward,
     "rms_norm": _rms_norm,
+    "rms_norm_backward": _rms_norm_backward,
+    "cross_entropy": _cross_entropy,
+    "cross_entropy_backward": _cross_entropy_backward,
+    "swiglu": _swiglu,
+    "swiglu_backward": _swiglu_backward,
 }

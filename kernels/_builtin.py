@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from ..ir import Graph
 from ._patterns import (
-    match_adamw, match_bias_gelu, match_cross_entropy, match_grad_buckets, match_layer_norm,
-    match_layer_norm_backward, match_rms_norm, match_sgd, match_swiglu,
+    match_adamw, match_bias_gelu, match_cross_entropy, match_cross_entropy_backward,
+    match_grad_buckets, match_layer_norm,
+    match_layer_norm_backward, match_rms_norm, match_rms_norm_backward, match_sgd, match_swiglu, match_swiglu_backward,
 )
 from ._registry import Backend, Device, KernelSpec, Match, register_kernel
 
@@ -62,11 +63,16 @@ BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
                targets=frozenset({"aten.gelu.default", "aten.gelu_backward.default"}),
                matcher=match_bias_gelu, entry="._triton_act:bias_gelu",
                doc="gelu(x + bias), erf and tanh forms, forward and backward"),
+    # SwiGLU: forward and backward are two calls; the backward recomputes silu(gate), so the
+    # pair never keeps that activation (substituted together or not at all)
     KernelSpec(name="swiglu", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
-               targets=frozenset({"aten.silu.default", "aten.mul.Tensor",
-                                  "aten.silu_backward.default"}),
+               targets=frozenset({"aten.silu.default", "aten.mul.Tensor"}),
                matcher=match_swiglu, entry="._triton_act:swiglu",
-               doc="silu(gate) * up, forward and backward"),
+               doc="silu(gate) * up in one pass (silu(gate) is not kept for the backward)"),
+    KernelSpec(name="swiglu_backward", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.mul.Tensor", "aten.silu_backward.default"}),
+               matcher=match_swiglu_backward, entry="._triton_act:swiglu_backward",
+               doc="SwiGLU's gate and up gradients in one pass from dy, gate and up"),
     # LayerNorm: offered for fp32 only, where it beat aten on an H200 (1.35-1.7x); in fp16 and
     # bf16 it took 1.5-1.75x aten's time (benchmarks/README.md), so programs keep aten's there
     # (``layer_norm()`` itself takes all three)
@@ -84,12 +90,30 @@ BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
                matcher=match_rms_norm, entry="._triton_norm:norm_forward",
                doc="RMSNorm over the last dim: its decomposed forward in one pass (the "
                    "backward's ops read the rstd and normalised values it returns)"),
-    KernelSpec(name="cross_entropy", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
-               targets=frozenset({"aten._log_softmax.default", "aten.nll_loss_forward.default",
-                                  "aten.nll_loss_backward.default",
-                                  "aten._log_softmax_backward_data.default"}),
+    KernelSpec(name="rms_norm_backward", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
+               targets=frozenset({"aten.mul.Tensor", "aten.sum.dim_IntList",
+                                  "aten.pow.Tensor_Scalar", "aten.expand.default",
+                                  "aten.div.Tensor", "aten.add.Tensor"}),
+               matcher=match_rms_norm_backward, entry="._triton_norm:norm_backward",
+               doc="RMSNorm's input gradient (aten's 12-14 decomposed nodes) in one pass "
+                   "from the saved rstd"),
+    # cross-entropy: forward and backward are two calls that hand each other the rows'
+    # log-sum-exp (the lowering substitutes both or neither), so the (N, V) log-probabilities
+    # are never written; ``cross_entropy()`` itself is the autograd function for direct use.
+    # Offered for fp32 only: on an H200 forward+backward was 1.76x F.cross_entropy in fp32 but
+    # 0.9x in fp16/bf16 (the vocabulary loop reads the logits twice; benchmarks/README.md)
+    KernelSpec(name="cross_entropy", backend=Backend.TRITON, devices=_GPU, dtypes=_FP32,
+               targets=frozenset({"aten._log_softmax.default", "aten.nll_loss_forward.default"}),
                matcher=match_cross_entropy, entry="._triton_xent:cross_entropy",
-               doc="chunked online-logsumexp cross-entropy; vocab-shardable (combine_shard_stats)"),
+               doc="cross-entropy forward by chunked online log-sum-exp (keeps the lse, not "
+                   "the log-softmax); vocab-shardable (combine_shard_stats)"),
+    KernelSpec(name="cross_entropy_backward", backend=Backend.TRITON, devices=_GPU,
+               dtypes=_FP32,
+               targets=frozenset({"aten.nll_loss_backward.default",
+                                  "aten._log_softmax_backward_data.default"}),
+               matcher=match_cross_entropy_backward, entry="._triton_xent:shard_grad",
+               doc="cross-entropy gradient (softmax - onehot) * dy / n from the logits and the "
+                   "forward's lse"),
     KernelSpec(name="pack_views", backend=Backend.TRITON, devices=_GPU, dtypes=_FLOATS,
                targets=frozenset(), matcher=_called_directly, entry="._triton_pack:pack_views",
                doc="gather strided shards into one buffer (unpack_views scatters back)"),

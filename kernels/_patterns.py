@@ -12,8 +12,9 @@ from typing import Any
 from ..ir import Graph, Node, NodeKind, Phase, Ref, Role, TensorMeta
 from ._registry import Match
 
-__all__ = ["match_adamw", "match_sgd", "match_bias_gelu", "match_swiglu", "match_layer_norm",
-           "match_layer_norm_backward", "match_rms_norm", "match_cross_entropy",
+__all__ = ["match_adamw", "match_sgd", "match_bias_gelu", "match_swiglu", "match_swiglu_backward",
+           "match_layer_norm", "match_layer_norm_backward", "match_rms_norm",
+           "match_rms_norm_backward", "match_cross_entropy", "match_cross_entropy_backward",
            "match_grad_buckets", "raw_gradient"]
 
 _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t.default",
@@ -229,24 +230,69 @@ def _bias_of(graph: Graph, ref: Ref) -> tuple[Ref | None, str]:
 
 
 def match_swiglu(graph: Graph) -> list[Match]:
-    """``mul(silu(a), b)`` and, when present, its backward ``silu_backward(mul(dy, b), a)`` and
-    ``mul(dy, silu(a))``."""
+    """``mul(silu(gate), up)`` (either order), the forward alone. Its backward reads
+    ``silu(gate)``; :func:`match_swiglu_backward` recomputes it instead, so the forward hands
+    over nothing in the silu's slot (``private``: the pair is substituted together) and the
+    ``silu(gate)`` activation is never kept."""
+    found = []
+    for silu, mul, up in _swiglu_forwards(graph):
+        found.append(Match("swiglu", mul.name, (silu.name, mul.name),
+                           (("gate", silu.args[0]), ("up", up)),
+                           (("out", Ref(mul.name)), ("silu", Ref(silu.name))), (),
+                           _dtype(graph, silu.args[0]), private=("silu",)))
+    return found
+
+
+def match_swiglu_backward(graph: Graph) -> list[Match]:
+    """The backward of a :func:`match_swiglu` forward: ``grad_up = mul(dy, silu(gate))`` and
+    ``grad_gate = silu_backward(mul(dy, up), gate)`` (multiplications in either order), from
+    ``dy``, ``gate`` and ``up`` in one pass."""
+    found = []
+    for silu, _, up in _swiglu_forwards(graph):
+        gate = silu.args[0]
+        for grad_up in _readers(graph, Ref(silu.name), "aten.mul.Tensor"):
+            if grad_up.phase is not Phase.BACKWARD:
+                continue
+            dy = _other(grad_up, Ref(silu.name))
+            for grad_silu in _readers(graph, up, "aten.mul.Tensor"):
+                if grad_silu.phase is not Phase.BACKWARD or _other(grad_silu, up) != dy:
+                    continue
+                grad_gate = [b for b in _readers(graph, Ref(grad_silu.name),
+                                                 "aten.silu_backward.default")
+                             if tuple(b.args[:2]) == (Ref(grad_silu.name), gate)]
+                if len(grad_gate) != 1 or dy is None:
+                    continue
+                found.append(Match(
+                    "swiglu_backward", grad_gate[0].name,
+                    (grad_up.name, grad_silu.name, grad_gate[0].name),
+                    (("grad_out", dy), ("gate", gate), ("up", up), ("silu", Ref(silu.name))),
+                    (("grad_gate", Ref(grad_gate[0].name)), ("grad_up", Ref(grad_up.name))),
+                    (), _dtype(graph, gate), private=("silu",)))
+    return found
+
+
+def _swiglu_forwards(graph: Graph) -> list[tuple[Node, Node, Ref]]:
+    """``(silu node, forward mul node, up operand)`` of every ``silu(gate) * up``."""
     found = []
     for silu in graph.nodes:
         if silu.target != "aten.silu.default":
             continue
-        gate = silu.args[0]
         for mul in _readers(graph, Ref(silu.name), "aten.mul.Tensor"):
-            if mul.phase is not Phase.FORWARD or mul.args[0] != Ref(silu.name):
-                continue
-            up = mul.args[1]
-            backward = [b.name for b in _readers(graph, gate, "aten.silu_backward.default")]
-            backward += [b.name for b in _readers(graph, Ref(silu.name), "aten.mul.Tensor")
-                         if b.phase is Phase.BACKWARD]
-            found.append(Match("swiglu", mul.name, (silu.name, mul.name, *backward),
-                               (("gate", gate), ("up", up)), (("out", Ref(mul.name)),), (),
-                               _dtype(graph, gate)))
+            up = _other(mul, Ref(silu.name))
+            if mul.phase is Phase.FORWARD and _same_meta(graph, up, Ref(silu.name)):
+                found.append((silu, mul, up))
     return found
+
+
+def _other(mul: Node, ref: Ref) -> Any:
+    """The operand of a two-operand ``mul`` that is not ``ref`` (None if ``ref`` is not one
+    of exactly two operands, or both are ``ref``)."""
+    a, b = mul.args[:2]
+    if a == ref and b != ref:
+        return b
+    if b == ref and a != ref:
+        return a
+    return None
 
 
 # ---- norms and loss ----------------------------------------------------------------------
@@ -322,24 +368,172 @@ def match_rms_norm(graph: Graph) -> list[Match]:
     return found
 
 
+def match_rms_norm_backward(graph: Graph) -> list[Match]:
+    """The input gradient of an RMSNorm as aten decomposes it, 12 to 14 nodes:
+    ``add(mul(a, rstd), mul(div(expand(mul(mul(sum(mul(a, x), [-1], keepdim), -0.5),
+    pow(rstd, 3))), D), mul(pow(x, 1.0), 2.0)))`` with ``a = mul(dy, weight)`` (or ``dy``
+    without a weight), ``rstd`` a :func:`match_rms_norm` forward's ``rsqrt``; in a residual
+    block the first term is first added to the residual stream's gradient
+    (``add(add(residual, mul(a, rstd)), chain)``), which the kernel adds in its pass. The
+    weight's gradient (``sum(mul(dy, normed))``) stays aten's: its reduction depends on the
+    batch dims."""
+    found = []
+    for rsqrt in graph.nodes:
+        forward = _rms_forward(graph, rsqrt)
+        if forward is None:
+            continue
+        x, width = forward
+        r = Ref(rsqrt.name)
+        cubes = [p for p in _readers(graph, r, "aten.pow.Tensor_Scalar")
+                 if p.args[0] == r and p.args[1] == 3]
+        for direct in _readers(graph, r, "aten.mul.Tensor"):
+            if direct.phase is not Phase.BACKWARD or direct.args[1] != r:
+                continue
+            a = direct.args[0]
+            for add in _readers(graph, Ref(direct.name), "aten.add.Tensor"):
+                if _kw(add, "alpha", 1) != 1:
+                    continue
+                # either add(direct, chain), or add(add(residual, direct), chain): the
+                # gradient of a residual stream the norm's input also feeds, accumulated
+                residual, adds, last = None, (add.name,), add
+                chain = _rms_grad_chain(graph, _other(add, Ref(direct.name)), a, x, r, width,
+                                        cubes)
+                if chain is None:
+                    residual = _other(add, Ref(direct.name))
+                    for add2 in _readers(graph, Ref(add.name), "aten.add.Tensor"):
+                        chain = _rms_grad_chain(graph, _other(add2, Ref(add.name)), a, x, r,
+                                                width, cubes)
+                        if chain is not None and _kw(add2, "alpha", 1) == 1:
+                            adds, last = (add.name, add2.name), add2
+                            break
+                if chain is None or (residual is not None and not _same_meta(graph, residual, x)):
+                    continue
+                scale = _op(graph, a, "aten.mul.Tensor")
+                weighted = (scale is not None and scale.phase is Phase.BACKWARD
+                            and _input(graph, scale.args[1], Role.PARAM) is not None)
+                nodes = ((scale.name,) if weighted else ()) + (direct.name, *chain, *adds)
+                found.append(Match(
+                    "rms_norm_backward", last.name, nodes,
+                    (("grad_out", scale.args[0] if weighted else a), ("input", x),
+                     ("weight", scale.args[1] if weighted else None), ("rstd", r),
+                     ("residual", residual)),
+                    (("grad_input", Ref(last.name)),), (), _dtype(graph, x)))
+    return found
+
+
+def _same_meta(graph: Graph, a: Any, b: Any) -> bool:
+    ma, mb = (graph.meta(r) if isinstance(r, Ref) else None for r in (a, b))
+    return (isinstance(ma, TensorMeta) and isinstance(mb, TensorMeta)
+            and (ma.shape, ma.dtype) == (mb.shape, mb.dtype))
+
+
+def _rms_forward(graph: Graph, rsqrt: Node) -> tuple[Ref, int] | None:
+    """``(x, D)`` when ``rsqrt`` is ``rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps))``."""
+    if rsqrt.target != "aten.rsqrt.default":
+        return None
+    add = _op(graph, rsqrt.args[0], "aten.add.Tensor")
+    mean = add and _op(graph, add.args[0], "aten.mean.dim")
+    pow_ = mean and _op(graph, mean.args[0], "aten.pow.Tensor_Scalar")
+    if not (pow_ and pow_.args[1] == 2 and _arg(mean, 2, "keepdim", False)):
+        return None
+    shape = graph.meta(pow_.args[0]).shape
+    if tuple(mean.args[1]) not in ((-1,), (len(shape) - 1,)):
+        return None
+    return pow_.args[0], shape[-1]
+
+
+def _rms_grad_chain(graph: Graph, ref: Any, a: Any, x: Ref, rstd: Ref, width: int,
+                    cubes: list[Node]) -> tuple[str, ...] | None:
+    """The nodes of ``mul(div(expand(mul(mul(sum(mul(a, x), [-1], keepdim), -0.5), pow(rstd,
+    3))), D), mul(pow(x, 1.0), 2.0))`` ending at ``ref``, or None."""
+    outer = _op(graph, ref, "aten.mul.Tensor")
+    if outer is None:
+        return None
+    div = _op(graph, outer.args[0], "aten.div.Tensor")
+    two = _op(graph, outer.args[1], "aten.mul.Tensor")
+    ident = two and _op(graph, two.args[0], "aten.pow.Tensor_Scalar")
+    expand = div and _op(graph, div.args[0], "aten.expand.default")
+    inner = expand and _op(graph, expand.args[0], "aten.mul.Tensor")
+    half = inner and _op(graph, inner.args[0], "aten.mul.Tensor")
+    cube = inner and _op(graph, inner.args[1], "aten.pow.Tensor_Scalar")
+    total = half and _op(graph, half.args[0], "aten.sum.dim_IntList")
+    ax = total and _op(graph, total.args[0], "aten.mul.Tensor")
+    if not (ident and ax and cube and cube.name in {c.name for c in cubes}
+            and div.args[1] == width and two.args[1] == 2 and tuple(ident.args) == (x, 1.0)
+            and half.args[1] == -0.5 and tuple(ax.args[:2]) == (a, x)
+            and tuple(total.args[1]) in ((-1,), (len(graph.meta(x).shape) - 1,))
+            and _arg(total, 2, "keepdim", False)):
+        return None
+    return tuple(n.name for n in (ax, total, half, cube, inner, expand, div, ident, two, outer))
+
+
 def match_cross_entropy(graph: Graph) -> list[Match]:
     """``nll_loss_forward(_log_softmax(x, 1), target, None, mean, ignore_index)`` over 2-D
-    logits, with ``nll_loss_backward`` and ``_log_softmax_backward_data`` when present."""
+    logits: the forward alone. Results: the loss and total weight, and, privately, the rows'
+    log-sum-exp in the log-softmax's slot, which :func:`match_cross_entropy_backward` reads
+    instead of the ``(N, V)`` log-probabilities (the pair is substituted together)."""
     found = []
     for lsm in graph.nodes:
-        if lsm.target != "aten._log_softmax.default" or len(graph.meta(lsm.args[0]).shape) != 2:
+        if not _log_softmax_2d(graph, lsm):
             continue
         for nll in _readers(graph, Ref(lsm.name), "aten.nll_loss_forward.default"):
-            if _arg(nll, 2, "weight") is not None or _arg(nll, 3, "reduction") != 1:
+            if not _plain_mean_nll(nll) or nll.args[0] != Ref(lsm.name):
                 continue
-            nll_b = [b for b in _readers(graph, Ref(lsm.name), "aten.nll_loss_backward.default")]
-            lsm_b = [b for nb in nll_b
-                     for b in _readers(graph, Ref(nb.name), "aten._log_softmax_backward_data.default")]
-            results = [("loss", Ref(nll.name))] + [("grad_logits", Ref(b.name)) for b in lsm_b]
             found.append(Match(
-                "cross_entropy", nll.name,
-                (lsm.name, nll.name, *(b.name for b in nll_b), *(b.name for b in lsm_b)),
-                (("logits", lsm.args[0]), ("target", nll.args[1])), tuple(results),
+                "cross_entropy", nll.name, (lsm.name, nll.name),
+                (("logits", lsm.args[0]), ("target", nll.args[1])),
+                (("loss", Ref(nll.name)), ("total_weight", Ref(nll.name, 1)),
+                 ("lse", Ref(lsm.name))),
                 (("ignore_index", _arg(nll, 4, "ignore_index", -100)),),
-                _dtype(graph, lsm.args[0])))
+                _dtype(graph, lsm.args[0]), private=("lse",)))
     return found
+
+
+def match_cross_entropy_backward(graph: Graph) -> list[Match]:
+    """``_log_softmax_backward_data(nll_loss_backward(dy, lsm, target, None, mean, ignore_index,
+    total_weight), lsm, 1)`` of a :func:`match_cross_entropy` forward: the gradient wrt the
+    logits, ``(softmax - onehot(target)) * dy / total_weight``, from the logits and the
+    forward's private log-sum-exp."""
+    found = []
+    for lsm in graph.nodes:
+        if not _log_softmax_2d(graph, lsm):
+            continue
+        forward = [n for n in _readers(graph, Ref(lsm.name), "aten.nll_loss_forward.default")
+                   if _plain_mean_nll(n) and n.args[0] == Ref(lsm.name)]
+        for nll_b in _readers(graph, Ref(lsm.name), "aten.nll_loss_backward.default"):
+            if not (_plain_mean_nll(nll_b, offset=1) and nll_b.args[1] == Ref(lsm.name)):
+                continue
+            twin = [f for f in forward if f.args[1] == nll_b.args[2]
+                    and _arg(f, 4, "ignore_index", -100) == _arg(nll_b, 5, "ignore_index", -100)]
+            lsm_b = [b for b in _readers(graph, Ref(nll_b.name),
+                                         "aten._log_softmax_backward_data.default")
+                     if tuple(b.args[:2]) == (Ref(nll_b.name), Ref(lsm.name))
+                     and _arg(b, 2, "dim") in (1, -1)]
+            if not (twin and len(lsm_b) == 1):
+                continue
+            found.append(Match(
+                "cross_entropy_backward", lsm_b[0].name, (nll_b.name, lsm_b[0].name),
+                (("grad_loss", nll_b.args[0]), ("logits", lsm.args[0]),
+                 ("target", nll_b.args[2]), ("total_weight", _arg(nll_b, 6, "total_weight")),
+                 ("lse", Ref(lsm.name))),
+                (("grad_logits", Ref(lsm_b[0].name)),),
+                (("ignore_index", _arg(nll_b, 5, "ignore_index", -100)),),
+                _dtype(graph, lsm.args[0]), private=("lse",),
+                layout_from=(("logits", lsm.name),)))
+    return found
+
+
+def _log_softmax_2d(graph: Graph, node: Node) -> bool:
+    if node.target != "aten._log_softmax.default":
+        return False
+    meta = graph.meta(node.args[0])
+    return (isinstance(meta, TensorMeta) and len(meta.shape) == 2
+            and _arg(node, 1, "dim") in (1, -1)
+            and not _arg(node, 2, "half_to_float", False))     # not the pattern
+
+
+def _plain_mean_nll(node: Node, offset: int = 0) -> bool:
+    """An ``nll_loss_forward`` (``offset`` 0) / ``nll_loss_backward`` (1, after ``grad_output``)
+    without class weights and with ``mean`` reduction."""
+    return (_arg(node, 2 + offset, "weight") is None
+            and _arg(node, 3 + offset, "reduction") == 1)

@@ -51,7 +51,14 @@ class Match:
     add work rather than replace it, like bucket flattening). ``operands`` and ``results`` name
     the values the kernel reads and the values of the replaced nodes it produces (readers of a
     replaced node are rewired to those). ``attrs`` are the constants read off the graph
-    (``eps``, ``approximate``, betas, ...). ``dtype`` is the dtype the kernel would run at."""
+    (``eps``, ``approximate``, betas, ...). ``dtype`` is the dtype the kernel would run at.
+
+    Two kernels may hand each other a value of their own: ``private`` names results and operands
+    whose slot (a replaced node's ``Ref``) carries the kernel's value instead of the graph's
+    (cross-entropy's forward leaves the rows' log-sum-exp where the log-softmax was, and its
+    backward reads it there). The lowering substitutes such a pair together or not at all.
+    ``layout_from`` names, for an operand none of ``nodes`` reads, the node whose read layout it
+    takes (the backward reads the logits as the forward's first node did)."""
 
     kernel: str
     anchor: str
@@ -60,6 +67,8 @@ class Match:
     results: tuple[tuple[str, Ref], ...] = ()
     attrs: tuple[tuple[str, Any], ...] = ()
     dtype: str = "float32"
+    private: tuple[str, ...] = ()
+    layout_from: tuple[tuple[str, str], ...] = ()
 
     def operand(self, name: str) -> Ref:
         return _lookup(self.operands, name, self, "operand")

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ._common import KernelError, check_tensors
 
-__all__ = ["bias_gelu", "swiglu", "BiasGelu", "SwiGLU"]
+__all__ = ["bias_gelu", "swiglu", "swiglu_forward", "swiglu_backward", "BiasGelu", "SwiGLU"]
 
 _BLOCK = 1024
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -146,26 +146,40 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None,
     return BiasGelu.apply(x, bias, approximate)
 
 
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.silu(a) * b`` in one pass (no autograd)."""
+    check_tensors("swiglu", a, b)
+    if a.shape != b.shape:
+        raise KernelError(f"swiglu: gate {tuple(a.shape)} and up {tuple(b.shape)} differ in "
+                          "shape; split the fused projection with .chunk(2, -1) first")
+    a, b = a.contiguous(), b.contiguous()
+    y = torch.empty_like(a)
+    if a.numel():
+        _swiglu_fwd[_grid(a.numel())](a, b, y, a.numel(), BLOCK=_BLOCK)
+    return y
+
+
+def swiglu_backward(dy: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``F.silu(a) * b`` wrt the gate ``a`` and the up projection ``b``, in one
+    pass from ``a`` and ``b`` (``silu(a)`` is recomputed, not read)."""
+    a, b, dy = a.contiguous(), b.contiguous(), dy.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    if a.numel():
+        _swiglu_bwd[_grid(a.numel())](dy, a, b, da, db, a.numel(), BLOCK=_BLOCK)
+    return da, db
+
+
 class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):  # type: ignore[override]
-        check_tensors("swiglu", a, b)
-        if a.shape != b.shape:
-            raise KernelError(f"swiglu: gate {tuple(a.shape)} and up {tuple(b.shape)} differ in "
-                              "shape; split the fused projection with .chunk(2, -1) first")
+        y = swiglu_forward(a, b)
         ctx.save_for_backward(a, b)
-        y = torch.empty_like(a)
-        if a.numel():
-            _swiglu_fwd[_grid(a.numel())](a, b, y, a.numel(), BLOCK=_BLOCK)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        a, b = ctx.saved_tensors
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        if a.numel():
-            _swiglu_bwd[_grid(a.numel())](dy.contiguous(), a, b, da, db, a.numel(), BLOCK=_BLOCK)
-        return da, db
+        return swiglu_backward(dy, *ctx.saved_tensors)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

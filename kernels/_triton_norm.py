@@ -46,8 +46,9 @@ def _norm_fwd(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, d, eps, RMS: tl.co
 
 
 @triton.jit
-def _norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n, d,
-              RMS: tl.constexpr, HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, res_ptr, dx_ptr, dw_ptr, db_ptr, n, d,
+              RMS: tl.constexpr, HAS_W: tl.constexpr, WB_GRADS: tl.constexpr,
+              HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
@@ -62,9 +63,11 @@ def _norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, 
         if row < n:
             x = tl.load(x_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(mean_ptr + row)
             rstd = tl.load(rstd_ptr + row)
-            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+            if RMS:
+                xhat = tl.where(mask, x * rstd, 0.0)
+            else:
+                xhat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
             wdy = w * dy
             c1 = tl.sum(xhat * wdy, axis=0) / d
             if RMS:
@@ -72,11 +75,15 @@ def _norm_bwd(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, 
             else:
                 c2 = tl.sum(wdy, axis=0) / d
                 dx = (wdy - (xhat * c1 + c2)) * rstd
+            if HAS_RES:                 # a residual branch's gradient, added in the pass
+                dx += tl.load(res_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(dx_ptr + row * d + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-            db += dy
-    tl.store(dw_ptr + pid * d + cols, dw, mask=mask)
-    tl.store(db_ptr + pid * d + cols, db, mask=mask)
+            if WB_GRADS:
+                dw += dy * xhat
+                db += dy
+    if WB_GRADS:
+        tl.store(dw_ptr + pid * d + cols, dw, mask=mask)
+        tl.store(db_ptr + pid * d + cols, db, mask=mask)
 
 
 def _check(op: str, x: torch.Tensor, *params: torch.Tensor | None) -> int:
@@ -102,19 +109,28 @@ def norm_forward(x, weight, bias, eps, rms):
     return y, mean, rstd
 
 
-def norm_backward(dy, x, weight, mean, rstd, rms):
+def norm_backward(dy, x, weight, mean, rstd, rms, weight_grads=True, residual=None):
+    """``(dx, dweight, dbias)`` from the forward's per-row ``mean`` and ``rstd`` (float32,
+    ``(N,)``; ``mean`` is not read for RMSNorm and may be None). ``weight_grads=False``
+    computes ``dx`` alone and returns None for the other two; ``residual`` (x's shape) is
+    added to ``dx`` in the same pass (a residual stream's gradient)."""
     d = x.shape[-1]
     n = x.numel() // d if d else 0
     dx = torch.empty_like(x)
     progs = triton.cdiv(n, _ROWS)
-    dw = torch.empty((max(progs, 1), d), dtype=torch.float32, device=x.device)
+    shape = (max(progs, 1), d) if weight_grads else (1, 1)
+    dw = torch.empty(shape, dtype=torch.float32, device=x.device)
     db = torch.empty_like(dw)
     if n:
-        _norm_bwd[(progs,)](dy.contiguous(), x, x if weight is None else weight, mean, rstd, dx,
-                            dw, db, n, d, RMS=rms, HAS_W=weight is not None, ROWS=_ROWS,
-                            BLOCK=next_pow2(d))
+        _norm_bwd[(progs,)](dy.contiguous(), x, x if weight is None else weight,
+                            rstd if mean is None else mean, rstd,
+                            dx if residual is None else residual.contiguous(), dx, dw, db, n, d,
+                            RMS=rms, HAS_W=weight is not None, WB_GRADS=weight_grads,
+                            HAS_RES=residual is not None, ROWS=_ROWS, BLOCK=next_pow2(d))
     else:
         dw.zero_(), db.zero_()
+    if not weight_grads:
+        return dx, None, None
     return dx, dw.sum(0), db.sum(0)
 
 

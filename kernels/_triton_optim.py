@@ -7,9 +7,10 @@ as ``torch.optim.AdamW(foreach=False)`` does and reach the kernel as float32; th
 math runs in float32 and is stored back in each tensor's dtype (state may be float32 while
 params are float16/bfloat16).
 
-All shards with the same four dtypes are updated by ONE launch: a table of the shards' addresses
-(int64, cast to pointers in the kernel) and a table of (shard, start) chunks. SGD is still one
-launch per shard.
+All shards with the same dtypes are updated by ONE launch: a table of the shards' addresses
+(int64, cast to pointers in the kernel) and a table of (shard, start) chunks; for AdamW per
+group of param/grad/exp_avg/exp_avg_sq dtypes, for SGD per group of param/grad/buffer dtypes
+(and first step or not).
 """
 
 from __future__ import annotations
@@ -88,7 +89,34 @@ def _sgd(p_ptr, g_ptr, b_ptr, n, lr, weight_decay, momentum, dampening, FIRST: t
          HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
          BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    _sgd_math(p_ptr, g_ptr, b_ptr, offs, offs < n, lr, weight_decay, momentum, dampening,
+              FIRST, HAS_MOMENTUM, NESTEROV, MAXIMIZE)
+
+
+@triton.jit
+def _sgd_multi(p_like, g_like, b_like, addrs_ptr, numels_ptr, chunk_tensor_ptr,
+               chunk_start_ptr, lr, weight_decay, momentum, dampening, n_tensors,
+               FIRST: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+               MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per BLOCK-chunk of any shard, its three addresses (param, grad, buffer)
+    read from a table as in ``_adamw_multi``."""
+    c = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + c)
+    start = tl.load(chunk_start_ptr + c)
+    n = tl.load(numels_ptr + t)
+    p_ptr = tl.load(addrs_ptr + t).to(p_like.dtype, bitcast=True)
+    g_ptr = tl.load(addrs_ptr + n_tensors + t).to(g_like.dtype, bitcast=True)
+    b_ptr = tl.load(addrs_ptr + 2 * n_tensors + t).to(b_like.dtype, bitcast=True)
+    offs = start + tl.arange(0, BLOCK)
+    _sgd_math(p_ptr, g_ptr, b_ptr, offs, offs < n, lr, weight_decay, momentum, dampening,
+              FIRST, HAS_MOMENTUM, NESTEROV, MAXIMIZE)
+
+
+@triton.jit
+def _sgd_math(p_ptr, g_ptr, b_ptr, offs, mask, lr, weight_decay, momentum, dampening,
+              FIRST: tl.constexpr, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+              MAXIMIZE: tl.constexpr):
+    """SGD's update of one block in fp32, stored in place (shared by both kernels)."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     d = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
@@ -185,10 +213,11 @@ _TABLES_KEPT = 16
 
 
 def _launch_tables(shards, device) -> tuple[torch.Tensor, ...]:
-    """(addresses [4 * n], numels [n], chunk -> shard [c], chunk -> start [c]) on ``device``,
-    built with vectorised torch ops on the host and moved in ONE copy."""
+    """(addresses [k * n], numels [n], chunk -> shard [c], chunk -> start [c]) on ``device``
+    for ``n`` shards of ``k`` tensors each, built with vectorised torch ops on the host and
+    moved in ONE copy."""
     numels = [s[0].numel() for s in shards]
-    addrs = [s[k].data_ptr() for k in range(4) for s in shards]
+    addrs = [s[k].data_ptr() for k in range(len(shards[0])) for s in shards]
     key = (str(device), tuple(addrs), tuple(numels))
     hit = _TABLES.get(key)
     if hit is not None:
@@ -224,21 +253,37 @@ def _adamw_group(shards, scalars, decay, beta1, beta2, eps) -> None:
 def sgd_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               momentum_buffers: Sequence[torch.Tensor | None], *, lr: float,
               momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-              nesterov: bool = False, maximize: bool = False) -> list[torch.Tensor | None]:
+              nesterov: bool = False, maximize: bool = False,
+              multi_tensor: bool = True) -> list[torch.Tensor | None]:
     """In-place SGD like ``torch.optim.SGD(foreach=False)``; a ``None`` buffer is the first step
-    (the buffer is created from the gradient). Returns the momentum buffers."""
+    (the buffer is created from the gradient). Returns the momentum buffers.
+
+    ``multi_tensor`` (default): one launch per group of shards with the same dtypes (and the
+    same first step or not), the shards' addresses read from a table; otherwise one launch per
+    shard."""
     same_lengths("sgd_step_", params=params, grads=grads, momentum_buffers=momentum_buffers)
     out: list[torch.Tensor | None] = []
+    groups: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}
     for i, (p, g, buf) in enumerate(zip(params, grads, momentum_buffers)):
         _check_shard("sgd_step_", i, p, g, *(() if buf is None else (buf,)))
         first = buf is None
         if momentum and first:
             buf = torch.empty_like(p)
-        n = p.numel()
-        if n:
-            _sgd[(triton.cdiv(n, _BLOCK),)](p, g, p if buf is None else buf, n, lr, weight_decay,
-                                             momentum, dampening, FIRST=first,
-                                             HAS_MOMENTUM=momentum != 0, NESTEROV=nesterov,
-                                             MAXIMIZE=maximize, BLOCK=_BLOCK)
         out.append(buf if momentum else None)
+        if p.numel():                 # without momentum the buffer slot is the param (unread)
+            shard = (p, g, p if buf is None else buf)
+            groups.setdefault((first, *(t.dtype for t in shard)), []).append(shard)
+    flags = dict(HAS_MOMENTUM=momentum != 0, NESTEROV=nesterov, MAXIMIZE=maximize,
+                 BLOCK=_BLOCK)
+    for (first, *_), shards in groups.items():
+        if not multi_tensor:
+            for p, g, buf in shards:
+                _sgd[(triton.cdiv(p.numel(), _BLOCK),)](p, g, buf, p.numel(), lr, weight_decay,
+                                                         momentum, dampening, FIRST=first,
+                                                         **flags)
+            continue
+        table, numels, chunk_tensor, chunk_start = _launch_tables(shards, shards[0][0].device)
+        _sgd_multi[(len(chunk_tensor),)](*shards[0], table, numels, chunk_tensor, chunk_start,
+                                         lr, weight_decay, momentum, dampening, len(shards),
+                                         FIRST=first, **flags)
     return out

@@ -34,6 +34,8 @@ def _example(name: str):
     ex = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
           "gpt-rms": lambda: gpt.build(optimizer="adamw", clip=1.0,
                                        config=gpt.GPTConfig(norm="rms")),
+          "gpt-swiglu": lambda: gpt.build(optimizer="adamw", clip=1.0,
+                                          config=gpt.GPTConfig(activation="swiglu")),
           "mlp-sgd": lambda: mlp.build(optimizer="sgd", clip=1.0),
           "mlp": lambda: mlp.build(optimizer="adamw")}[name]()
     ex.step(*ex.batch(0))            # optimizer state exists: the steady-state graph
@@ -203,18 +205,20 @@ def test_layer_norm_kernels_replace_forward_and_backward() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_rms_norm_kernel_replaces_the_decomposed_forward() -> None:
+def test_rms_norm_kernels_replace_the_decomposed_forward_and_backward() -> None:
     """The RMSNorm GPT's 5 norms under FSDP on dp=2: each decomposed forward (pow, mean, add,
     rsqrt, mul, mul by the weight) becomes one Triton call returning the output, the rstd and
-    the normalised values that aten's backward ops read; 2 steps match the op-by-op program.
-    Tolerances and the interpreter: as for LayerNorm above."""
+    the normalised values that aten's weight-gradient ops read; each input gradient (13 nodes,
+    14 where the block adds it to the residual stream's gradient, which the kernel adds in its
+    pass) another, reading the saved rstd. 2 steps match the op-by-op program. Tolerances and
+    the interpreter: as for LayerNorm above."""
     from meshplan.kernels._common import interpreting
 
     pytest.importorskip("triton")
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
     axes, strategy = {"dp": 2}, "fsdp"
-    with _on_cpu("rms_norm"):
+    with _on_cpu("rms_norm", "rms_norm_backward"):
         progs, losses, state = _run_steps("gpt-rms", axes, strategy, use_kernels=True,
                                           keep="adamw_foreach", steps=2)
     _, want_losses, want_state = _run_steps("gpt-rms", axes, strategy, use_kernels=False,
@@ -223,13 +227,103 @@ def test_rms_norm_kernel_replaces_the_decomposed_forward() -> None:
         summary = {k: (calls, replaced) for k, calls, _, replaced in
                    kernel_summary(prog.instructions)}
         assert summary["rms_norm"] == (5, 30)
-        forward = [i.node.target for i in prog.instructions if hasattr(i, "node")
-                   and i.node.phase.value == "forward"]
-        assert "aten.rsqrt.default" not in forward
+        assert summary["rms_norm_backward"] == (5, 4 * 14 + 13)
+        ops = [i.node.target for i in prog.instructions if hasattr(i, "node")]
+        assert "aten.rsqrt.default" not in ops and "aten.expand.default" not in ops
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(state, want_state):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("axes", "strategy"), [({"dp": 2}, "fsdp")], ids=_ids)
+def test_cross_entropy_pair_never_writes_the_log_softmax(axes, strategy) -> None:
+    """The GPT's loss under FSDP on dp=2 (rows split, the total weight all-reduced for the
+    backward): ``_log_softmax`` + ``nll_loss_forward`` become one Triton call that leaves the
+    rows' log-sum-exp where the log-probabilities were, and ``nll_loss_backward`` +
+    ``_log_softmax_backward_data`` one call that reads it with the logits (kept alive for it
+    instead of the log-probabilities). No log-softmax op is left; 2 steps match the op-by-op
+    program. Tolerance: the kernel's online log-sum-exp sums in another order than aten's
+    (fp32), so losses get rtol 1e-5 / atol 1e-6 and state rtol 1e-5 / atol 1e-5 as above; a
+    wrong loss or gradient is off by O(1)."""
+    from meshplan.kernels._common import interpreting
+
+    pytest.importorskip("triton")
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
+    with _on_cpu("cross_entropy", "cross_entropy_backward"):
+        progs, losses, state = _run_steps("gpt", axes, strategy, use_kernels=True,
+                                          keep="adamw_foreach", steps=2)
+    _, want_losses, want_state = _run_steps("gpt", axes, strategy, use_kernels=False, steps=2)
+    for prog in progs:
+        summary = {k: (calls, replaced) for k, calls, _, replaced in
+                   kernel_summary(prog.instructions)}
+        assert summary["cross_entropy"] == (1, 2) and summary["cross_entropy_backward"] == (1, 2)
+        ops = {i.node.target for i in prog.instructions if hasattr(i, "node")}
+        assert not ops & {"aten._log_softmax.default", "aten.nll_loss_forward.default",
+                          "aten._log_softmax_backward_data.default"}
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(state, want_state):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(300)
+def test_swiglu_pair_recomputes_the_silu_instead_of_keeping_it() -> None:
+    """The SwiGLU GPT (Llama's MLP: ``silu(c_fc(x)) * c_up(x)``) under Megatron on tp=2 (the
+    hidden layer column-split): each block's ``silu`` + ``mul`` become one Triton call and its
+    three backward ops (``mul(dy, silu)``, ``mul(dy, up)``, ``silu_backward``) another, which
+    recomputes ``silu(gate)`` from the gate; the forward leaves nothing in the silu's slot,
+    so that activation is not kept between the passes. The backward call runs as soon as
+    ``dy`` is there (the up projection's weight gradient reads its first result before the
+    last replaced op would have run). 2 steps match the op-by-op program; tolerance as for
+    LayerNorm (fp32, another operation order)."""
+    from meshplan.kernels._common import interpreting
+
+    pytest.importorskip("triton")
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
+    axes, strategy = {"tp": 2}, "megatron_tp"
+    with _on_cpu("swiglu", "swiglu_backward"):
+        progs, losses, state = _run_steps("gpt-swiglu", axes, strategy, use_kernels=True,
+                                          keep="adamw_foreach", steps=2)
+    _, want_losses, want_state = _run_steps("gpt-swiglu", axes, strategy, use_kernels=False,
+                                            steps=2)
+    for prog in progs:
+        summary = {k: (calls, replaced) for k, calls, _, replaced in
+                   kernel_summary(prog.instructions)}
+        assert summary["swiglu"] == (2, 4) and summary["swiglu_backward"] == (2, 6)
+        ops = {i.node.target for i in prog.instructions if hasattr(i, "node")}
+        assert not ops & {"aten.silu.default", "aten.silu_backward.default"}
+    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(state, want_state):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_a_private_value_without_its_partner_keeps_both_ops() -> None:
+    """Cross-entropy's forward leaves its log-sum-exp where the log-softmax was: with its
+    backward kernel gone (or unable to take the backward ops), the forward keeps its ops too,
+    since the backward's ops would read the wrong value there."""
+    ex, traced = _example("gpt")
+    plan = plan_graph(traced.graph, {"dp": 2}, topology="h100", strategy="dp")
+
+    def used() -> set[str]:
+        prog = lower(plan, 0, device="cuda", check_available=False)
+        return {k for k, *_ in kernel_summary(prog.instructions)}
+
+    assert {"cross_entropy", "cross_entropy_backward"} <= used()
+    spec = kernels.unregister_kernel("cross_entropy_backward")
+    try:
+        assert not {"cross_entropy", "cross_entropy_backward"} & used()
+    finally:
+        kernels.register_kernel(spec)
+    spec = kernels.unregister_kernel("cross_entropy")
+    try:
+        assert not {"cross_entropy", "cross_entropy_backward"} & used()
+    finally:
+        kernels.register_kernel(spec)
 
 
 def test_switched_off_kernels_leave_the_plans_ops() -> None:
@@ -288,18 +382,31 @@ def test_an_update_whose_old_value_is_read_later_keeps_its_ops() -> None:
     assert param not in [m[0][1] for m in again[0].operands]
 
 
+GPU_KERNELS = {
+    "gpt": {"adamw", "layer_norm", "layer_norm_backward", "cross_entropy",
+            "cross_entropy_backward"},
+    "gpt-rms": {"adamw", "rms_norm", "rms_norm_backward", "cross_entropy",
+                "cross_entropy_backward"},
+    "gpt-swiglu": {"adamw", "layer_norm", "layer_norm_backward", "swiglu", "swiglu_backward",
+                   "cross_entropy", "cross_entropy_backward"},
+    "mlp-sgd": {"sgd", "layer_norm", "layer_norm_backward"},
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("name", "axes", "strategy"),
                          [("gpt", {"dp": 1}, "dp"), ("gpt", {"dp": 2}, "fsdp"),
+                          ("gpt-rms", {"dp": 2}, "fsdp"), ("gpt-swiglu", {"tp": 2}, "megatron_tp"),
                           ("mlp-sgd", {"dp": 2}, "dp")], ids=_ids)
 def test_programs_on_a_gpu_use_triton_and_match_their_ops(name, axes, strategy) -> None:
     """On CUDA the optimizer update is the Triton kernel (one launch per dtype group), the
-    program's tensors live on the GPU, and steps match the op-by-op program on the GPU and the
-    CPU program (tolerance: module docstring)."""
-    kernel = "adamw" if name == "gpt" else "sgd"
+    norms, the loss and SwiGLU are Triton calls forward and backward, the program's tensors
+    live on the GPU, and steps match the op-by-op program on the GPU and the CPU program
+    (tolerance: module docstring)."""
     progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, device="cuda")
-    assert kernel in [k for k, *_ in kernel_summary(progs[0].instructions)]
+    for prog in progs:
+        assert {k for k, *_ in kernel_summary(prog.instructions)} == GPU_KERNELS[name]
     _, off_losses, off_state = _run_steps(name, axes, strategy, use_kernels=False,
                                           device="cuda")
     _, cpu_losses, cpu_state = _run_steps(name, axes, strategy, use_kernels=False)

@@ -139,7 +139,12 @@ def test_gpt_matches_adamw_layer_norm_gelu_and_cross_entropy(gpt_graph) -> None:
 
     (xent,) = found["cross_entropy"]
     assert gpt_graph.node(xent.anchor).target == "aten.nll_loss_forward.default"
-    assert xent.attr("ignore_index") == -100 and len(xent.nodes) == 4
+    assert xent.attr("ignore_index") == -100 and len(xent.nodes) == 2   # the forward alone
+    (xent_b,) = found["cross_entropy_backward"]     # reads the forward's lse in its slot
+    assert xent_b.operand("lse") == xent.result("lse") and xent.private == xent_b.private
+    assert xent_b.operand("logits") == xent.operand("logits")
+    assert {gpt_graph.node(n).target for n in xent_b.nodes} == {
+        "aten.nll_loss_backward.default", "aten._log_softmax_backward_data.default"}
     assert "swiglu" not in found and "grad_buckets" not in found  # numba is CPU-only
 
 
@@ -181,10 +186,15 @@ def test_swiglu_and_foreach_sgd_momentum_on_a_small_step(swiglu_graph) -> None:
         kernels.find_kernels(swiglu_graph, "cuda", check_available=False)
     swiglu_graph = split_foreach(swiglu_graph)
     found = _by_kernel(kernels.find_kernels(swiglu_graph, "cuda", check_available=False))
-    (sw,) = found["swiglu"]
+    (sw,) = found["swiglu"]            # the forward alone, handing its backward the silu slot
     assert swiglu_graph.node(sw.operand("gate").node).target == "aten.addmm.default"
-    targets = {swiglu_graph.node(n).target for n in sw.nodes}
-    assert "aten.silu_backward.default" in targets
+    assert {swiglu_graph.node(n).target for n in sw.nodes} == {"aten.silu.default",
+                                                                "aten.mul.Tensor"}
+    (bw,) = found["swiglu_backward"]
+    assert bw.operand("silu") == sw.result("silu") and sw.private == bw.private == ("silu",)
+    assert (bw.operand("gate"), bw.operand("up")) == (sw.operand("gate"), sw.operand("up"))
+    targets = [swiglu_graph.node(n).target for n in bw.nodes]
+    assert sorted(targets) == ["aten.mul.Tensor", "aten.mul.Tensor", "aten.silu_backward.default"]
     assert len(found["sgd"]) == 6
     for m in found["sgd"]:
         assert m.attr("momentum") == pytest.approx(0.9)

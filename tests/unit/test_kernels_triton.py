@@ -137,6 +137,25 @@ def test_norm_backward_sums_weight_grads_across_programs() -> None:
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("cols", [1, 129])
+def test_rms_norm_input_gradient_alone_with_a_residual(dtype, cols) -> None:
+    """What the lowering's ``rms_norm_backward`` calls: ``dx`` alone (no weight-gradient
+    partial sums) from the saved rstd, plus a residual stream's gradient in the same pass."""
+    torch.manual_seed(cols)
+    x = _leaf(torch.randn(37, cols) * 3 + 1, dtype)
+    w = torch.randn(cols).to(DEVICE, dtype)
+    dy, res = (torch.randn(37, cols).to(DEVICE, dtype) for _ in range(2))
+    xr = _ref(x)
+    F.rms_norm(xr, (cols,), w.float(), 1e-6).backward(dy.float())
+    rstd = torch.rsqrt(xr.detach().pow(2).mean(-1) + 1e-6)
+    dx, dw, db = _triton_norm.norm_backward(dy, x.detach(), w, None, rstd, rms=True,
+                                            weight_grads=False, residual=res)
+    assert dw is None and db is None
+    tol = dict(rtol=TOL[dtype]["rtol"], atol=1e-4 if cols == 1 else TOL[dtype]["atol"])
+    torch.testing.assert_close(dx.float(), xr.grad + res.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_cross_entropy_matches_torch_with_ignore_index(dtype) -> None:
     torch.manual_seed(1)
     x = _leaf(torch.randn(6, 1000) * 3, dtype)
@@ -234,6 +253,29 @@ def test_adamw_one_launch_per_dtype_group_equals_one_launch_per_shard() -> None:
     kernels.adamw_step_(*b, steps, lr=1e-2, weight_decay=0.1, multi_tensor=False)
     for xs, ys in zip(a, b):
         assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_one_launch_per_dtype_group_equals_one_launch_per_shard(momentum) -> None:
+    """Mixed groups (fp32 and fp16 params, one empty shard), first step then a second: the
+    pointer-table launch and the per-shard launches do the same float32 math, bit-equal."""
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.float16, torch.float32]
+    shapes = [(1,), (7, 3), (0,), (1500,), (33, 31)]
+
+    def run(multi_tensor: bool):
+        torch.manual_seed(7)
+        params = [torch.randn(s).to(DEVICE, d) for s, d in zip(shapes, dtypes)]
+        bufs: list = [None] * len(params)
+        for _ in range(2):
+            grads = [torch.randn(s).to(DEVICE, d) for s, d in zip(shapes, dtypes)]
+            bufs = kernels.sgd_step_(params, grads, bufs, lr=0.1, momentum=momentum,
+                                     dampening=0.1, weight_decay=0.01,
+                                     multi_tensor=multi_tensor)
+        return params, bufs
+
+    (pa, ba), (pb, bb) = run(True), run(False)
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+    assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(ba, bb))
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
