@@ -63,4 +63,6 @@ def test_quick_run_on_cpu_reports_every_kernel_within_tolerance(tmp_path) -> Non
     adamw = next(r for r in rows if r["kernel"] == "adamw")
     assert set(adamw["torch_ms"]) == {"foreach=False", "foreach=True", "fused=True"}
     assert _finite(adamw["fused_variants_ms"]["launch-only"])
+    sgd = next(r for r in rows if r["kernel"] == "sgd")     # the old one launch per shard
+    assert _finite(sgd["fused_variants_ms"]["per-shard"])
     assert "| adamw | float32 | step |" in md.read_text()
