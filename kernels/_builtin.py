@@ -106,7 +106,7 @@ BUILTIN_KERNELS = tuple(register_kernel(spec) for spec in (
                targets=frozenset({"aten._log_softmax.default", "aten.nll_loss_forward.default"}),
                matcher=match_cross_entropy, entry="._triton_xent:cross_entropy",
                doc="cross-entropy forward by chunked online log-sum-exp (keeps the lse, not "
-                   "the log-softmax); vocab-shardable (combine_shard_stats)"),
+                   "the log-softmax)"),
     KernelSpec(name="cross_entropy_backward", backend=Backend.TRITON, devices=_GPU,
                dtypes=_FP32,
                targets=frozenset({"aten.nll_loss_backward.default",

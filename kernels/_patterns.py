@@ -410,7 +410,7 @@ def match_rms_norm_backward(graph: Graph) -> list[Match]:
                     continue
                 scale = _op(graph, a, "aten.mul.Tensor")
                 weighted = (scale is not None and scale.phase is Phase.BACKWARD
-                            and _input(graph, scale.args[1], Role.PARAM) is not None)
+                            and scale.args[1] in _rms_weights(graph, r, x))
                 nodes = ((scale.name,) if weighted else ()) + (direct.name, *chain, *adds)
                 found.append(Match(
                     "rms_norm_backward", last.name, nodes,
@@ -419,6 +419,14 @@ def match_rms_norm_backward(graph: Graph) -> list[Match]:
                      ("residual", residual)),
                     (("grad_input", Ref(last.name)),), (), _dtype(graph, x)))
     return found
+
+
+def _rms_weights(graph: Graph, rstd: Ref, x: Ref) -> list[Ref]:
+    """The weights the forward multiplies ``x * rstd`` by (parameters)."""
+    return [m.args[1] for norm in _readers(graph, rstd, "aten.mul.Tensor")
+            if norm.phase is Phase.FORWARD and norm.args[0] == x
+            for m in _readers(graph, Ref(norm.name), "aten.mul.Tensor")
+            if _input(graph, m.args[1], Role.PARAM)]
 
 
 def _same_meta(graph: Graph, a: Any, b: Any) -> bool:
