@@ -47,6 +47,23 @@ def _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, beta1, beta2, ste
 
 
 @triton.jit
+def _table_chunk(numels_ptr, chunk_tensor_ptr, chunk_start_ptr, BLOCK: tl.constexpr):
+    """This program's chunk of a multi-shard launch: the shard's index, the chunk's element
+    offsets in it and their mask."""
+    c = tl.program_id(0)
+    t = tl.load(chunk_tensor_ptr + c)
+    offs = tl.load(chunk_start_ptr + c) + tl.arange(0, BLOCK)
+    return t, offs, offs < tl.load(numels_ptr + t)
+
+
+@triton.jit
+def _table_ptr(addrs_ptr, k, n_tensors, t, like):
+    """Shard ``t``'s ``k``-th tensor (``addrs[k * n_tensors + t]``) as a pointer of ``like``'s
+    type."""
+    return tl.load(addrs_ptr + k * n_tensors + t).to(like.dtype, bitcast=True)
+
+
+@triton.jit
 def _adamw(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, decay, beta1, beta2, step_size, bc2_sqrt, eps,
            BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -65,18 +82,13 @@ def _adamw_multi(p_like, g_like, m_like, v_like, addrs_ptr, numels_ptr, chunk_te
     """One program per BLOCK-chunk of any shard: the shard's four addresses come from a table
     (``addrs[k * n_tensors + t]`` for k = param, grad, exp_avg, exp_avg_sq) and are cast to
     pointers of the ``*_like`` arguments' types."""
-    c = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + c)
-    start = tl.load(chunk_start_ptr + c)
-    n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(addrs_ptr + t).to(p_like.dtype, bitcast=True)
-    g_ptr = tl.load(addrs_ptr + n_tensors + t).to(g_like.dtype, bitcast=True)
-    m_ptr = tl.load(addrs_ptr + 2 * n_tensors + t).to(m_like.dtype, bitcast=True)
-    v_ptr = tl.load(addrs_ptr + 3 * n_tensors + t).to(v_like.dtype, bitcast=True)
+    t, offs, mask = _table_chunk(numels_ptr, chunk_tensor_ptr, chunk_start_ptr, BLOCK)
+    p_ptr = _table_ptr(addrs_ptr, 0, n_tensors, t, p_like)
+    g_ptr = _table_ptr(addrs_ptr, 1, n_tensors, t, g_like)
+    m_ptr = _table_ptr(addrs_ptr, 2, n_tensors, t, m_like)
+    v_ptr = _table_ptr(addrs_ptr, 3, n_tensors, t, v_like)
     step_size = tl.load(step_size_ptr + t)
     bc2_sqrt = tl.load(bc2_sqrt_ptr + t)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
     p, m, v = _adamw_math(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, beta1, beta2,
                           step_size, bc2_sqrt, eps)
     tl.store(p_ptr + offs, p.to(p_like.dtype.element_ty), mask=mask)
@@ -100,15 +112,11 @@ def _sgd_multi(p_like, g_like, b_like, addrs_ptr, numels_ptr, chunk_tensor_ptr,
                MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per BLOCK-chunk of any shard, its three addresses (param, grad, buffer)
     read from a table as in ``_adamw_multi``."""
-    c = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + c)
-    start = tl.load(chunk_start_ptr + c)
-    n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(addrs_ptr + t).to(p_like.dtype, bitcast=True)
-    g_ptr = tl.load(addrs_ptr + n_tensors + t).to(g_like.dtype, bitcast=True)
-    b_ptr = tl.load(addrs_ptr + 2 * n_tensors + t).to(b_like.dtype, bitcast=True)
-    offs = start + tl.arange(0, BLOCK)
-    _sgd_math(p_ptr, g_ptr, b_ptr, offs, offs < n, lr, weight_decay, momentum, dampening,
+    t, offs, mask = _table_chunk(numels_ptr, chunk_tensor_ptr, chunk_start_ptr, BLOCK)
+    p_ptr = _table_ptr(addrs_ptr, 0, n_tensors, t, p_like)
+    g_ptr = _table_ptr(addrs_ptr, 1, n_tensors, t, g_like)
+    b_ptr = _table_ptr(addrs_ptr, 2, n_tensors, t, b_like)
+    _sgd_math(p_ptr, g_ptr, b_ptr, offs, mask, lr, weight_decay, momentum, dampening,
               FIRST, HAS_MOMENTUM, NESTEROV, MAXIMIZE)
 
 

@@ -171,37 +171,43 @@ class _on_cpu:
             kernels.register_kernel(spec)
 
 
-@pytest.mark.timeout(300)
-def test_layer_norm_kernels_replace_forward_and_backward() -> None:
-    """The GPT's 5 LayerNorms under FSDP on dp=2 (weights gathered for the op, their
-    gradients reduce-scattered): each forward and each backward becomes its own Triton call
-    (the forward's mean and rstd are the saved values the backward call reads) on every rank,
-    and 2 steps match the op-by-op program (2, not more: the interpreter takes ~8 s a step
-    here; a Megatron dp=2 x tp=2 run took 46 s for 3 steps and passed as well). Tolerance: the
-    kernel reduces each row in its own
-    order (fp32 statistics), so losses get rtol 1e-5 / atol 1e-6 and state rtol 1e-5 /
-    atol 1e-5, as for the numba AdamW above; a wrong normalisation or gradient is off by O(1)."""
+def _interpreted(name: str, axes: dict[str, int], strategy: str,
+                 *names: str) -> list[tuple[dict[str, tuple[int, int]], set[str]]]:
+    """Run ``name``'s lowered programs 2 steps with the GPU kernels ``names`` offered for the
+    CPU (the Triton interpreter), check losses and state against the op-by-op programs, and
+    return each rank's ``({kernel: (calls, replaced nodes)}, aten targets left)``. 2 steps, not
+    more: the interpreter takes seconds a step. Tolerance: the kernels reduce in their own
+    order (fp32), so losses get rtol 1e-5 / atol 1e-6 and state rtol 1e-5 / atol 1e-5, as for
+    the numba AdamW above; a wrong normalisation, loss or gradient is off by O(1)."""
     from meshplan.kernels._common import interpreting
 
     pytest.importorskip("triton")
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
-    axes, strategy = {"dp": 2}, "fsdp"
-    with _on_cpu("layer_norm", "layer_norm_backward"):
-        progs, losses, state = _run_steps("gpt", axes, strategy, use_kernels=True,
+    with _on_cpu(*names):
+        progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True,
                                           keep="adamw_foreach", steps=2)
-    _, want_losses, want_state = _run_steps("gpt", axes, strategy, use_kernels=False, steps=2)
-    for prog in progs:
-        summary = {k: (calls, replaced) for k, calls, _, replaced in
-                   kernel_summary(prog.instructions)}
-        assert summary["layer_norm"] == (5, 5) and summary["layer_norm_backward"] == (5, 5)
-        ops = {i.node.target for i in prog.instructions if hasattr(i, "node")}
-        assert not ops & {"aten.native_layer_norm.default",
-                          "aten.native_layer_norm_backward.default"}
+    _, want_losses, want_state = _run_steps(name, axes, strategy, use_kernels=False, steps=2)
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(state, want_state):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+    return [({k: (calls, replaced) for k, calls, _, replaced in kernel_summary(p.instructions)},
+             {i.node.target for i in p.instructions if hasattr(i, "node")}) for p in progs]
+
+
+@pytest.mark.timeout(300)
+def test_layer_norm_kernels_replace_forward_and_backward() -> None:
+    """The GPT's 5 LayerNorms under FSDP on dp=2 (weights gathered for the op, their
+    gradients reduce-scattered): each forward and each backward becomes its own Triton call
+    (the forward's mean and rstd are the saved values the backward call reads) on every rank,
+    and 2 steps match the op-by-op program (a Megatron dp=2 x tp=2 run took 46 s for 3 steps
+    and passed as well)."""
+    for summary, ops in _interpreted("gpt", {"dp": 2}, "fsdp", "layer_norm",
+                                     "layer_norm_backward"):
+        assert summary["layer_norm"] == (5, 5) and summary["layer_norm_backward"] == (5, 5)
+        assert not ops & {"aten.native_layer_norm.default",
+                          "aten.native_layer_norm_backward.default"}
 
 
 @pytest.mark.timeout(300)
@@ -210,63 +216,27 @@ def test_rms_norm_kernels_replace_the_decomposed_forward_and_backward() -> None:
     rsqrt, mul, mul by the weight) becomes one Triton call returning the output, the rstd and
     the normalised values that aten's weight-gradient ops read; each input gradient (13 nodes,
     14 where the block adds it to the residual stream's gradient, which the kernel adds in its
-    pass) another, reading the saved rstd. 2 steps match the op-by-op program. Tolerances and
-    the interpreter: as for LayerNorm above."""
-    from meshplan.kernels._common import interpreting
-
-    pytest.importorskip("triton")
-    if not interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
-    axes, strategy = {"dp": 2}, "fsdp"
-    with _on_cpu("rms_norm", "rms_norm_backward"):
-        progs, losses, state = _run_steps("gpt-rms", axes, strategy, use_kernels=True,
-                                          keep="adamw_foreach", steps=2)
-    _, want_losses, want_state = _run_steps("gpt-rms", axes, strategy, use_kernels=False,
-                                            steps=2)
-    for prog in progs:
-        summary = {k: (calls, replaced) for k, calls, _, replaced in
-                   kernel_summary(prog.instructions)}
+    pass) another, reading the saved rstd. 2 steps match the op-by-op program."""
+    for summary, ops in _interpreted("gpt-rms", {"dp": 2}, "fsdp", "rms_norm",
+                                     "rms_norm_backward"):
         assert summary["rms_norm"] == (5, 30)
         assert summary["rms_norm_backward"] == (5, 4 * 14 + 13)
-        ops = [i.node.target for i in prog.instructions if hasattr(i, "node")]
-        assert "aten.rsqrt.default" not in ops and "aten.expand.default" not in ops
-    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(state, want_state):
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+        assert not ops & {"aten.rsqrt.default", "aten.expand.default"}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("axes", "strategy"), [({"dp": 2}, "fsdp")], ids=_ids)
-def test_cross_entropy_pair_never_writes_the_log_softmax(axes, strategy) -> None:
+def test_cross_entropy_pair_never_writes_the_log_softmax() -> None:
     """The GPT's loss under FSDP on dp=2 (rows split, the total weight all-reduced for the
     backward): ``_log_softmax`` + ``nll_loss_forward`` become one Triton call that leaves the
     rows' log-sum-exp where the log-probabilities were, and ``nll_loss_backward`` +
     ``_log_softmax_backward_data`` one call that reads it with the logits (kept alive for it
     instead of the log-probabilities). No log-softmax op is left; 2 steps match the op-by-op
-    program. Tolerance: the kernel's online log-sum-exp sums in another order than aten's
-    (fp32), so losses get rtol 1e-5 / atol 1e-6 and state rtol 1e-5 / atol 1e-5 as above; a
-    wrong loss or gradient is off by O(1)."""
-    from meshplan.kernels._common import interpreting
-
-    pytest.importorskip("triton")
-    if not interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
-    with _on_cpu("cross_entropy", "cross_entropy_backward"):
-        progs, losses, state = _run_steps("gpt", axes, strategy, use_kernels=True,
-                                          keep="adamw_foreach", steps=2)
-    _, want_losses, want_state = _run_steps("gpt", axes, strategy, use_kernels=False, steps=2)
-    for prog in progs:
-        summary = {k: (calls, replaced) for k, calls, _, replaced in
-                   kernel_summary(prog.instructions)}
+    program."""
+    for summary, ops in _interpreted("gpt", {"dp": 2}, "fsdp", "cross_entropy",
+                                     "cross_entropy_backward"):
         assert summary["cross_entropy"] == (1, 2) and summary["cross_entropy_backward"] == (1, 2)
-        ops = {i.node.target for i in prog.instructions if hasattr(i, "node")}
         assert not ops & {"aten._log_softmax.default", "aten.nll_loss_forward.default",
                           "aten._log_softmax_backward_data.default"}
-    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(state, want_state):
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 @pytest.mark.timeout(300)
@@ -277,29 +247,11 @@ def test_swiglu_pair_recomputes_the_silu_instead_of_keeping_it() -> None:
     recomputes ``silu(gate)`` from the gate; the forward leaves nothing in the silu's slot,
     so that activation is not kept between the passes. The backward call runs as soon as
     ``dy`` is there (the up projection's weight gradient reads its first result before the
-    last replaced op would have run). 2 steps match the op-by-op program; tolerance as for
-    LayerNorm (fp32, another operation order)."""
-    from meshplan.kernels._common import interpreting
-
-    pytest.importorskip("triton")
-    if not interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (a CPU-only process)")
-    axes, strategy = {"tp": 2}, "megatron_tp"
-    with _on_cpu("swiglu", "swiglu_backward"):
-        progs, losses, state = _run_steps("gpt-swiglu", axes, strategy, use_kernels=True,
-                                          keep="adamw_foreach", steps=2)
-    _, want_losses, want_state = _run_steps("gpt-swiglu", axes, strategy, use_kernels=False,
-                                            steps=2)
-    for prog in progs:
-        summary = {k: (calls, replaced) for k, calls, _, replaced in
-                   kernel_summary(prog.instructions)}
+    last replaced op would have run). 2 steps match the op-by-op program."""
+    for summary, ops in _interpreted("gpt-swiglu", {"tp": 2}, "megatron_tp", "swiglu",
+                                     "swiglu_backward"):
         assert summary["swiglu"] == (2, 4) and summary["swiglu_backward"] == (2, 6)
-        ops = {i.node.target for i in prog.instructions if hasattr(i, "node")}
         assert not ops & {"aten.silu.default", "aten.silu_backward.default"}
-    torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(state, want_state):
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 def test_a_private_value_without_its_partner_keeps_both_ops() -> None:
