@@ -38,7 +38,9 @@ def plan_graph(
     device memory). ``"dp"``, ``"fsdp"`` and ``"megatron_tp"`` fix the hand-written families'
     state and batch layouts and let the same solver place the rest, under the same cost model;
     their plans report ``fits`` rather than failing. ``pins`` fixes input layouts by state name,
-    e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis.
+    e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis. ``time_limit_s``
+    bounds the solver, all its memory rounds together (the plan it has then stands; ``fits``
+    says whether it fits).
     """
     t0 = time.perf_counter()
     if not isinstance(mesh, Mesh):
