@@ -143,15 +143,8 @@ class DistributedStep:
             self._write_local(values)
             self._launch_from = None
             return
-        plan, workers = self.plan, self._workers
-        owners = self._replica_owners(values)
         with self._recording_failures():
-            for rank in range(workers.n):
-                pieces = split_inputs(plan, rank, _owned(values, owners, rank))
-                names = sorted(pieces)
-                workers.send(rank, "set_state", {"names": names}, [pieces[n] for n in names])
-            workers.gather("set_state", self.timeout_s)
-            self._share_replicas(owners)
+            self._send_state("set_state", values, lambda rank, names: {"names": names})
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the whole model and optimizer state (``state_dict()``: gathered from every
@@ -329,6 +322,22 @@ class DistributedStep:
                 f.write(text)
             return [{"plan_path": p} for p in self._on_every_host(path, "plans")]
 
+    def _send_state(self, kind: str, values: Mapping[str, Any],
+                    header: Callable[[int, list[str]], dict[str, Any]]) -> None:
+        """Send every rank its pieces of ``values`` with the message ``kind`` (``header(rank,
+        names)`` is its header; the pieces follow in ``names`` order) and wait for all. Under
+        the mpi launcher each distinct piece goes once, to its owner, and the ranks holding a
+        replica then read it from there (``_replica_owners``, ``_share_replicas``)."""
+        plan, workers = self.plan, self._workers
+        assert workers is not None
+        owners = self._replica_owners(values)
+        for rank in range(workers.n):
+            pieces = split_inputs(plan, rank, _owned(values, owners, rank))
+            names = sorted(pieces)
+            workers.send(rank, kind, header(rank, names), [pieces[n] for n in names])
+        workers.gather(kind, self.timeout_s)
+        self._share_replicas(owners)
+
     def _replica_owners(self, values: Mapping[str, Any]) -> dict[tuple[int, str], int] | None:
         """Under the mpi launcher: (rank, name) -> the lowest rank that holds the same piece of
         ``name`` (itself when none lower does). The controller sends each distinct piece once,
@@ -425,17 +434,10 @@ class DistributedStep:
                                             step_name=self.__name__, strategy=plan.strategy)
             header["telemetry"] = {**self.telemetry.to_json(), "run_id": workers.run_id}
         self._step_no = 0
-        owners = self._replica_owners(state)
         with self._recording_failures():
             plans = self._plan_for_ranks(plan.to_json())
-            for rank in range(world):
-                pieces = split_inputs(plan, rank, _owned(state, owners, rank))
-                names = sorted(pieces)
-                workers.send(rank, "setup", {**header, **plans[rank], "state": names,
-                                             "checkpoint": ckpt[rank]},
-                             [pieces[n] for n in names])
-            workers.gather("setup", self.timeout_s)
-            self._share_replicas(owners)
+            self._send_state("setup", state, lambda rank, names: {
+                **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
 
     def _step(self, args: tuple) -> Any:
         plan, workers = self.plan, self._workers
