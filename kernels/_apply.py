@@ -157,15 +157,11 @@ def _cross_entropy(ops: Operands, attrs: Mapping[str, Any]) -> Results:
     """``nll_loss_forward(_log_softmax(logits))``'s results, ``loss`` (mean over the rows whose
     target is not ``ignore_index``) and ``total_weight`` (their count), both 0-d in the logits'
     dtype as aten's, and the rows' log-sum-exp ``lse`` (float32, ``(N,)``) for the backward."""
-    from ._triton_xent import combine_shard_stats, shard_stats
+    from ._triton_xent import loss_and_lse
     ignore = int(attrs["ignore_index"])
     out: Results = {"loss": [], "total_weight": [], "lse": []}
     for logits, target in zip(ops["logits"], ops["target"]):
-        m, s, t = shard_stats(logits.contiguous(), target, ignore_index=ignore)
-        lse, tgt = combine_shard_stats(m[None], s[None], t[None])
-        valid = target != ignore
-        count = valid.sum().to(torch.float32)
-        loss = torch.where(valid, lse - tgt, torch.zeros_like(lse)).sum() / count
+        loss, lse, count = loss_and_lse(logits.contiguous(), target, ignore_index=ignore)
         out["loss"].append(loss.to(logits.dtype))
         out["total_weight"].append(count.to(logits.dtype))
         out["lse"].append(lse)

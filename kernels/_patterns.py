@@ -342,20 +342,12 @@ def match_rms_norm(graph: Graph) -> list[Match]:
     (``rstd``, ``normed``) beside ``out``, so the backward runs unchanged on them."""
     found = []
     for rsqrt in graph.nodes:
-        if rsqrt.target != "aten.rsqrt.default":
+        forward = _rms_forward(graph, rsqrt)
+        if forward is None:
             continue
-        add = _op(graph, rsqrt.args[0], "aten.add.Tensor")
-        mean = add and _op(graph, add.args[0], "aten.mean.dim")
-        pow_ = mean and _op(graph, mean.args[0], "aten.pow.Tensor_Scalar")
-        if not (pow_ and pow_.args[1] == 2 and tuple(mean.args[1]) in ((-1,), (len(
-                graph.meta(pow_.args[0]).shape) - 1,)) and _arg(mean, 2, "keepdim", False)):
-            continue
+        pow_, mean, add = forward
         x = pow_.args[0]
-        for norm in _readers(graph, Ref(rsqrt.name), "aten.mul.Tensor"):
-            if norm.args[0] != x:
-                continue
-            scaled = [m for m in _readers(graph, Ref(norm.name), "aten.mul.Tensor")
-                      if _input(graph, m.args[1], Role.PARAM)]
+        for norm, scaled in _rms_normed(graph, Ref(rsqrt.name), x):
             last = scaled[0] if scaled else norm
             results = [("out", Ref(last.name)), ("rstd", Ref(rsqrt.name))]
             if scaled:
@@ -382,8 +374,10 @@ def match_rms_norm_backward(graph: Graph) -> list[Match]:
         forward = _rms_forward(graph, rsqrt)
         if forward is None:
             continue
-        x, width = forward
+        x = forward[0].args[0]
+        width = graph.meta(x).shape[-1]
         r = Ref(rsqrt.name)
+        weights = [m.args[1] for _, scaled in _rms_normed(graph, r, x) for m in scaled]
         cubes = [p for p in _readers(graph, r, "aten.pow.Tensor_Scalar")
                  if p.args[0] == r and p.args[1] == 3]
         for direct in _readers(graph, r, "aten.mul.Tensor"):
@@ -410,7 +404,7 @@ def match_rms_norm_backward(graph: Graph) -> list[Match]:
                     continue
                 scale = _op(graph, a, "aten.mul.Tensor")
                 weighted = (scale is not None and scale.phase is Phase.BACKWARD
-                            and scale.args[1] in _rms_weights(graph, r, x))
+                            and scale.args[1] in weights)
                 nodes = ((scale.name,) if weighted else ()) + (direct.name, *chain, *adds)
                 found.append(Match(
                     "rms_norm_backward", last.name, nodes,
@@ -421,12 +415,13 @@ def match_rms_norm_backward(graph: Graph) -> list[Match]:
     return found
 
 
-def _rms_weights(graph: Graph, rstd: Ref, x: Ref) -> list[Ref]:
-    """The weights the forward multiplies ``x * rstd`` by (parameters)."""
-    return [m.args[1] for norm in _readers(graph, rstd, "aten.mul.Tensor")
-            if norm.phase is Phase.FORWARD and norm.args[0] == x
-            for m in _readers(graph, Ref(norm.name), "aten.mul.Tensor")
-            if _input(graph, m.args[1], Role.PARAM)]
+def _rms_normed(graph: Graph, rstd: Ref, x: Ref) -> list[tuple[Node, list[Node]]]:
+    """Each forward ``norm = mul(x, rstd)`` with the ``mul(norm, weight)`` nodes that scale it
+    by a parameter."""
+    return [(norm, [m for m in _readers(graph, Ref(norm.name), "aten.mul.Tensor")
+                    if _input(graph, m.args[1], Role.PARAM)])
+            for norm in _readers(graph, rstd, "aten.mul.Tensor")
+            if norm.phase is Phase.FORWARD and norm.args[0] == x]
 
 
 def _same_meta(graph: Graph, a: Any, b: Any) -> bool:
@@ -435,8 +430,9 @@ def _same_meta(graph: Graph, a: Any, b: Any) -> bool:
             and (ma.shape, ma.dtype) == (mb.shape, mb.dtype))
 
 
-def _rms_forward(graph: Graph, rsqrt: Node) -> tuple[Ref, int] | None:
-    """``(x, D)`` when ``rsqrt`` is ``rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps))``."""
+def _rms_forward(graph: Graph, rsqrt: Node) -> tuple[Node, Node, Node] | None:
+    """The ``pow``, ``mean`` and ``add`` nodes when ``rsqrt`` is
+    ``rsqrt(add(mean(pow(x, 2), [-1], keepdim), eps))``."""
     if rsqrt.target != "aten.rsqrt.default":
         return None
     add = _op(graph, rsqrt.args[0], "aten.add.Tensor")
@@ -444,10 +440,9 @@ def _rms_forward(graph: Graph, rsqrt: Node) -> tuple[Ref, int] | None:
     pow_ = mean and _op(graph, mean.args[0], "aten.pow.Tensor_Scalar")
     if not (pow_ and pow_.args[1] == 2 and _arg(mean, 2, "keepdim", False)):
         return None
-    shape = graph.meta(pow_.args[0]).shape
-    if tuple(mean.args[1]) not in ((-1,), (len(shape) - 1,)):
+    if tuple(mean.args[1]) not in ((-1,), (len(graph.meta(pow_.args[0]).shape) - 1,)):
         return None
-    return pow_.args[0], shape[-1]
+    return pow_, mean, add
 
 
 def _rms_grad_chain(graph: Graph, ref: Any, a: Any, x: Ref, rstd: Ref, width: int,
@@ -480,21 +475,13 @@ def match_cross_entropy(graph: Graph) -> list[Match]:
     logits: the forward alone. Results: the loss and total weight, and, privately, the rows'
     log-sum-exp in the log-softmax's slot, which :func:`match_cross_entropy_backward` reads
     instead of the ``(N, V)`` log-probabilities (the pair is substituted together)."""
-    found = []
-    for lsm in graph.nodes:
-        if not _log_softmax_2d(graph, lsm):
-            continue
-        for nll in _readers(graph, Ref(lsm.name), "aten.nll_loss_forward.default"):
-            if not _plain_mean_nll(nll) or nll.args[0] != Ref(lsm.name):
-                continue
-            found.append(Match(
-                "cross_entropy", nll.name, (lsm.name, nll.name),
-                (("logits", lsm.args[0]), ("target", nll.args[1])),
-                (("loss", Ref(nll.name)), ("total_weight", Ref(nll.name, 1)),
-                 ("lse", Ref(lsm.name))),
-                (("ignore_index", _arg(nll, 4, "ignore_index", -100)),),
-                _dtype(graph, lsm.args[0]), private=("lse",)))
-    return found
+    return [Match("cross_entropy", nll.name, (lsm.name, nll.name),
+                  (("logits", lsm.args[0]), ("target", nll.args[1])),
+                  (("loss", Ref(nll.name)), ("total_weight", Ref(nll.name, 1)),
+                   ("lse", Ref(lsm.name))),
+                  (("ignore_index", _arg(nll, 4, "ignore_index", -100)),),
+                  _dtype(graph, lsm.args[0]), private=("lse",))
+            for lsm, nll in _cross_entropy_forwards(graph)]
 
 
 def match_cross_entropy_backward(graph: Graph) -> list[Match]:
@@ -502,16 +489,16 @@ def match_cross_entropy_backward(graph: Graph) -> list[Match]:
     total_weight), lsm, 1)`` of a :func:`match_cross_entropy` forward: the gradient wrt the
     logits, ``(softmax - onehot(target)) * dy / total_weight``, from the logits and the
     forward's private log-sum-exp."""
+    forwards: dict[str, list[Node]] = {}
+    for lsm, nll in _cross_entropy_forwards(graph):
+        forwards.setdefault(lsm.name, []).append(nll)
     found = []
-    for lsm in graph.nodes:
-        if not _log_softmax_2d(graph, lsm):
-            continue
-        forward = [n for n in _readers(graph, Ref(lsm.name), "aten.nll_loss_forward.default")
-                   if _plain_mean_nll(n) and n.args[0] == Ref(lsm.name)]
+    for name, nlls in forwards.items():
+        lsm = graph.node(name)
         for nll_b in _readers(graph, Ref(lsm.name), "aten.nll_loss_backward.default"):
             if not (_plain_mean_nll(nll_b, offset=1) and nll_b.args[1] == Ref(lsm.name)):
                 continue
-            twin = [f for f in forward if f.args[1] == nll_b.args[2]
+            twin = [f for f in nlls if f.args[1] == nll_b.args[2]
                     and _arg(f, 4, "ignore_index", -100) == _arg(nll_b, 5, "ignore_index", -100)]
             lsm_b = [b for b in _readers(graph, Ref(nll_b.name),
                                          "aten._log_softmax_backward_data.default")
@@ -529,6 +516,14 @@ def match_cross_entropy_backward(graph: Graph) -> list[Match]:
                 _dtype(graph, lsm.args[0]), private=("lse",),
                 layout_from=(("logits", lsm.name),)))
     return found
+
+
+def _cross_entropy_forwards(graph: Graph) -> list[tuple[Node, Node]]:
+    """``(_log_softmax node, nll_loss_forward node)`` of every plain cross-entropy forward:
+    2-D logits, log-softmax over the classes, no class weights, ``mean`` reduction."""
+    return [(lsm, nll) for lsm in graph.nodes if _log_softmax_2d(graph, lsm)
+            for nll in _readers(graph, Ref(lsm.name), "aten.nll_loss_forward.default")
+            if _plain_mean_nll(nll) and nll.args[0] == Ref(lsm.name)]
 
 
 def _log_softmax_2d(graph: Graph, node: Node) -> bool:

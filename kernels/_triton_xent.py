@@ -29,7 +29,7 @@ import triton.language as tl
 from ._common import KernelError, check_tensors
 
 __all__ = ["cross_entropy", "CrossEntropy", "shard_stats", "combine_shard_stats", "shard_grad",
-           "cross_entropy_fwd_bwd"]
+           "cross_entropy_fwd_bwd", "loss_and_lse"]
 
 CHUNK = 256
 
@@ -121,7 +121,9 @@ def shard_grad(logits, target, lse, scale, *, vocab_start: int = 0, ignore_index
     return dx
 
 
-def _loss(logits, target, ignore_index, chunk):
+def loss_and_lse(logits, target, ignore_index: int = -100, chunk: int = CHUNK):
+    """Mean cross-entropy over the rows whose target is not ``ignore_index`` (float32, 0-d),
+    each row's log-sum-exp (float32, ``(N,)``) and the count of those rows (float32, 0-d)."""
     m, s, t = shard_stats(logits, target, ignore_index=ignore_index, chunk=chunk)
     lse, tl_ = combine_shard_stats(m[None], s[None], t[None])
     valid = target != ignore_index
@@ -133,7 +135,7 @@ def _loss(logits, target, ignore_index, chunk):
 class CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, chunk):  # type: ignore[override]
-        loss, lse, n_valid = _loss(logits, target, ignore_index, chunk)
+        loss, lse, n_valid = loss_and_lse(logits, target, ignore_index, chunk)
         ctx.save_for_backward(logits, target, lse, n_valid)
         ctx.ignore_index, ctx.chunk = ignore_index, chunk
         return loss.to(logits.dtype)
@@ -155,6 +157,6 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
 
 def cross_entropy_fwd_bwd(logits, target, ignore_index: int = -100, chunk: int = CHUNK):
     """Loss and its gradient wrt ``logits`` (for ``dloss = 1``) in one call, no autograd."""
-    loss, lse, n_valid = _loss(logits, target, ignore_index, chunk)
+    loss, lse, n_valid = loss_and_lse(logits, target, ignore_index, chunk)
     dx = shard_grad(logits, target, lse, 1.0 / n_valid, ignore_index=ignore_index, chunk=chunk)
     return loss, dx
