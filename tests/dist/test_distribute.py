@@ -9,6 +9,18 @@ Parameters get atol 1e-5: where the true gradient is ~0 (attention's key bias: s
 it) AdamW's update m / sqrt(v) divides rounding noise by rounding noise, so a different
 summation order can move such a weight by a few 1e-6 over five steps (measured: 2e-6 on GPT's
 c_attn bias under Megatron TP); a wrong plan moves weights by ~lr = 3e-3 per step.
+
+The optimizer's state is compared value by value with the eager optimizer's after the same
+steps (AdamW's exp_avg, exp_avg_sq and step; SGD's momentum_buffer, with and without dampening),
+under the same names the plan gives them (``opt.state.model.<parameter>.<key>``; a tied weight,
+GPT's ``lm_head.weight`` = ``transformer.wte.weight``, has one entry, under its first name,
+holding both uses' gradients). Tolerances: ``step`` is a count and must be equal. exp_avg and
+momentum_buffer are in gradient units: rtol 1e-5 / atol 1e-6, as for the losses (measured:
+at most 1.3e-7 apart, 6e-9 beyond rtol 1e-5, where the true gradient is ~0 as above; a wrong
+or missing reduction is off by the gradient itself, 1e-4..1e-1 here). exp_avg_sq is in squared
+gradient units, so its atol is squared too: rtol 1e-5 / atol 1e-12 (measured: 3e-10 apart on
+values up to 9e-4, 3e-25 beyond rtol 1e-5; a gradient off by a factor moves it by that factor
+squared).
 """
 
 from __future__ import annotations
@@ -41,6 +53,45 @@ def _dampened(ex):
 def _state(ex) -> dict[str, torch.Tensor]:
     out = {f"model.{k}": v.detach() for k, v in ex.model.state_dict().items()}
     return out
+
+
+def _optim_state(ex) -> dict[str, torch.Tensor]:
+    """The eager optimizer's tensors under the plan's names, ``opt.state.model.<name>.<key>``
+    (the examples' optimizer and model are the step's ``opt`` and ``model``).
+    ``named_parameters()`` lists a tied weight once, under its first name, as the trace does."""
+    return {f"opt.state.model.{name}.{key}": v.detach()
+            for name, p in ex.model.named_parameters()
+            for key, v in ex.opt.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+
+
+# per state key: (rtol, atol); tolerances and their reasons: module docstring
+_OPTIM_TOLERANCE = {"step": (0.0, 0.0), "exp_avg": (1e-5, 1e-6), "momentum_buffer": (1e-5, 1e-6),
+                    "exp_avg_sq": (1e-5, 1e-12)}
+
+
+def _check_optim_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                       what: str) -> None:
+    """``got`` holds exactly ``want``'s optimizer state entries, each equal within its key's
+    tolerance (``_OPTIM_TOLERANCE``; a key without one is an error, not a pass)."""
+    assert sorted(got) == sorted(want), f"{what}: {sorted(set(got) ^ set(want))}"
+    for k, v in want.items():
+        key = k.rsplit(".", 1)[1]
+        if key not in _OPTIM_TOLERANCE:
+            raise AssertionError(f"{what}: no tolerance for optimizer state {key!r} ({k})")
+        rtol, atol = _OPTIM_TOLERANCE[key]
+        torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=f"{what} {k}")
+
+
+def _tied(ex) -> list[tuple[str, str]]:
+    """Pairs of parameter names that are one tensor (GPT: ``lm_head.weight`` and
+    ``transformer.wte.weight``)."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, p in ex.model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            pairs.append((first[id(p)], name))
+        first.setdefault(id(p), name)
+    return pairs
 
 
 # (model, mesh, plan family): every launcher runs these against one process
@@ -82,8 +133,10 @@ def test_distributed_steps_equal_one_process_with_kernels_off(name: str, axes: d
 
 def check_equal_to_one_process(name: str, axes: dict[str, int], strategy: str,
                                after_steps=None, **options) -> None:
-    """``STEPS`` distributed steps against the eager run (tolerances: module docstring);
-    ``options`` go to ``distribute``; ``after_steps(step)`` may check the running mesh."""
+    """``STEPS`` distributed steps against the eager run: the loss of every step, then the
+    parameters and the optimizer's state value by value, as ``state_dict()`` gathers them and
+    as ``sync()`` writes them back, tied weights still one tensor (tolerances: module
+    docstring); ``options`` go to ``distribute``; ``after_steps(step)`` may check the mesh."""
     ex, ref = _models(name)
     step = meshplan.distribute(ex.step, mesh=axes, strategy=strategy, topology="h100",
                                **options)
@@ -102,7 +155,16 @@ def check_equal_to_one_process(name: str, axes: dict[str, int], strategy: str,
             continue
         torch.testing.assert_close(sd["model"][k], v, rtol=1e-5, atol=1e-5, msg=k)
         torch.testing.assert_close(_state(ex)[k], v, rtol=1e-5, atol=1e-5, msg=f"synced {k}")
-    assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in sd["optim"])
+    want_optim = _optim_state(ref)
+    assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in want_optim), name
+    _check_optim_state(sd["optim"], want_optim, "state_dict()")
+    _check_optim_state(_optim_state(ex), want_optim, "synced")
+    tied = _tied(ref)
+    assert tied or not name.startswith("gpt"), "GPT's tied lm_head went untested"
+    params = dict(ex.model.named_parameters(remove_duplicate=False))
+    for owner, alias in tied:          # still one tensor after sync(), with one state entry
+        assert params[alias] is params[owner], alias
+        assert not any(f".{alias}." in k for k in sd["optim"]), alias
 
 
 @pytest.mark.timeout(120)
