@@ -46,7 +46,10 @@ is named); ``torch rel err`` is the same for the torch baseline in the row's dty
 exception: each measurement runs in its own try/except, the error text lands in the row, and
 the run goes on. After a sticky CUDA error the remaining rows are marked skipped. A row that
 would start after ``--budget-s`` seconds (default 95) is skipped. The JSON is rewritten after
-every row, so an interrupted run still leaves its rows.
+every row, so an interrupted run still leaves its rows. The exit status is 1 when any row
+failed (an error in any of its measurements, or ``ok`` false) or the run was interrupted, with
+the failed rows named on stderr (``failures``); rows skipped for the time budget or for bf16
+without CUDA are counted on stderr but do not fail the run.
 
 Default dtype order is bfloat16, float32, float16: bf16 had never run on a GPU, fp16 matters
 least if the budget cuts the run short.
@@ -804,5 +807,26 @@ def run(report: dict, args, kernels: list[str], dtypes: list[str], dev: str) -> 
                 write_json(args.json, report)
 
 
+def failures(report: dict) -> list[str]:
+    """One line per failed row (an error in the check, the fused timing, a fused variant or a
+    torch baseline, or ``ok`` false) and one if the run was interrupted; empty if all is right."""
+    bad = ["run interrupted before every row ran"] if report.get("interrupted") else []
+    for r in (r for r in report["rows"] if "skipped" not in r or "error" in r):
+        errors = [f"{k}: {r[k]}" for k in ("error", "check_error", "fused_error") if k in r]
+        errors += [f"{kind} {name}: {v}" for kind in ("fused_variants_ms", "torch_ms")
+                   for name, v in r.get(kind, {}).items() if isinstance(v, str)]
+        if r.get("ok") is not True and not errors:
+            errors.append(f"max rel err {r.get('max_rel_err')} > tol {r.get('tol')}")
+        bad += [f"{r['kernel']} {r['dtype']} {r['pass']}: {e.splitlines()[0][:300]}"
+                for e in errors]
+    return bad
+
+
 if __name__ == "__main__":
-    main()
+    _report = main()
+    _skipped = sorted({r["skipped"] for r in _report["rows"] if "skipped" in r})
+    if _skipped:
+        print(f"skipped, not failures: {_skipped}", file=sys.stderr)
+    for _line in failures(_report):
+        print(f"FAILED {_line}", file=sys.stderr)
+    sys.exit(1 if failures(_report) else 0)

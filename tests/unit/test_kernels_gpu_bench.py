@@ -66,3 +66,31 @@ def test_quick_run_on_cpu_reports_every_kernel_within_tolerance(tmp_path) -> Non
     sgd = next(r for r in rows if r["kernel"] == "sgd")     # the old one launch per shard
     assert _finite(sgd["fused_variants_ms"]["per-shard"])
     assert "| adamw | float32 | step |" in md.read_text()
+
+
+def test_failed_rows_make_the_run_fail() -> None:
+    """The script's exit status comes from ``failures(report)``: a row with an error in any
+    measurement, a row whose result is out of tolerance, or an interrupted run is a failure,
+    named; rows skipped for the time budget are not."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernels_gpu_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench                 # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
+    good = {"kernel": "adamw", "dtype": "float32", "pass": "step", "ok": True, "tol": 1e-4,
+            "max_rel_err": 1e-7, "torch_ms": {"foreach=False": 1.0},
+            "fused_variants_ms": {"launch-only": 0.1}}
+    assert bench.failures({"rows": [good, {**good, "skipped": "time budget: 99 s > 95"}]}) == []
+    cases = {"check_error": {**good, "ok": False, "check_error": "RuntimeError: boom"},
+             "max rel err 0.5": {**good, "ok": False, "max_rel_err": 0.5},
+             "launch-only: ValueError": {**good, "fused_variants_ms": {"launch-only":
+                                                                       "ValueError: x"}},
+             "fused_error": {**good, "fused_error": "CUDA error"}}
+    for needle, row in cases.items():
+        got = bench.failures({"rows": [good, row]})
+        assert len(got) == 1 and needle in got[0] and got[0].startswith("adamw float32 step"), got
+    assert bench.failures({"rows": [good], "interrupted": True})
