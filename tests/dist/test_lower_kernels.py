@@ -1,5 +1,6 @@
 """Kernel substitution in the lowering (``backends/_kernels.py``): programs with kernels against
-the same programs without, on a thread mesh (and on a GPU when one is present).
+the same programs without, on a thread mesh (and on a GPU when one is present, also against
+eager PyTorch there).
 
 Tolerances: the torch foreach kernels run the graph's own ops in the graph's order, in place, so
 their steps must be bit-identical to the op-by-op program. The numba AdamW computes the same
@@ -9,6 +10,9 @@ rtol 1e-5 / atol 1e-5 after 3 steps (measured differences <= 3e-6; where the tru
 attention's key bias, AdamW's m / sqrt(v) divides rounding noise by rounding noise, the reason
 test_distribute.py gives parameters atol 1e-5; a wrong update is off by ~lr = 1e-3..3e-3). The
 Triton kernels (GPU) compute in fp32 with their own operation order: rtol 1e-4 / atol 1e-5.
+On a GPU the programs are also compared with eager PyTorch on CUDA, the example's own step
+(fp32 with TF32 off; tolerances and their reasons at ``EAGER_TOLERANCE``), and on the CPU one
+case with eager PyTorch on the CPU, so that reference is exercised where CI runs.
 """
 
 from __future__ import annotations
@@ -29,15 +33,18 @@ from meshplan.planner import Replicate, plan_graph
 CPU_OPTIMIZER_KERNELS = ("adamw_cpu", "adamw_foreach", "sgd_foreach")
 
 
-@lru_cache(maxsize=None)
-def _example(name: str):
-    ex = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
+_BUILD = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
           "gpt-rms": lambda: gpt.build(optimizer="adamw", clip=1.0,
                                        config=gpt.GPTConfig(norm="rms")),
           "gpt-swiglu": lambda: gpt.build(optimizer="adamw", clip=1.0,
                                           config=gpt.GPTConfig(activation="swiglu")),
           "mlp-sgd": lambda: mlp.build(optimizer="sgd", clip=1.0),
-          "mlp": lambda: mlp.build(optimizer="adamw")}[name]()
+          "mlp": lambda: mlp.build(optimizer="adamw")}
+
+
+@lru_cache(maxsize=None)
+def _example(name: str):
+    ex = _BUILD[name]()
     ex.step(*ex.batch(0))            # optimizer state exists: the steady-state graph
     return ex, meshplan.trace(ex.step, *ex.batch(1))
 
@@ -342,20 +349,131 @@ GPU_KERNELS = {
 }
 
 
+def _eager_steps(name: str, device: str, steps: int = 3):
+    """The example's own step, eager PyTorch on ``device`` (no meshplan), from the state the
+    lowered programs of ``_run_steps`` start from and on the same batches: the losses and the
+    final state as ``{input name: whole tensor}``. The state is loaded by the graph's input
+    names (``model.<param>``, ``opt.state.model.<param>.<key>``; a tied weight is one input,
+    under its first name, and stays one tensor); AdamW's ``step`` stays where torch keeps it
+    (a CPU scalar unless capturable). Hyperparameter inputs, if the trace lists them, are the
+    optimizer's own; any other state input is an error here, not silently left out."""
+    _, traced = _example(name)
+    values = traced.input_values(*_example(name)[0].batch(1))
+    ex = _BUILD[name]()
+    model = ex.model.to(device)
+    held = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for n, t in held.items():
+            t.copy_(values[f"model.{n}"])
+            loaded.add(f"model.{n}")
+    for n, p in model.named_parameters():
+        prefix = f"opt.state.model.{n}."
+        st = {k[len(prefix):]: v.clone() for k, v in values.items()
+              if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if st:
+            ex.opt.state[p] = {k: v if k == "step" else v.to(device) for k, v in st.items()}
+            loaded |= {prefix + k for k in st}
+    roles = {n.target: n.meta.role.value for n in traced.graph.inputs}
+    left = {k for k, role in roles.items() if role not in ("data", "hyper")} - loaded
+    assert not left, f"state inputs with no eager counterpart: {sorted(left)}"
+    losses = []
+    for i in range(steps):
+        loss = ex.step(*(t.to(device) for t in ex.batch(i + 2)))
+        losses.append(loss.detach().cpu())
+    state = {f"model.{n}": t.detach() for n, t in held.items()}
+    for n, p in model.named_parameters():
+        state |= {f"opt.state.model.{n}.{k}": v for k, v in ex.opt.state.get(p, {}).items()
+                  if isinstance(v, torch.Tensor)}
+    assert set(state) == loaded, sorted(set(state) ^ loaded)
+    return losses, state
+
+
+def _whole(programs, state: list[dict[str, torch.Tensor]], name: str) -> torch.Tensor:
+    """The whole tensor of state input ``name`` from every rank's piece, after checking that
+    every rank holds exactly its piece of it (``assemble`` reads one copy of a replicated
+    piece; the others must be the same bits: each rank applies the same update to the same
+    reduced gradient)."""
+    from meshplan.backends import assemble, local_part
+
+    layout, sizes = programs[0].inputs[name], programs[0].sizes
+    whole = assemble({p.coords: s[name] for p, s in zip(programs, state)}, layout, sizes)
+    for p, s in zip(programs, state):
+        assert torch.equal(s[name], local_part(whole, layout, sizes, p.coords)), \
+            f"{name}: rank {p.rank}'s piece differs from its replica on another rank"
+    return whole
+
+
+# Against eager PyTorch (the example's own step, no meshplan), per state key: (rtol, atol).
+# Both sides fp32; they differ by summation orders (the ranks' partial sums, the kernels' own
+# order, the portable attention twin against the device's fused attention), a few ulps a step.
+# Parameters as for the Triton kernels (module docstring: AdamW's m / sqrt(v) amplifies
+# rounding noise where the true gradient is ~0); exp_avg and momentum_buffer are in gradient
+# units (clipped to norm 1 here), so atol 1e-6; exp_avg_sq in squared gradient units, so its
+# atol is squared too, 1e-10; step is a count and must be equal. A wrong shard, reduction or
+# update is off by the gradient (1e-4..1e-1) or by lr (1e-3..1e-1) per step.
+EAGER_TOLERANCE = {"param": (1e-4, 1e-5), "exp_avg": (1e-4, 1e-6),
+                   "momentum_buffer": (1e-4, 1e-6), "exp_avg_sq": (1e-4, 1e-10), "step": (0, 0)}
+
+
+def _check_against_eager(name: str, device: str, progs, losses, state) -> None:
+    """``_run_steps``' losses (rtol 1e-5 / atol 1e-6) and every state input, assembled from
+    the ranks' pieces, against ``_eager_steps`` on ``device`` (``EAGER_TOLERANCE``)."""
+    want_losses, want = _eager_steps(name, device, steps=len(losses))
+    torch.testing.assert_close([x.cpu() for x in losses], want_losses, rtol=1e-5, atol=1e-6,
+                               msg="losses against eager PyTorch")
+    assert want.keys() <= state[0].keys(), sorted(set(want) - set(state[0]))
+    for k, w in want.items():
+        kind = k.rsplit(".", 1)[1] if k.startswith("opt.state.") else "param"
+        rtol, atol = EAGER_TOLERANCE[kind]
+        got = _whole(progs, state, k)
+        assert got.device.type == w.device.type or kind == "step", (k, got.device, w.device)
+        torch.testing.assert_close(got.cpu(), w.cpu(), rtol=rtol, atol=atol,
+                                   msg=f"{k} against eager PyTorch on {device}")
+
+
+@pytest.mark.timeout(120)
+def test_lowered_programs_match_eager_torch_on_the_cpu() -> None:
+    """The comparison the GPU test below makes with eager PyTorch on CUDA, on the CPU (FSDP on
+    dp=2 with the CPU kernels): it keeps that test's reference (loading the traced state into
+    a fresh model and optimizer, assembling the ranks' pieces) checked where CI runs."""
+    progs, losses, state = _run_steps("gpt", {"dp": 2}, "fsdp", use_kernels=True)
+    _check_against_eager("gpt", "cpu", progs, losses, state)
+
+
+@pytest.fixture
+def fp32_matmuls():
+    """TF32 off for the test (cuBLAS matmuls and cuDNN convolutions), restored after: both the
+    lowered programs and eager PyTorch must compute in fp32, or the comparison measures TF32's
+    10-bit mantissa (~5e-4 relative per product, summed differently per shard) instead of the
+    programs."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("name", "axes", "strategy"),
                          [("gpt", {"dp": 1}, "dp"), ("gpt", {"dp": 2}, "fsdp"),
                           ("gpt-rms", {"dp": 2}, "fsdp"), ("gpt-swiglu", {"tp": 2}, "megatron_tp"),
                           ("mlp-sgd", {"dp": 2}, "dp")], ids=_ids)
-def test_programs_on_a_gpu_use_triton_and_match_their_ops(name, axes, strategy) -> None:
+def test_programs_on_a_gpu_use_triton_and_match_eager_torch(name, axes, strategy,
+                                                            fp32_matmuls) -> None:
     """On CUDA the optimizer update is the Triton kernel (one launch per dtype group), the
     norms, the loss and SwiGLU are Triton calls forward and backward, the program's tensors
-    live on the GPU, and steps match the op-by-op program on the GPU and the CPU program
-    (tolerance: module docstring)."""
+    live on the GPU, and 3 steps match eager PyTorch on the GPU (the example's own step on
+    CUDA from the same state and batches: losses and every parameter and optimizer state
+    value; fp32, TF32 off; ``EAGER_TOLERANCE``), the op-by-op program on the GPU and the CPU
+    program (tolerance: module docstring)."""
     progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, device="cuda")
     for prog in progs:
         assert {k for k, *_ in kernel_summary(prog.instructions)} == GPU_KERNELS[name]
+    _check_against_eager(name, "cuda", progs, losses, state)
     _, off_losses, off_state = _run_steps(name, axes, strategy, use_kernels=False,
                                           device="cuda")
     _, cpu_losses, cpu_state = _run_steps(name, axes, strategy, use_kernels=False)
