@@ -70,6 +70,11 @@ class KernelCall:
     def target(self) -> str:
         return f"kernel.{self.kernel}"
 
+    @property
+    def attr_refs(self) -> tuple[Ref, ...]:
+        """The attributes that are host scalars of the step (read when the call runs)."""
+        return tuple(v for _, v in self.attrs if isinstance(v, Ref))
+
 
 def instruction_reads(ins: Any) -> Iterable[Ref]:
     """The values an instruction of any kind reads (a Compute's operands, a redistribution's
@@ -78,7 +83,8 @@ def instruction_reads(ins: Any) -> Iterable[Ref]:
     if isinstance(node, Node):
         return node.refs()
     if isinstance(ins, KernelCall):
-        return [r for member in ins.operands for _, r, _ in member if isinstance(r, Ref)]
+        return [*(r for member in ins.operands for _, r, _ in member if isinstance(r, Ref)),
+                *ins.attr_refs]
     members = getattr(getattr(ins, "bucket", ins), "members", None)    # a bucket or its start
     if members is not None:
         return [m.ref for m in members]
@@ -165,8 +171,7 @@ def substitute(instrs: Sequence[Any], graph: Graph, out_layout: Mapping[str, tup
         call = _call(group, _kernels.get_kernel(group[0].match.kernel).mutates)
         at = at_of(group)
         after.setdefault(at, []).append(call)
-        spans.append((at, {r.node for member in call.operands for _, r, _ in member
-                           if isinstance(r, Ref)}))
+        spans.append((at, {r.node for r in instruction_reads(call)}))
     # an operand freed at or before its call's place (the logits cross-entropy's backward
     # reads, which none of its replaced nodes reads) is freed right after the call instead
     deferred: dict[int, set[str]] = {}
@@ -373,7 +378,8 @@ def run_kernel(call: KernelCall, read: Callable[[Ref, Layout | None], Any],
                     and _is_callers(value, inputs.get(ref.node))):
                 value = value.clone()
             ops[name].append(value)
-    out = ADAPTERS[call.kernel](ops, dict(call.attrs))
+    attrs = {k: read(v, None) if isinstance(v, Ref) else v for k, v in call.attrs}
+    out = ADAPTERS[call.kernel](ops, attrs)
     for i, member in enumerate(call.results):
         for name, ref, arity in member:
             have = env.get(ref.node)

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from ..ir import Phase, Role
 from ._discover import Inventory
 from ._decomp import DECOMPOSITIONS
+from ._hyper import HyperSlot, bind_symbols, check_unchanged, hyper_entries
 from ._source import is_user_file, user_frame
 
 
@@ -61,7 +62,7 @@ class StageOne:
     n_marks: int
     mark_names: list[str]
     exit_spec: StateSpec
-    fake_inputs: list[list[torch.Tensor]]   # params, grads, buffers, opt state, data
+    fake_inputs: list[list[torch.Tensor]]   # params, grads, buffers, opt state, data, hyper
     # (optimizer, parameter) pairs whose parameter held a gradient when that optimizer stepped
     stepped: frozenset[tuple[int, int]] = frozenset()
 
@@ -236,6 +237,7 @@ def trace_stage_one(
     data: list[torch.Tensor],
     rebuild_args: Callable[[list[torch.Tensor]], tuple[tuple, dict]],
     data_names: list[str],
+    hyper: tuple[HyperSlot, ...] = (),
 ) -> StageOne:
     mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True),
                           allow_non_fake_inputs=True)
@@ -244,6 +246,7 @@ def trace_stage_one(
     f_buffers = [_fake(mode, s.tensor) for s in inv.buffers]
     f_opt = [_fake_like(mode, e.shape, e.dtype) for e in spec.opt]
     f_data = [_fake(mode, t) for t in data]
+    f_hyper = [_fake_like(mode, (), torch.float64) for _ in hyper]
 
     input_names: list[tuple[str, Role]] = (
         [(s.name, Role.PARAM) for s in inv.params]
@@ -251,11 +254,12 @@ def trace_stage_one(
         + [(s.name, Role.BUFFER) for s in inv.buffers]
         + [(opt_state_name(inv, e), Role.OPT_STATE) for e in spec.opt]
         + [(n, Role.DATA) for n in data_names]
+        + [(h.name(inv), Role.HYPER) for h in hyper]
     )
     record: dict[str, Any] = {}
     annot = _Annotator(inv)
 
-    def joint(params, grads, buffers, opt_flat, data_flat):  # noqa: ANN001, ANN202
+    def joint(params, grads, buffers, opt_flat, data_flat, hyper_flat):  # noqa: ANN001, ANN202
         opt_state: dict[tuple[int, int], dict[str, Any]] = {}
         for e, t in zip(spec.opt, opt_flat):
             opt_state.setdefault((e.opt, e.param), {})[e.key] = t
@@ -279,9 +283,12 @@ def trace_stage_one(
         hooks += [opt.register_step_pre_hook(lambda o, *_, i=i: pre_step(i, o))
                   for i, (_, opt) in enumerate(inv.optimizers)]
         try:
-            with _swapped(inv, params, buffers, opt_state) as temp_states, annot, \
-                    annot.module_hooks():
-                result = step(*args, **kwargs)
+            with _swapped(inv, params, buffers, opt_state) as temp_states:
+                bind_symbols(inv, hyper, hyper_flat)
+                bound = hyper_entries(inv)
+                with annot, annot.module_hooks():
+                    result = step(*args, **kwargs)
+                check_unchanged(inv, bound)
                 new_buffers = [slot.homes[0][0]._buffers[slot.homes[0][1]]
                                for slot in inv.buffers]
         finally:
@@ -304,9 +311,11 @@ def trace_stage_one(
         return (leaves, list(params), [g for _, g in new_grads], new_buffers,
                 [t for _, t in new_opt], [marks[i] for i in sorted(marks)])
 
-    with fxt.preserve_node_meta():
+    # oneDNN's fused RNN layer keeps an opaque workspace between forward and backward that
+    # fake tensors cannot carry: trace LSTMs through their plain aten ops instead
+    with fxt.preserve_node_meta(), _without_mkldnn():
         gm = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(
-            f_params, f_grads, f_buffers, f_opt, f_data)
+            f_params, f_grads, f_buffers, f_opt, f_data, f_hyper)
 
     exit_spec = StateSpec(tuple(record["grads"]), tuple(sorted(
         record["opt"], key=lambda e: (e.opt, e.param, e.key))))
@@ -317,11 +326,22 @@ def trace_stage_one(
         + [(opt_state_name(inv, e), Role.OPT_STATE) for e in record["opt"]]
     )
     plain = [[t.detach() for t in group]
-             for group in (f_params, f_grads, f_buffers, f_opt, f_data)]
+             for group in (f_params, f_grads, f_buffers, f_opt, f_data, f_hyper)]
     return StageOne(gm, input_names, output_names, record["n_results"], record["kind"],
                     record["keys"], len(record["marks"]),
                     [inv.params[i].name for i in record["marks"]], exit_spec, plain,
                     record["with_grad"])
+
+
+@contextlib.contextmanager
+def _without_mkldnn() -> Iterator[None]:
+    """oneDNN off (as ``torch.backends.mkldnn.flags(enabled=False)``, without its TF32 note)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
 
 
 def _result_leaves(result: Any) -> tuple[str, tuple[str, ...], list[torch.Tensor]]:

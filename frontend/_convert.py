@@ -41,7 +41,7 @@ _DROP = {"aten._assert_scalar.default", "aten.sym_constrain_range_for_size.defau
          "aten.sym_constrain_range.default", "aten._assert_async.msg",
          "profiler._record_function_enter_new.default", "profiler._record_function_exit._RecordFunction"}
 _INPUT_PREFIX = {Role.PARAM: "p", Role.GRAD: "g", Role.BUFFER: "b", Role.OPT_STATE: "s",
-                 Role.DATA: "d"}
+                 Role.DATA: "d", Role.HYPER: "h"}
 
 
 def _dtype(d: torch.dtype) -> str:

@@ -25,6 +25,7 @@ from ..ir import (
     TensorMeta,
     eliminate_dead_code,
     interpret,
+    merge_host_scalars,
     remove_identity_ops,
     run_passes,
     verify,
@@ -41,6 +42,7 @@ from ._capture import (
 )
 from ._convert import convert
 from ._discover import Inventory, discover, step_location
+from ._hyper import HyperChanged, hyper_key, hyper_slots, hyper_values, keep_schedulers
 from ._probe import guess_steady_spec
 from ._source import describe, exception_user_location
 from ._stamp import stamp
@@ -75,15 +77,16 @@ def trace(step_fn: Callable[..., Any], *example_args: Any) -> TracedStep:
 
 @dataclasses.dataclass(frozen=True)
 class _Args:
-    """The step's positional arguments split into tensor leaves (graph data) and the rest."""
+    """The step's arguments, positional and keyword, split into tensor leaves (graph data) and
+    the rest (Python values the graph is specialised on)."""
 
     leaves: list[Any]
     spec: Any
     tensor_at: tuple[int, ...]
 
     @staticmethod
-    def of(args: tuple) -> _Args:
-        leaves, spec = pytree.tree_flatten(list(args))
+    def of(args: tuple, kwargs: dict[str, Any] | None = None) -> _Args:
+        leaves, spec = pytree.tree_flatten((list(args), dict(kwargs or {})))
         at = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         return _Args(leaves, spec, at)
 
@@ -99,7 +102,7 @@ class _Args:
             else:
                 try:
                     hash(x)
-                    sig.append(("V", x))
+                    sig.append(("V", type(x), x))
                 except TypeError:
                     sig.append(("R", repr(x)))
         return (str(self.spec), tuple(sig))
@@ -108,25 +111,28 @@ class _Args:
         leaves = list(self.leaves)
         for i, t in zip(self.tensor_at, data):
             leaves[i] = t
-        return tuple(pytree.tree_unflatten(leaves, self.spec)), {}
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return tuple(args), kwargs
 
     def names(self, fn: Callable[..., Any]) -> list[str]:
+        """The tensor leaves' names: the parameter's name (``x``, ``batch['ids']``), the
+        keyword's for keyword arguments."""
         try:
             params = [p.name for p in inspect.signature(fn).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         except (TypeError, ValueError):
             params = []
-        paths, _ = pytree.tree_flatten_with_path(list(self.leaves_tree()))
+        paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten(self.leaves, self.spec))
         out = []
         for path, _leaf in (paths[i] for i in self.tensor_at):
-            head, rest = path[0], path[1:]
-            idx = getattr(head, "idx", 0)
-            base = params[idx] if idx < len(params) else f"arg{idx}"
+            where, head, rest = path[0], path[1], path[2:]
+            if getattr(where, "idx", 0) == 1:              # a keyword argument
+                base = str(head.key)
+            else:
+                idx = getattr(head, "idx", 0)
+                base = params[idx] if idx < len(params) else f"arg{idx}"
             out.append(base + pytree.keystr(rest))
         return out
-
-    def leaves_tree(self) -> Any:
-        return pytree.tree_unflatten(self.leaves, self.spec)
 
 
 class TracedStep:
@@ -150,10 +156,14 @@ class TracedStep:
         self.inventory: Inventory = discover(step_fn)
         self._graphs: dict[tuple, Graph] = {}
         self._steady: Graph | None = None
+        self._steady_spec: StateSpec | None = None
         self._first: Graph | None = None
         # traced lazily: (graph key, first-step state, predicted steady state, arguments)
         self._pending_first: tuple[tuple, StateSpec, StateSpec, _Args] | None = None
         self._part: Partial | None = None
+        # hyperparameters are graph inputs (``_hyper``) unless an optimizer's update could not
+        # be traced that way; then they are constants and every change traces again
+        self._runtime_hyper = True
         self._repeat: Repeat | None = None
         try:
             # Only models on the meta device (planned, never run from this graph) are stamped:
@@ -188,10 +198,11 @@ class TracedStep:
                 logger.warning("meshplan: %s: predicted optimizer state was wrong; re-tracing "
                                "the steady step", self._name)
                 self._steady = self._trace_steady(r0, a)
+                self._steady_spec = r0.exit
         return self._first
 
-    def __call__(self, *args: Any) -> Any:
-        a = _Args.of(args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        a = _Args.of(args, kwargs)
         spec = current_spec(self.inventory)
         key = self._key(spec, a)
         graph = self._graphs.get(key)
@@ -213,14 +224,36 @@ class TracedStep:
         return getattr(self.step_fn, "__qualname__", type(self.step_fn).__name__)
 
     def _key(self, spec: StateSpec, a: _Args) -> tuple:
-        hyper = []
-        for _, opt in self.inventory.optimizers:
-            for g in opt.param_groups:
-                hyper.append(tuple(sorted(
-                    (k, v if isinstance(v, (int, float, bool, str, type(None))) else repr(v))
-                    for k, v in g.items() if k != "params")))
+        return (spec, *self._call_key(a))
+
+    def _call_key(self, a: _Args) -> tuple:
+        hyper = hyper_key(self.inventory, runtime=self._runtime_hyper)
         modes = tuple(m.training for slot in self.inventory.params for m, _ in slot.homes)
-        return (spec, tuple(hyper), a.signature(), modes)
+        return (hyper, a.signature(), modes)
+
+    def call_key(self, *args: Any, **kwargs: Any) -> tuple:
+        """What a steady graph is specialised on besides the state's structure: the arguments'
+        shapes, dtypes and Python values, the param groups' entries (a runtime hyperparameter
+        only as "non-zero") and the modules' train/eval modes. Equal keys, equal graphs."""
+        return self._call_key(_Args.of(args, kwargs))
+
+    def steady_graph_for(self, *args: Any, **kwargs: Any) -> Graph:
+        """The steady graph (same state as ``graph``) for a call with these arguments and the
+        optimizers' current param groups: ``graph`` itself when nothing it is specialised on
+        changed, else traced now (and kept)."""
+        a = _Args.of(args, kwargs)
+        key = self._key(self._steady_spec, a)
+        graph = self._graphs.get(key)
+        if graph is None:
+            r = self._trace(self._steady_spec, a)
+            if r.exit != self._steady_spec:
+                raise TraceError(
+                    f"{self._name} with these arguments leaves other state than it was planned "
+                    f"for ({len(r.exit.grads)} gradients and {len(r.exit.opt)} optimizer "
+                    f"tensors, not {len(self._steady_spec.grads)} and "
+                    f"{len(self._steady_spec.opt)})\n{describe(step_location(self.step_fn))}")
+            graph = self._graphs[key] = r.graph
+        return graph
 
     def _prepare(self, example_args: tuple) -> None:
         a = _Args.of(example_args)
@@ -231,15 +264,17 @@ class TracedStep:
             tried = self._try(guess, a)
             if tried is not None and _predicted(spec0, guess, tried):
                 self._graphs[self._key(guess, a)] = self._steady = tried.graph
+                self._steady_spec = guess
                 self._pending_first = (self._key(spec0, a), spec0, guess, a)
                 return
         r0 = self._trace(spec0, a)
         self._graphs[self._key(spec0, a)] = r0.graph
         if r0.exit == spec0:
-            self._steady = r0.graph
+            self._steady, self._steady_spec = r0.graph, spec0
             return
         self._first = r0.graph
         self._steady = self._trace_steady(r0, a, tried)
+        self._steady_spec = r0.exit
 
     def _trace_steady(self, r0: _Result, a: _Args, known: _Result | None = None) -> Graph:
         """The steady graph after a first step ``r0``; ``known`` may already be it."""
@@ -277,14 +312,36 @@ class TracedStep:
             r = self._trace_whole(part.inv, part.restrict(spec), a)
         graph = verify(stamp(r.graph, rep.naming(self.inventory), part.k, rep.n))
         out = _Result(graph, spec, part.extend(r.exit), part.extend_pairs(r.stepped))
-        _check_io(out, self.inventory, a.names(self.step_fn))
+        _check_io(out, self.inventory, a.names(self.step_fn), self._hyper_names())
         return out
+
+    def _hyper_names(self) -> list[str]:
+        inv = self.inventory
+        return [h.name(inv) for h in hyper_slots(inv)] if self._runtime_hyper else []
 
     def _trace_whole(self, inv: Inventory, spec: StateSpec, a: _Args) -> _Result:
         fn = self.step_fn
+        hyper = hyper_slots(inv) if self._runtime_hyper else ()
         try:
-            one = trace_stage_one(fn, inv, spec, a.tensors, a.rebuild, a.names(fn))
+            with keep_schedulers(fn):
+                one = trace_stage_one(fn, inv, spec, a.tensors, a.rebuild, a.names(fn), hyper)
             gm = functionalize_stage_one(one)
+        except _DATA_DEPENDENT as e:
+            if not hyper or exception_user_location(e) is not None:
+                raise self._value_read(e) from None
+            # the optimizer's update branches on a hyperparameter's value: make them constants
+            logger.info("meshplan: %s: optimizer hyperparameters are constants of the graph "
+                        "(%s); a change to one traces the step again", self._name,
+                        str(e).split("\n", 1)[0])
+            self._runtime_hyper = False
+            return self._trace_whole(inv, spec, a)
+        except HyperChanged as e:
+            raise TraceError(
+                f"{self._name} changes {e.where} while it runs (an LR scheduler or a manual "
+                f"update inside the step?)\n{describe(step_location(fn))}\nmeshplan reads the "
+                "optimizer's hyperparameters at every call, before the step runs: call "
+                "scheduler.step() (or change the param group) between calls, outside the step"
+            ) from None
         except _BadResult as e:
             raise TraceError(
                 f"{self._name} returns a {e}; a step must return a tensor (the loss), a tuple "
@@ -297,15 +354,8 @@ class TracedStep:
                 f"{describe(step_location(fn))}\na training step runs forward, "
                 "loss.backward() and opt.step(); add the opt.step() call"
             ) from None
-        except (UserValueRead, *_DATA_DEPENDENT) as e:
-            loc = e.loc if isinstance(e, UserValueRead) else exception_user_location(e)
-            raise TraceError(
-                f"{self._name} reads a tensor's value in Python\n{describe(loc)}\n"
-                "meshplan traces the step once and replays it, so Python control flow and "
-                "`.item()`/`float()`/`print` must not depend on tensor values inside the step; "
-                "use tensor ops (torch.where, masks) instead, or return the value and read it "
-                "after the call"
-            ) from None
+        except UserValueRead as e:
+            raise self._value_read(e) from None
         except MeshplanError:
             raise
         except Exception as e:  # the user's code failed while being traced
@@ -331,19 +381,34 @@ class TracedStep:
                 )
         return _Result(_finish(graph, marks), spec, one.exit_spec, one.stepped)
 
+    def _value_read(self, e: Exception) -> TraceError:
+        loc = e.loc if isinstance(e, UserValueRead) else exception_user_location(e)
+        return TraceError(
+            f"{self._name} reads a tensor's value in Python\n{describe(loc)}\n"
+            "meshplan traces the step once and replays it, so Python control flow and "
+            "`.item()`/`float()`/`print` must not depend on tensor values inside the step; "
+            "use tensor ops (torch.where, masks) instead, or return the value and read it "
+            "after the call")
+
     # ---- running --------------------------------------------------------------------------
-    def input_values(self, *args: Any) -> dict[str, torch.Tensor]:
+    def input_values(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         """The steady graph's inputs as the step would read them now, by input name: the
-        live parameters, buffers, gradients and optimizer state, and ``args``' tensors."""
-        return self._inputs(self.graph, _Args.of(args))
+        live parameters, buffers, gradients and optimizer state, the arguments' tensors and
+        the optimizers' hyperparameters."""
+        return self._inputs(self.graph, _Args.of(args, kwargs))
 
-    def data_tensors(self, *args: Any) -> list[torch.Tensor]:
-        """The tensors of ``args`` in the order of the graph's data inputs."""
-        return list(_Args.of(args).tensors)
+    def data_tensors(self, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        """The tensors of the arguments in the order of the graph's data inputs."""
+        return list(_Args.of(args, kwargs).tensors)
 
-    def pack_results(self, results: list[Any]) -> Any:
-        """The graph's result values shaped as the user's step returns them."""
-        return _pack(self.graph.info.result, results)
+    def hyper_values(self) -> dict[str, torch.Tensor]:
+        """The optimizers' runtime hyperparameters now, by graph input name (0-d float64)."""
+        return hyper_values(self.inventory) if self._runtime_hyper else {}
+
+    def pack_results(self, results: list[Any], graph: Graph | None = None) -> Any:
+        """The result values of ``graph`` (default: the steady graph) shaped as the user's
+        step returns them."""
+        return _pack((graph or self.graph).info.result, results)
 
     def write_state(self, values: dict[str, torch.Tensor], *args: Any) -> None:
         """Write state values (by graph input name: parameters, buffers, gradients, optimizer
@@ -370,6 +435,7 @@ class TracedStep:
                     vals[f"{oname}.state.{pname}.{k}"] = v
         for node, t in zip(graph.inputs_with_role(Role.DATA), a.tensors):
             vals[node.target] = t
+        vals.update(self.hyper_values())
         return vals
 
     def _run(self, graph: Graph, a: _Args) -> Any:
@@ -438,14 +504,14 @@ def _predicted(spec0: StateSpec, guess: StateSpec, r: _Result) -> bool:
     return r.exit == guess and made <= r.stepped <= stateful
 
 
-def _check_io(r: _Result, inv: Inventory, data_names: list[str]) -> None:
+def _check_io(r: _Result, inv: Inventory, data_names: list[str], hyper: list[str]) -> None:
     """A stamped graph has exactly the inputs and state outputs a whole trace would have (state
     outputs in the optimizer's own order, so compared as sets)."""
     state = ([(s.name, Role.PARAM) for s in inv.params]
              + [(f"{inv.params[i].name}.grad", Role.GRAD) for i in r.spec.grads]
              + [(s.name, Role.BUFFER) for s in inv.buffers])
     inputs = (state + [(opt_state_name(inv, e), Role.OPT_STATE) for e in r.spec.opt]
-              + [(n, Role.DATA) for n in data_names])
+              + [(n, Role.DATA) for n in data_names] + [(n, Role.HYPER) for n in hyper])
     outputs = ([(s.name, Role.PARAM) for s in inv.params]
                + [(f"{inv.params[i].name}.grad", Role.GRAD) for i in r.exit.grads]
                + [(s.name, Role.BUFFER) for s in inv.buffers]
@@ -514,5 +580,6 @@ def _finish(graph: Graph, marks: list[Ref]) -> Graph:
         return Graph(tuple(nodes), body, g.info)
 
     mark_grads.__name__ = "mark_grads"
-    graph = run_passes(with_marks, (remove_identity_ops, mark_grads, eliminate_dead_code))
+    graph = run_passes(with_marks, (remove_identity_ops, merge_host_scalars, mark_grads,
+                                    eliminate_dead_code))
     return verify(graph)

@@ -10,7 +10,13 @@ from ._foreach import split_foreach
 from ._graph import ConstantValue, Graph, GraphInfo, Node, Output, ResultSpec
 from ._interpret import interpret, last_uses
 from ._ops import node_bytes, node_flops, op_name, resolve_op
-from ._passes import eliminate_dead_code, remove_identity_ops, run_passes, substitute
+from ._passes import (
+    eliminate_dead_code,
+    merge_host_scalars,
+    remove_identity_ops,
+    run_passes,
+    substitute,
+)
 from ._serialize import FORMAT, VERSION, atomic_write_text
 from ._summary import GraphSummary, summarize
 from ._types import (
@@ -46,6 +52,7 @@ __all__ = [
     "TensorMeta",
     "atomic_write_text",
     "eliminate_dead_code",
+    "merge_host_scalars",
     "interpret",
     "last_uses",
     "node_bytes",

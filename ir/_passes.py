@@ -69,6 +69,56 @@ def remove_identity_ops(graph: Graph) -> Graph:
     return substitute(graph, subst, drop)
 
 
+def merge_host_scalars(graph: Graph) -> Graph:
+    """One node for host arithmetic repeated on the same operands. An optimizer's per-parameter
+    loop computes ``-lr`` or ``1 - lr * wd`` once per parameter; with the hyperparameter a
+    graph input, each would be its own node, and updates that could share one kernel launch
+    (the same scalars) would not see that they do. Those computed from hyperparameters alone
+    then move right after the inputs."""
+    subst: dict[Ref, Ref] = {}
+    drop: set[str] = set()
+    seen: dict[tuple, str] = {}
+    for n in graph.nodes:
+        if n.kind is not NodeKind.HOST:
+            continue
+        key = (n.target, _rewrite(n.args, subst),
+               tuple((k, _rewrite(v, subst)) for k, v in n.kwargs), n.outputs)
+        try:
+            first = seen.setdefault(key, n.name)
+        except TypeError:             # an unhashable literal: keep the node
+            continue
+        if first != n.name:
+            subst[Ref(n.name, 0)] = Ref(first, 0)
+            drop.add(n.name)
+    merged = substitute(graph, subst, drop) if drop else graph
+    return _hoist_hyper(merged)
+
+
+def _hoist_hyper(graph: Graph) -> Graph:
+    """Move the host scalars computed from hyperparameter inputs alone (``-lr``, ``1 - lr *
+    wd``) to the start of the update phase: shared by every parameter's update, they belong
+    to no layer (the block stamping in ``frontend/_stamp.py`` needs each layer's update
+    nodes contiguous)."""
+    from ._types import Phase, Role
+
+    hyper: set[str] = set()
+    for n in graph.nodes:
+        if n.kind is NodeKind.INPUT:
+            if n.meta.role is Role.HYPER:
+                hyper.add(n.name)
+        elif (n.kind is NodeKind.HOST or n.target == "aten._local_scalar_dense.default") and (
+                refs := list(n.refs())) and all(r.node in hyper for r in refs):
+            hyper.add(n.name)
+    if not hyper:
+        return graph
+    lifted = [dataclasses.replace(n, phase=Phase.UPDATE) for n in graph.nodes
+              if n.name in hyper and n.kind is not NodeKind.INPUT]
+    rest = [n for n in graph.nodes if n.name not in hyper or n.kind is NodeKind.INPUT]
+    at = next((i for i, n in enumerate(rest) if n.kind is not NodeKind.INPUT and (
+        n.phase is Phase.UPDATE or any(r.node in hyper for r in n.refs()))), len(rest))
+    return Graph(tuple(rest[:at] + lifted + rest[at:]), graph.outputs, graph.info)
+
+
 def eliminate_dead_code(graph: Graph) -> Graph:
     """Drop op, host and constant nodes whose values never reach an output. Inputs stay: they
     are the calling convention."""

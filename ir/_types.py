@@ -26,6 +26,7 @@ class Role(enum.Enum):
     OPT_STATE = "opt_state"
     BUFFER = "buffer"
     DATA = "data"
+    HYPER = "hyper"        # an optimizer hyperparameter (0-d float64), fed at every call
     ACTIVATION = "activation"
     CONSTANT = "constant"
 

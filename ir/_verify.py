@@ -52,9 +52,9 @@ def _check_kind(node: Node) -> None:
     if kind is NodeKind.INPUT:
         if node.args or node.kwargs or len(outs) != 1 or not isinstance(outs[0], TensorMeta):
             raise IRError(f"input {node.name} must have no arguments and one tensor output")
-        if outs[0].role not in STATE_ROLES | {Role.DATA}:
+        if outs[0].role not in STATE_ROLES | {Role.DATA, Role.HYPER}:
             raise IRError(f"input {node.name} has role {outs[0].role.value}; inputs are "
-                          "params, grads, optimizer state, buffers or data")
+                          "params, grads, optimizer state, buffers, data or hyperparameters")
     elif kind is NodeKind.CONSTANT:
         m, v = outs[0] if len(outs) == 1 else None, node.value
         if not isinstance(m, TensorMeta) or v is None or (m.shape, m.dtype) != (v.shape, v.dtype):

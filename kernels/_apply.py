@@ -1,7 +1,8 @@
 """How the lowering calls a substituted kernel: one adapter per registry entry.
 
 An adapter takes ``operands`` (operand name -> one value per match, in match order; a value is a
-local tensor piece or a host scalar) and ``attrs`` (the matches' shared constants) and returns
+local tensor piece or a host scalar) and ``attrs`` (the matches' shared scalars: constants, or
+host scalars of the step such as a hyperparameter, read when the call runs) and returns
 result name -> one tensor per match. Kernels whose spec lists ``mutates`` update those operands
 in place and return them as the results of the same name; the lowering hands them tensors it
 may overwrite (``backends/_kernels.py``).
@@ -78,8 +79,8 @@ def _sgd_triton(ops: Operands, attrs: Mapping[str, Any]) -> Results:
     if flat:
         part = _pick(ops, flat, contiguous=("grad",))
         bufs = part.get("momentum_buffer", [None] * len(flat))
-        sgd_step_(part["param"], part["grad"], bufs, lr=attrs["lr"],
-                  momentum=attrs["momentum"], dampening=attrs["dampening"])
+        sgd_step_(part["param"], part["grad"], bufs, lr=-attrs["neg_lr"],
+                  momentum=attrs["momentum"], dampening=1.0 - attrs["grad_alpha"])
     if strided:
         _sgd_foreach(_pick(ops, strided), attrs)
     return _sgd_results(ops)

@@ -7,9 +7,10 @@ single-tensor optimizers look the same), skipping view-like nodes where layouts 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from ..ir import Graph, Node, NodeKind, Phase, Ref, Role, TensorMeta
+from ..ir import Graph, Node, NodeKind, Phase, Ref, Role, ScalarMeta, TensorMeta
 from ._registry import Match
 
 __all__ = ["match_adamw", "match_sgd", "match_bias_gelu", "match_swiglu", "match_swiglu_backward",
@@ -75,6 +76,17 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _is_scalar(graph: Graph, x: Any) -> bool:
+    """A number the update reads: a constant, or a host scalar computed at run time (an
+    optimizer hyperparameter is a graph input, ``frontend/_hyper.py``)."""
+    return _is_float(x) or (isinstance(x, Ref) and graph.meta(x) == ScalarMeta("float"))
+
+
+def _derived(f: Callable[[float], float], x: Any) -> float | None:
+    """``f(x)`` for a constant; None (not known before the step runs) for a host scalar."""
+    return f(x) if _is_float(x) else None
+
+
 def raw_gradient(graph: Graph, ref: Ref) -> Ref:
     """The backward value a (clipped, re-viewed) gradient operand comes from: follows views and
     multiplications by a 0-d tensor (``clip_grad_norm_``'s coefficient) back out of the update
@@ -124,11 +136,11 @@ def _adamw_at(graph: Graph, node: Node) -> Match | None:
     if param is None:
         return None
     nodes = [n.name for n in (decay, lerp, v_mul, addcmul, sqrt, div, eps_add, node) if n]
-    attrs = (("beta1", 1.0 - lerp.args[2]), ("beta2", v_mul.args[1]), ("eps", eps_add.args[1]),
-             ("decay", decay.args[1] if decay else 1.0),
-             # the graph's own constants, for kernels that must compute exactly what it does
+    attrs = (("beta1", _derived(lambda w: 1.0 - w, lerp.args[2])), ("beta2", v_mul.args[1]),
+             ("eps", eps_add.args[1]), ("decay", decay.args[1] if decay else 1.0),
+             # the graph's own values, for kernels that must compute exactly what it does
              ("lerp_weight", lerp.args[2]), ("addcmul_value", _kw(addcmul, "value", 1.0)))
-    if not all(_is_float(v) for _, v in attrs):
+    if not all(_is_scalar(graph, v) for k, v in attrs if k != "beta1"):
         return None                   # a tensor lr / betas: not the pattern the kernels take
     return Match(
         kernel="adamw", anchor=node.name, nodes=tuple(nodes),
@@ -146,7 +158,7 @@ def match_sgd(graph: Graph) -> list[Match]:
     found = []
     for node in graph.nodes:
         if (node.target not in _twins("aten.add.Tensor") or node.phase is not Phase.UPDATE
-                or not _is_float(_kw(node, "alpha"))):
+                or not _is_scalar(graph, _kw(node, "alpha"))):
             continue
         param = _input(graph, node.args[0], Role.PARAM)
         if param is None:
@@ -159,16 +171,14 @@ def match_sgd(graph: Graph) -> list[Match]:
             operands = (("param", Ref(param.name)), ("grad", upd.args[1]),
                         ("momentum_buffer", Ref(buf.name)))
             results = (("param", Ref(node.name)), ("momentum_buffer", Ref(upd.name)))
-            attrs = (("lr", -_kw(node, "alpha")), ("momentum", buf_mul.args[1]),
-                     ("dampening", 1.0 - _kw(upd, "alpha", 1.0)),
-                     ("neg_lr", _kw(node, "alpha")), ("grad_alpha", _kw(upd, "alpha", 1.0)))
-            if not all(_is_float(v) for _, v in attrs):
+            attrs = (("momentum", buf_mul.args[1]), ("neg_lr", _kw(node, "alpha")),
+                     ("grad_alpha", _kw(upd, "alpha", 1.0)))
+            if not all(_is_scalar(graph, v) for _, v in attrs):
                 continue
         else:
             nodes, results = (node.name,), (("param", Ref(node.name)),)
             operands = (("param", Ref(param.name)), ("grad", node.args[1]))
-            attrs = (("lr", -_kw(node, "alpha")), ("momentum", 0.0), ("dampening", 0.0),
-                     ("neg_lr", _kw(node, "alpha")), ("grad_alpha", 1.0))
+            attrs = (("momentum", 0.0), ("neg_lr", _kw(node, "alpha")), ("grad_alpha", 1.0))
         found.append(Match("sgd", node.name, nodes, operands, results, attrs, param.meta.dtype))
     return found
 

@@ -89,6 +89,9 @@ class DistributedStep:
         self.telemetry: TelemetryConfig | None = TelemetryConfig.resolve(telemetry)
         self._tel: ControllerTelemetry | None = None
         self._step_no = 0
+        # the running mesh's programs, by what their graph is specialised on (call_key)
+        self._variants: dict[tuple, _Variant] = {}
+        self._primary_key: tuple | None = None
         # a checkpoint to apply once the step is traced: (path, push)
         self._pending_checkpoint: tuple[str, bool | None] | None = None
         # the checkpoint the live state came from, for the launch: (path, names, push, stamp)
@@ -109,9 +112,9 @@ class DistributedStep:
         assert self._plan is not None
         return self._plan
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._traced is None:
-            self._prepare(args)
+            self._prepare(args, kwargs)
         if self._pending_checkpoint is not None:
             path, push = self._pending_checkpoint
             self._pending_checkpoint = None
@@ -120,31 +123,66 @@ class DistributedStep:
         if not self._has_opt_state() and not self._zero_state():
             logger.info("meshplan: first step (creates optimizer state) runs on the controller")
             self._launch_from = None          # the mesh starts from the state this step makes
-            return traced(*args)
+            return traced(*args, **kwargs)
         if self._workers is None:
             self._launch()
-        return self._step(args)
+        return self._step(self._variant(args, kwargs), args, kwargs)
 
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The whole model and optimizer state, gathered from every rank:
-        ``{"model": {name: tensor}, "optim": {name: tensor}}`` (names as the plan's inputs)."""
-        plan = self.plan                  # traces first if only example_inputs were given
-        values = self._gather_state() if self._workers is not None else self._local_state()
-        roles = {n.target: n.meta.role for n in plan.graph.inputs}
-        out: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
-        for name, t in values.items():
-            out["optim" if roles.get(name) is Role.OPT_STATE else "model"][name] = t
-        return out
+    @property
+    def variants(self) -> int:
+        """How many input signatures the running mesh holds a program for (``MAX_VARIANTS``
+        at most): the first call's, and one more for each call whose arguments' shapes,
+        dtypes or Python values, or whose hyperparameters' zero/non-zero pattern, differed."""
+        return len(self._variants)
 
-    def load_state_dict(self, sd: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        """Scatter a state dict from ``state_dict()`` to every rank (each gets its pieces)."""
-        values = {**sd.get("model", {}), **sd.get("optim", {})}
+    def state_dict(self) -> dict[str, Any]:
+        """The whole model and optimizer state, gathered from every rank, in torch's formats:
+        ``{"model": model.state_dict(), "optim": opt.state_dict()}`` as the step's own module
+        and optimizer would return them (several modules: their keys under ``<variable>.``;
+        several optimizers: ``{variable: opt.state_dict()}``; ``frontend/_state_dict.py``).
+        The tensors are copies; the live model is not changed (``sync()`` does that)."""
+        from ..frontend._state_dict import to_torch
+
+        return to_torch(self._traced_or_prepared().inventory, self._named_state())
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Give every rank its pieces of a state dict in the formats ``state_dict()`` returns
+        (also the param groups' hyperparameters, as ``opt.load_state_dict`` sets them). A key
+        the step lacks or a tensor of another shape is one RuntimeFailure; nothing changes."""
+        from .._errors import MeshplanError
+        from ..frontend._state_dict import from_torch
+
+        plan = self.plan
+        metas = {n.target: n.meta for n in plan.graph.inputs if n.meta.role in _STATE_ROLES}
+        try:
+            values, groups = from_torch(self._traced.inventory, sd, set(metas))
+        except MeshplanError as exc:
+            raise RuntimeFailure(f"{self.__name__}: {exc}") from None
+        for name, v in values.items():
+            meta = metas.get(name)
+            if meta is None or tuple(v.shape) != tuple(meta.shape):
+                want = "not a state tensor of this step" if meta is None else (
+                    f"shape {list(meta.shape)} expected")
+                raise RuntimeFailure(f"{self.__name__}: load_state_dict: {name} has shape "
+                                     f"{list(v.shape)}: {want}")
+        for live, saved in groups:
+            live.update({k: v for k, v in saved.items() if k != "params"})
         if self._workers is None:
             self._write_local(values)
             self._launch_from = None
             return
         with self._recording_failures():
             self._send_state("set_state", values, lambda rank, names: {"names": names})
+
+    def _traced_or_prepared(self) -> Any:
+        self.plan                          # traces first if only example_inputs were given
+        return self._traced
+
+    def _named_state(self) -> dict[str, torch.Tensor]:
+        """Every state tensor (parameters, buffers, gradients, optimizer state) by its graph
+        input name, gathered from every rank while the mesh runs."""
+        self.plan
+        return self._gather_state() if self._workers is not None else self._local_state()
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the whole model and optimizer state (``state_dict()``: gathered from every
@@ -153,8 +191,7 @@ class DistributedStep:
         step loads it. Format: ``meshplan/runtime/_checkpoint.py``."""
         from ._checkpoint import save_checkpoint
 
-        sd = self.state_dict()
-        values = {**sd["model"], **sd["optim"]}
+        values = self._named_state()
         plan = self.plan
         roles = {n.target: n.meta.role.value for n in plan.graph.inputs if n.target in values}
         return save_checkpoint(path, values, roles,
@@ -252,8 +289,9 @@ class DistributedStep:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _prepare(self, args: tuple) -> None:
-        self._traced = trace(self.fn, *args)
+    def _prepare(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> None:
+        self._traced = trace(self.fn, *args, **dict(kwargs or {}))
+        self._primary_key = self._traced.call_key(*args, **dict(kwargs or {}))
         if isinstance(self._plan_arg, Plan):
             self._plan = self._plan_arg
         elif self._plan_arg is not None:
@@ -411,7 +449,13 @@ class DistributedStep:
         plan = self.plan
         world = math.prod(plan.mesh.sizes)
         state = self._local_state()
-        data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
+        for n in plan.graph.inputs_with_role(Role.GRAD):
+            # a gradient the steady step reads that does not exist yet (None before the first
+            # backward, or zero_grad() at the start of the step): zeros, which the backward's
+            # accumulation into it leaves exactly as a fresh gradient
+            state.setdefault(n.target, torch.zeros(n.meta.shape,
+                                                   dtype=getattr(torch, n.meta.dtype)))
+        data = _call_inputs(plan)
         launcher = MPILauncher() if self.launcher == "mpi" else LocalLauncher()
         self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
@@ -438,21 +482,61 @@ class DistributedStep:
             plans = self._plan_for_ranks(plan.to_json())
             self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
+        assert self._primary_key is not None
+        self._variants = {self._primary_key: _Variant(0, plan, tuple(data))}
 
-    def _step(self, args: tuple) -> Any:
-        plan, workers = self.plan, self._workers
+    def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> _Variant:
+        """The mesh's program for a call with these arguments: traced, planned and sent to
+        every rank the first time its key (``TracedStep.call_key``) is seen. The new plan keeps
+        every state tensor where the running plan holds it, so no state moves."""
+        key = self._traced.call_key(*args, **kwargs)
+        known = self._variants.get(key)
+        if known is not None:
+            return known
+        what = _what_changed(self._primary_key, key)
+        if len(self._variants) >= MAX_VARIANTS:
+            raise RuntimeFailure(
+                f"{self.__name__}: a call with new {what}, and the mesh already holds programs "
+                f"for {MAX_VARIANTS} different calls; meshplan traces and plans each new one "
+                "(as torch.compile recompiles), so a value that changes at every call makes "
+                "every call a new program: keep shapes steady (DataLoader(drop_last=True), "
+                "pad sequences to a few fixed lengths) and pass changing numbers as tensors")
+        logger.warning("meshplan: %s: a call with new %s; tracing and planning it (program "
+                       "%d of at most %d on this mesh)", self.__name__, what,
+                       len(self._variants) + 1, MAX_VARIANTS)
+        graph = self._traced.steady_graph_for(*args, **kwargs)
+        base = self.plan
+        pins = {n.target: base.input_layouts[n.target] for n in base.graph.inputs
+                if n.meta.role in _STATE_ROLES}
+        plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
+                          memory_limit_bytes=self.memory_limit_bytes, pins=pins)
+        variant = _Variant(len(self._variants), plan, tuple(_call_inputs(plan)))
+        workers = self._workers
         assert workers is not None
-        names = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
-        flat = self._traced_args(args)
-        if len(flat) != len(names):
-            raise RuntimeFailure(f"{self.__name__}: expected {len(names)} tensor arguments "
-                                 f"({', '.join(names)}), got {len(flat)}")
-        batch = dict(zip(names, flat))
+        with self._recording_failures():
+            plans = self._plan_for_ranks(plan.to_json())
+            for rank in range(workers.n):
+                workers.send(rank, "add_program", {**plans[rank], "variant": variant.id,
+                                                   "data": list(variant.inputs)})
+            workers.gather("add_program", self.timeout_s)
+        self._variants[key] = variant
+        return variant
+
+    def _step(self, variant: _Variant, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        plan, workers, names = variant.plan, self._workers, list(variant.inputs)
+        assert workers is not None
+        data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
+        flat = self._traced.data_tensors(*args, **kwargs)
+        if len(flat) != len(data):
+            raise RuntimeFailure(f"{self.__name__}: expected {len(data)} tensor arguments "
+                                 f"({', '.join(data)}), got {len(flat)}")
+        batch = {**dict(zip(data, flat)), **self._traced.hyper_values()}
         start_us, t0 = steps_timer()
         with self._recording_failures():
             for rank in range(workers.n):
-                pieces = split_inputs(plan, rank, batch)
-                workers.send(rank, "step", {"step": self._step_no}, [pieces[n] for n in names])
+                pieces = split_inputs(plan, rank, {n: batch[n] for n in names})
+                workers.send(rank, "step", {"step": self._step_no, "variant": variant.id},
+                             [pieces[n] for n in names])
             replies = workers.gather("step", self.timeout_s)
         self.last_comm = [list(r.header["comm"]) for r in replies]
         results = list(replies[0].tensors)
@@ -460,7 +544,7 @@ class DistributedStep:
             self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6),
                            results)
         self._step_no += 1
-        return self._traced.pack_results(results)
+        return self._traced.pack_results(results, plan.graph)
 
     @contextlib.contextmanager
     def _recording_failures(self):
@@ -470,9 +554,6 @@ class DistributedStep:
             if self._tel is not None:
                 self._tel.failure(exc, self._step_no)
             raise
-
-    def _traced_args(self, args: tuple) -> list[torch.Tensor]:
-        return self._traced.data_tensors(*args)
 
     def _gather_state(self) -> dict[str, torch.Tensor]:
         workers, plan = self._workers, self.plan
@@ -492,6 +573,34 @@ class DistributedStep:
 
     def _write_local(self, values: Mapping[str, torch.Tensor]) -> None:
         self._traced.write_state(dict(values), *self._example_data())
+
+
+MAX_VARIANTS = 8        # programs one mesh holds for calls of different signatures
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """One program the mesh runs: its id on the workers, its plan, and what each call sends
+    (the data inputs, then the hyperparameters, by input name)."""
+
+    id: int
+    plan: Plan
+    inputs: tuple[str, ...]
+
+
+def _call_inputs(plan: Plan) -> list[str]:
+    """The inputs a call sends to every rank: the arguments' tensors and the hyperparameters."""
+    return [n.target for n in plan.graph.inputs if n.meta.role in (Role.DATA, Role.HYPER)]
+
+
+def _what_changed(old: tuple | None, new: tuple) -> str:
+    """Which part of a call's key (``TracedStep.call_key``) differs, in words."""
+    parts = ("optimizer hyperparameters (one became zero or non-zero, or a non-numeric "
+             "entry changed)", "argument shapes, dtypes or Python values",
+             "train/eval modes of the modules")
+    if old is None:
+        return parts[1]
+    return " and ".join(p for p, a, b in zip(parts, old, new) if a != b) or parts[1]
 
 
 def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],

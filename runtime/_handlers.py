@@ -38,9 +38,9 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     ns.state = dict(zip(header["state"], tensors))
     if header.get("checkpoint"):          # the rest of the state: this rank's pieces of a file
         ns.state.update(_checkpoint_pieces(state.rank, plan, header["checkpoint"]))
-    ns.program = lower(plan, state.rank, device=state_device(ns.state),
-                       kernels=bool(header.get("kernels", True)))
-    ns.data_names = header["data"]
+    ns.kernels = bool(header.get("kernels", True))
+    ns.program = lower(plan, state.rank, device=state_device(ns.state), kernels=ns.kernels)
+    ns.programs = {0: (ns.program, list(header["data"]))}
     if getattr(ns, "comm", None) is None and state.env.get("MESHPLAN_MPI") == "1":
         ns.comm = MPICommunicator(all_axis_groups(plan.mesh.sizes),     # the mpi launcher
                                   timeout_s=float(header.get("timeout_s", 300.0)))
@@ -79,10 +79,25 @@ def _checkpoint_pieces(rank: int, plan: Plan, ckpt: dict[str, Any]) -> dict[str,
             for n, t in pieces.items()}
 
 
+@register("add_program")
+def _add_program(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Lower one more plan of the same step (another input signature); its state layouts are
+    the running plan's, so the state stays where it is."""
+    ns = state.ns
+    if "plan_path" in header:
+        plan = Plan.load(header["plan_path"])
+    else:
+        plan = Plan.from_json(header["plan"], where="the plan the controller sent")
+    program = lower(plan, state.rank, device=state_device(ns.state), kernels=ns.kernels)
+    ns.programs[int(header["variant"])] = (program, list(header["data"]))
+    return {"rank": state.rank}, []
+
+
 @register("step")
 def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     ns = state.ns
-    data = dict(zip(ns.data_names, tensors))
+    program, names = ns.programs[int(header.get("variant", 0))]
+    data = dict(zip(names, tensors))
     tel: WorkerTelemetry | None = getattr(ns, "telemetry", None)
     ns.comm.records.clear()
     if tel is not None:
@@ -91,7 +106,7 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     try:
         # the worker owns its state (fresh tensors from the channel): in-place kernels may
         # update it instead of copying
-        results, new_state = run(ns.program, ns.comm, ns.state, data, observer=tel,
+        results, new_state = run(program, ns.comm, ns.state, data, observer=tel,
                                  donate=True)
     except Exception as exc:
         if tel is not None:

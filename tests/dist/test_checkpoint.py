@@ -165,7 +165,7 @@ def test_save_is_atomic_and_bad_files_are_one_clear_error(tmp_path: Path,
     with pytest.raises(meshplan.RuntimeFailure, match="not a meshplan checkpoint"):
         step.load_checkpoint(tmp_path / "plain.safetensors")
     # another configuration of the model: same names, other shapes
-    values = {k: v for k, v in step.state_dict()["model"].items()}
+    values = {k: v for k, v in step._named_state().items() if k.startswith("model.")}
     name = sorted(values)[0]
     values[name] = torch.zeros(*[d + 1 for d in values[name].shape])
     ck.save_checkpoint(tmp_path / "other.safetensors", values,

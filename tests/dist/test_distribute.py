@@ -82,6 +82,38 @@ def _check_optim_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=f"{what} {k}")
 
 
+def _send_bad_piece(step, suffix: str) -> None:
+    """Give every rank a 3x3 piece of the state tensor named ``...suffix``, past the
+    controller's checks (``load_state_dict`` refuses a wrong shape), so the next step fails on
+    the ranks: how the tests make a rank raise."""
+    name = next(n.target for n in step.plan.graph.inputs if n.target.endswith(suffix))
+    step._send_state("set_state", {name: torch.zeros(3, 3)}, lambda rank, names: {"names": names})
+
+
+def test_load_state_dict_takes_torch_formats_and_refuses_a_wrong_shape_on_the_controller():
+    """``load_state_dict`` takes what ``model.state_dict()`` / ``opt.state_dict()`` return
+    (here the eager copy's, after two steps of its own), sets the param groups'
+    hyperparameters as ``opt.load_state_dict`` does, and refuses a tensor of another shape or
+    an unknown key before any rank sees it; the next step equals the eager copy's (rtol 1e-5 /
+    atol 1e-6, as the equivalence tests)."""
+    ex, ref = _models("mlp")
+    with meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="fsdp", telemetry=False) as step:
+        step(*ex.batch(0))
+        ref.step(*ref.batch(0))
+        ref.step(*ref.batch(1))
+        ref.opt.param_groups[0]["lr"] *= 0.5
+        model_sd, optim_sd = ref.model.state_dict(), ref.opt.state_dict()
+        bad = {**model_sd, "fc1.weight": torch.zeros(3, 3)}
+        with pytest.raises(meshplan.RuntimeFailure, match=r"fc1\.weight has shape \[3, 3\]"):
+            step.load_state_dict({"model": bad})
+        with pytest.raises(meshplan.RuntimeFailure, match="'nope'.*model.state_dict"):
+            step.load_state_dict({"model": {"nope": torch.zeros(1)}})
+        step.load_state_dict({"model": model_sd, "optim": optim_sd})
+        assert ex.opt.param_groups[0]["lr"] == ref.opt.param_groups[0]["lr"]
+        torch.testing.assert_close(step(*ex.batch(2)), ref.step(*ref.batch(2)),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def _tied(ex) -> list[tuple[str, str]]:
     """Pairs of parameter names that are one tensor (GPT: ``lm_head.weight`` and
     ``transformer.wte.weight``)."""
@@ -149,22 +181,34 @@ def check_equal_to_one_process(name: str, axes: dict[str, int], strategy: str,
             after_steps(step)
         sd = step.state_dict()
         step.sync()
-    want = _state(ref)
+    # state_dict() answers in torch's formats: model.state_dict() keys (a tied weight under
+    # both of its keys) and opt.state_dict() (state by parameter position, param groups)
+    want = {k: v.detach() for k, v in ref.model.state_dict().items()}
+    assert sorted(sd["model"]) == sorted(want), name
     for k, v in want.items():
-        if k not in sd["model"]:          # a tied weight: one input, checked under its owner
-            continue
         torch.testing.assert_close(sd["model"][k], v, rtol=1e-5, atol=1e-5, msg=k)
-        torch.testing.assert_close(_state(ex)[k], v, rtol=1e-5, atol=1e-5, msg=f"synced {k}")
+        torch.testing.assert_close(_state(ex)[f"model.{k}"], v, rtol=1e-5, atol=1e-5,
+                                   msg=f"synced {k}")
+    want_sd = ref.opt.state_dict()
+    assert sd["optim"]["param_groups"] == want_sd["param_groups"], name
+    _check_optim_state(_positional(sd["optim"]), _positional(want_sd), "state_dict()")
     want_optim = _optim_state(ref)
     assert any(k.endswith(("exp_avg", "momentum_buffer")) for k in want_optim), name
-    _check_optim_state(sd["optim"], want_optim, "state_dict()")
     _check_optim_state(_optim_state(ex), want_optim, "synced")
     tied = _tied(ref)
     assert tied or not name.startswith("gpt"), "GPT's tied lm_head went untested"
     params = dict(ex.model.named_parameters(remove_duplicate=False))
     for owner, alias in tied:          # still one tensor after sync(), with one state entry
         assert params[alias] is params[owner], alias
-        assert not any(f".{alias}." in k for k in sd["optim"]), alias
+        assert sd["model"][alias] is sd["model"][owner] or torch.equal(
+            sd["model"][alias], sd["model"][owner]), alias
+
+
+def _positional(optim_sd) -> dict[str, torch.Tensor]:
+    """``opt.state_dict()``'s state as ``{"<position>.<key>": tensor}`` for
+    ``_check_optim_state``."""
+    return {f"{i}.{k}": v for i, entry in optim_sd["state"].items() for k, v in entry.items()
+            if isinstance(v, torch.Tensor)}
 
 
 @pytest.mark.timeout(120)
@@ -174,10 +218,7 @@ def test_a_failing_rank_is_raised_on_the_controller_with_its_rank_and_line() -> 
     with step:
         step(*ex.batch(0))
         step(*ex.batch(1))
-        sd = step.state_dict()
-        bad = {k: torch.zeros(3, 3) if k.endswith("fc1.weight") else v
-               for k, v in sd["model"].items()}
-        step.load_state_dict({"model": bad})
+        _send_bad_piece(step, "fc1.weight")
         with pytest.raises(meshplan.RuntimeFailure) as err:
             step(*ex.batch(2))
     text = str(err.value)

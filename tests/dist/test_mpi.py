@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from test_comm import _check
-from test_distribute import EQUIVALENCE_CASES, check_equal_to_one_process
+from test_distribute import EQUIVALENCE_CASES, _send_bad_piece, check_equal_to_one_process
 from test_launch import _alive, _wait_gone
 
 
@@ -148,10 +148,7 @@ def test_mpi_a_failing_rank_is_raised_on_the_controller() -> None:
                                launcher="mpi", telemetry=False, timeout_s=30)
     with step:
         step(*ex.batch(0))
-        sd = step.state_dict()
-        bad = {k: torch.zeros(3, 3) if k.endswith("fc1.weight") else v
-               for k, v in sd["model"].items()}
-        step.load_state_dict({"model": bad})
+        _send_bad_piece(step, "fc1.weight")
         with pytest.raises(meshplan.RuntimeFailure) as err:
             step(*ex.batch(1))
         workers = step._workers
@@ -296,8 +293,7 @@ def test_mpi_launcher_starts_from_a_pushed_checkpoint_and_sends_each_replica_onc
                                        rtol=1e-5, atol=1e-6, msg=f"loss at step {i}")
         assert sent["setup"] == 0                     # every rank read the state from the file
         sd = step.state_dict()
-        state_bytes = sum(t.numel() * t.element_size()
-                          for part in sd.values() for t in part.values())
+        state_bytes = sum(t.numel() * t.element_size() for t in step._named_state().values())
         step.load_state_dict(sd)
         assert 0 < sent["set_state"] <= state_bytes, (sent, state_bytes)
         torch.testing.assert_close(step(*ref.batch(4)).detach(), want[4],

@@ -153,10 +153,9 @@ def test_a_raising_rank_records_its_error_and_line(tmp_path) -> None:
     step = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", telemetry=db)
     with step:
         step(*ex.batch(0))
-        sd = step.state_dict()
-        bad = {k: torch.zeros(3, 3) if k.endswith("fc1.weight") else v
-               for k, v in sd["model"].items()}
-        step.load_state_dict({"model": bad})
+        from test_distribute import _send_bad_piece
+
+        _send_bad_piece(step, "fc1.weight")
         with pytest.raises(meshplan.RuntimeFailure):
             step(*ex.batch(1))
     rows = _rows(db, "SELECT rank, step, kind, source, traceback FROM failures ORDER BY rank")

@@ -22,13 +22,13 @@ from meshplan.kernels import Backend, Device, KernelError, KernelSpec, Match
 @pytest.fixture(scope="module")
 def gpt_graph():
     ex = gpt.build()
-    return meshplan.trace(ex.step, *ex.batch(0)).graph
+    return _traced(ex.step, ex.opt, *ex.batch(0))
 
 
 @pytest.fixture(scope="module")
 def sgd_rms_graph():
     ex = gpt.build(optimizer="sgd", config=gpt.GPTConfig(norm="rms", n_layer=1))
-    return meshplan.trace(ex.step, *ex.batch(0)).graph
+    return _traced(ex.step, ex.opt, *ex.batch(0))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def swiglu_graph():
         opt.zero_grad()
         return loss
 
-    return meshplan.trace(step, torch.randn(4, 8), torch.randint(0, 5, (4,))).graph
+    return _traced(step, opt, torch.randn(4, 8), torch.randint(0, 5, (4,)))
 
 
 def _by_kernel(matches: list[Match]) -> dict[str, list[Match]]:
@@ -115,9 +115,13 @@ def test_gpt_matches_adamw_layer_norm_gelu_and_cross_entropy(gpt_graph) -> None:
     state_outputs = {o.ref for o in gpt_graph.outputs}
     for m in found["adamw"]:
         assert {m.result(k) for k in ("param", "exp_avg", "exp_avg_sq")} <= state_outputs
-        assert m.attr("beta1") == pytest.approx(0.9) and m.attr("eps") == 1e-8
-    decays = sorted({round(m.attr("decay"), 6) for m in found["adamw"]})
+        # hyperparameters are graph inputs: the kernels read them when they run
+        assert m.attr("beta1") is None and _at_run(gpt_graph, m.attr("lerp_weight")) == 1 - 0.9
+        assert _at_run(gpt_graph, m.attr("eps")) == 1e-8
+    decays = sorted({round(_at_run(gpt_graph, m.attr("decay")), 6) for m in found["adamw"]})
     assert decays == [0.9997, 1.0]  # lr 3e-3 * wd 0.1 on matrices, no decay elsewhere
+    # one scalar per param group, not one per parameter: the updates batch into one launch
+    assert len({m.attr("decay") for m in found["adamw"]}) == 2
 
     layer_norms = [n for n in gpt_graph.nodes if n.target == "aten.native_layer_norm.default"]
     assert [m.anchor for m in found["layer_norm"]] == [n.name for n in layer_norms]
@@ -170,7 +174,8 @@ def test_sgd_and_rms_norm_on_gpt(sgd_rms_graph) -> None:
     found = _by_kernel(kernels.find_kernels(sgd_rms_graph, "cuda", check_available=False))
     params = sgd_rms_graph.inputs_with_role(Role.PARAM)
     assert len(found["sgd"]) == len(params)
-    assert all(m.attr("lr") == pytest.approx(0.1) for m in found["sgd"])
+    assert all(-_at_run(sgd_rms_graph, m.attr("neg_lr")) == pytest.approx(0.1)
+               for m in found["sgd"])
     # ln_1, ln_2 and ln_f: three RMSNorms, each scaled by its weight.
     assert len(found["rms_norm"]) == 3
     assert all(sgd_rms_graph.node(m.operand("weight").node).role is Role.PARAM
@@ -184,7 +189,9 @@ def test_sgd_and_rms_norm_on_gpt(sgd_rms_graph) -> None:
 def test_swiglu_and_foreach_sgd_momentum_on_a_small_step(swiglu_graph) -> None:
     with pytest.raises(KernelError, match="split_foreach"):
         kernels.find_kernels(swiglu_graph, "cuda", check_available=False)
+    opt = _OPTIMIZERS[id(swiglu_graph)]
     swiglu_graph = split_foreach(swiglu_graph)
+    _OPTIMIZERS[id(swiglu_graph)] = opt
     found = _by_kernel(kernels.find_kernels(swiglu_graph, "cuda", check_available=False))
     (sw,) = found["swiglu"]            # the forward alone, handing its backward the silu slot
     assert swiglu_graph.node(sw.operand("gate").node).target == "aten.addmm.default"
@@ -197,7 +204,7 @@ def test_swiglu_and_foreach_sgd_momentum_on_a_small_step(swiglu_graph) -> None:
     assert sorted(targets) == ["aten.mul.Tensor", "aten.mul.Tensor", "aten.silu_backward.default"]
     assert len(found["sgd"]) == 6
     for m in found["sgd"]:
-        assert m.attr("momentum") == pytest.approx(0.9)
+        assert _at_run(swiglu_graph, m.attr("momentum")) == pytest.approx(0.9)
         buf = swiglu_graph.node(m.operand("momentum_buffer").node)
         assert buf.role is Role.OPT_STATE
         assert isinstance(m.result("momentum_buffer"), Ref)
@@ -205,11 +212,17 @@ def test_swiglu_and_foreach_sgd_momentum_on_a_small_step(swiglu_graph) -> None:
 
 def test_foreach_adamw_matches_like_single_tensor_adamw(gpt_graph) -> None:
     ex = gpt.build(foreach=True)
-    graph = split_foreach(meshplan.trace(ex.step, *ex.batch(0)).graph)
+    graph = split_foreach(_traced(ex.step, ex.opt, *ex.batch(0)))
+    _OPTIMIZERS[id(graph)] = ex.opt
     split = _by_kernel(kernels.find_kernels(graph, "cuda", check_available=False))
     single = _by_kernel(kernels.find_kernels(gpt_graph, "cuda", check_available=False))
     assert {k: len(v) for k, v in split.items()} == {k: len(v) for k, v in single.items()}
-    assert sorted(m.attrs for m in split["adamw"]) == sorted(m.attrs for m in single["adamw"])
+
+    def values(g, matches):
+        return sorted(tuple((k, float(_at_run(g, v)) if v is not None else None)
+                            for k, v in m.attrs) for m in matches)
+
+    assert values(graph, split["adamw"]) == values(gpt_graph, single["adamw"])
 
 
 def test_dtype_and_device_filters(gpt_graph) -> None:
@@ -228,3 +241,30 @@ def test_importing_the_package_does_not_import_triton() -> None:
             "print('triton' in sys.modules, 'numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def _at_run(graph, x):
+    """The value a kernel attribute has when the step runs: a constant, or the host scalar
+    computed from hyperparameter inputs (``opt.param_groups.<g>.<key>[.<i>]``), read from the
+    optimizer the graph was traced with."""
+    from meshplan.ir._ops import resolve
+    if not isinstance(x, Ref):
+        return x
+    node = graph.node(x.node)
+    if node.kind is NodeKind.INPUT:
+        assert node.meta.role is Role.HYPER, node
+        parts = node.target.split(".")
+        at = parts.index("param_groups")
+        value = _OPTIMIZERS[id(graph)].param_groups[int(parts[at + 1])][parts[at + 2]]
+        return torch.tensor(value if at + 3 == len(parts) else value[int(parts[at + 3])],
+                            dtype=torch.float64)
+    return resolve(node)(*[_at_run(graph, a) for a in node.args], **dict(node.kwargs))
+
+
+_OPTIMIZERS: dict[int, torch.optim.Optimizer] = {}     # id(graph) -> its traced optimizer
+
+
+def _traced(ex_step, opt, *args):
+    graph = meshplan.trace(ex_step, *args).graph
+    _OPTIMIZERS[id(graph)] = opt
+    return graph

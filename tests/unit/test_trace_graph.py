@@ -183,9 +183,9 @@ def test_data_inputs_are_named_after_step_parameters(all_graphs: dict[str, Graph
 
 
 def test_inputs_have_state_or_data_roles_and_unique_targets(all_graphs: dict[str, Graph]) -> None:
-    """Every input is a param, grad, optimizer state, buffer or data, named once; the CNN's
-    BatchNorm buffers are BUFFER inputs and get new values as STATE outputs."""
-    allowed = {Role.PARAM, Role.GRAD, Role.OPT_STATE, Role.BUFFER, Role.DATA}
+    """Every input is a param, grad, optimizer state, buffer, data or hyperparameter, named
+    once; the CNN's BatchNorm buffers are BUFFER inputs and get new values as STATE outputs."""
+    allowed = {Role.PARAM, Role.GRAD, Role.OPT_STATE, Role.BUFFER, Role.DATA, Role.HYPER}
     for name, g in all_graphs.items():
         assert {n.role for n in g.inputs} <= allowed, name
         targets = [n.target for n in g.inputs]
