@@ -1,4 +1,4 @@
-"""Step-time benchmark (issue 4): meshplan's plans next to DDP and FSDP2 on gloo.
+"""Step-time benchmark (issue 4): meshplan's plans next to DDP and FSDP2 (gloo's TCP).
 
     python benchmarks/step_time.py [--ranks 2 4] [--steps 10] [--warmup 2] [--quick]
                                    [--rounds 1] [--only ddp,dp,...]
@@ -13,8 +13,15 @@ same global batches:
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block and on the root, gloo;
 - ``meshplan <strategy>``: ``meshplan.distribute(step, mesh={"dp": N}, strategy=...)``; the
   workers' collectives between ranks of this host run through shared memory (see
-  ``backends/_shm.py``); ``meshplan dp-tcp`` is the ``dp`` plan with ``MESHPLAN_SHM=0``, on
-  gloo's own TCP collectives as DDP is.
+  ``backends/_shm.py``); ``meshplan dp-tcp`` (``fsdp-tcp``, ``auto-tcp``) is the ``dp``
+  (``fsdp``, ``auto``) plan with ``MESHPLAN_SHM=0``, on gloo's own TCP collectives as DDP and
+  FSDP2 are.
+
+Transports differ between the sides of the headline ratios: ``dp`` / DDP and ``fsdp`` /
+FSDP2 put meshplan's shared-memory collectives against gloo's TCP on loopback (the real
+alternative a CPU user has), so after the tables the run prints every ratio with each side's
+transport and the same-transport figure beside it (``dp-tcp`` / DDP, ``fsdp-tcp`` / FSDP2,
+``auto-tcp`` / FSDP2), which tells the planner's share from the transport's.
 
 Baselines time each step on every rank after a barrier and keep the slowest rank. meshplan is
 timed around each call on the controller (split the batch, ZeroMQ round trip, gather the loss);
@@ -59,8 +66,10 @@ CONFIG = gpt.GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, d_model
 CLIP = 1.0
 SEED = 0
 STRATEGIES = ("dp", "auto", "fsdp")
-# meshplan variants beyond the strategies: (strategy, environment of the workers)
-MESHPLAN_EXTRA = {"dp-tcp": ("dp", {"MESHPLAN_SHM": "0"})}   # gloo's own TCP all-reduce
+# meshplan variants beyond the strategies: (strategy, environment of the workers); the -tcp
+# ones turn meshplan's shared-memory collectives off, so they run on gloo's TCP as DDP does
+_TCP = {"MESHPLAN_SHM": "0"}
+MESHPLAN_EXTRA = {"dp-tcp": ("dp", _TCP), "fsdp-tcp": ("fsdp", _TCP), "auto-tcp": ("auto", _TCP)}
 BASELINES = ("ddp", "fsdp2")
 TIMEOUT_S = 180.0           # per variant; a rank that takes longer is stopped and reported
 
@@ -399,16 +408,22 @@ def _mib(kib: int) -> str:
     return f"{kib / 1024:.0f}"
 
 
-def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
-    if r.error:
-        return [str(r.ranks), r.variant, f"failed: {r.error}", *[""] * (len(HEAD) - 3)]
-    ref = ddp.get(r.ranks)
+def _ratio(r: Result, ref: Result | None) -> str:
+    """Median step time of ``r`` over ``ref``'s, with the range of the rounds' own ratios."""
     ratio = (f"{statistics.median(r.step_s) / statistics.median(ref.step_s):.2f}"
              if ref and ref.step_s and r.step_s else "-")
     per = [x / y for x, y in zip(r.round_s, ref.round_s if ref else ())
            if x is not None and y is not None]
     if ratio != "-" and r is not ref and len(per) > 1:     # rounds where both ran
         ratio += f" ({min(per):.2f}-{max(per):.2f})"
+    return ratio
+
+
+def _cells(r: Result, ddp: dict[int, Result]) -> list[str]:
+    if r.error:
+        return [str(r.ranks), r.variant, f"failed: {r.error}", *[""] * (len(HEAD) - 3)]
+    ref = ddp.get(r.ranks)
+    ratio = _ratio(r, ref)
     over = ([c - w for c, w in zip(r.step_s, r.worker_s)]
             if len(r.worker_s) == len(r.step_s) else [])
     grow = max((a - b for a, b in zip(r.rss_kib, r.base_kib)), default=None)
@@ -428,6 +443,29 @@ HEAD = ("ranks", "variant", "step ms", "x DDP", "worker ms", "overhead ms", "com
 def _ddp_refs(results: Sequence[Result]) -> dict[int, Result]:
     """The DDP result each rank count's ratios are taken against."""
     return {r.ranks: r for r in results if r.variant.startswith("ddp") and not r.error}
+
+
+SHM = "shared memory"
+TCP = "gloo TCP on loopback"
+# the headline ratios and their same-transport twins: (meshplan variant, its transport, baseline)
+RATIOS = (("dp", SHM, "ddp"), ("dp-tcp", TCP, "ddp"), ("fsdp", SHM, "fsdp2"),
+          ("fsdp-tcp", TCP, "fsdp2"), ("auto", SHM, "fsdp2"), ("auto-tcp", TCP, "fsdp2"))
+
+
+def ratio_lines(results: Sequence[Result]) -> list[str]:
+    """Every meshplan / baseline ratio the run can give, each side's transport named
+    (baselines: gloo's TCP; meshplan's plans: shared memory between ranks of this host, its
+    ``-tcp`` variants: gloo's TCP as the baselines), medians with the rounds' range."""
+    by = {(r.variant.split(" (")[0].removeprefix("meshplan "), r.ranks): r
+          for r in results if not r.error}
+    lines = []
+    for n in sorted({r.ranks for r in results if r.ranks > 1}):
+        for mine, transport, base in RATIOS:
+            r, ref = by.get((mine, n)), by.get((base, n))
+            if r and ref:
+                lines.append(f"{n} ranks: meshplan {mine} ({transport}) / {base.upper()} ({TCP})"
+                             f" = {_ratio(r, ref)}")
+    return lines
 
 
 def markdown(results: Sequence[Result]) -> str:
@@ -472,6 +510,8 @@ def main() -> None:
     print(plain(results))
     print()
     print(markdown(results))
+    print()
+    print("\n".join(ratio_lines(results)))
 
 
 if __name__ == "__main__":
