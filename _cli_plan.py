@@ -9,6 +9,9 @@ from typing import Any
 
 from ._errors import PlanError
 
+# rows ``plan diff`` lists of each kind of change before saying how many more there are
+LIST_ROWS = 20
+
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     """Register the ``plan`` command group."""
@@ -32,6 +35,9 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("a")
     d.add_argument("b")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--all", action="store_true",
+                   help=f"list every changed placement and collective (default: the first "
+                        f"{LIST_ROWS} of each, after the summary)")
     d.set_defaults(func=cmd_plan_diff)
 
 
@@ -92,6 +98,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
 
 def print_report(rep: dict[str, Any], console: Any = None) -> None:
     from .planner._summary import format_bytes as fb
+    from .planner._summary import replication_lines
 
     con = console or _console()
     mesh = ",".join(f"{a}={n}" for a, n in rep["mesh"]["axes"])
@@ -99,6 +106,8 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
               f"({rep['mesh']['topology']}, {rep['mesh']['world_size']} ranks)")
     con.print(f"  estimated step time {_ms(rep['estimated_step_time_s'])} (compute "
               f"{_ms(rep['compute_time_s'])}, communication {_ms(rep['comm_time_s'])})")
+    for line in replication_lines(rep):
+        con.print(f"  {line}", markup=False)
     con.print(f"  peak memory per rank {fb(rep['peak_memory_bytes'])} of "
               f"{fb(rep['memory_limit_bytes'])}: {'fits' if rep['fits'] else 'DOES NOT FIT'}")
     names = ", ".join(rep["mesh"]["names"])
@@ -181,6 +190,16 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
 
 # ---- diff ----------------------------------------------------------------------------------------
 
+def _arrow(x: object, y: object) -> str:
+    return str(x) if x == y else f"{x} -> {y}"
+
+
+def _listed(n: int, what: str, cap: int | None) -> str:
+    if cap is None or n <= cap:
+        return f"{n} {what}"
+    return f"{n} {what} (the first {cap}; --all lists every one, --json has them all)"
+
+
 def cmd_plan_diff(args: argparse.Namespace) -> int:
     from .planner import diff
     from .planner._summary import format_bytes as fb
@@ -203,19 +222,35 @@ def cmd_plan_diff(args: argparse.Namespace) -> int:
     v = d["peak_memory_bytes"]
     sign = "+" if v["delta"] >= 0 else "-"
     con.print(f"  peak memory: {fb(v['a'])} -> {fb(v['b'])} ({sign}{fb(abs(v['delta']))})")
+    if d["placements_by_part"]:
+        con.print(_table(f"{len(d['placements'])} placements changed, by part of the step",
+                         ("part", "changed", "of", "most common changes of output layout"),
+                         [(r["part"], r["changed"], r["of"],
+                           "; ".join(f"{w} x{n}" for w, n in r["changes"][:3])
+                           + (f"; {len(r['changes']) - 3} more" if len(r["changes"]) > 3
+                              else "")) for r in d["placements_by_part"]],
+                         right=("changed", "of")))
+    if d["collective_totals"]:
+        con.print(_table("collectives per step, A -> B", ("collective", "axis", "count", "bytes",
+                                                          "time"),
+                         [(t["kind"], t["axis"], _arrow(t["count_a"], t["count_b"]),
+                           _arrow(fb(t["bytes_a"]), fb(t["bytes_b"])),
+                           _arrow(_ms(t["time_a_s"]), _ms(t["time_b_s"])))
+                          for t in d["collective_totals"]], right=("count", "bytes", "time")))
+    cap = None if args.all else LIST_ROWS
     if d["placements"]:
-        con.print(_table(f"{len(d['placements'])} placements changed", ("node", "op", "before",
-                                                                       "after"),
+        con.print(_table(_listed(len(d["placements"]), "placements changed", cap),
+                         ("node", "op", "before", "after"),
                          [(p["node"], p["target"], ", ".join(p["before"]), ", ".join(p["after"]))
-                          for p in d["placements"]]))
+                          for p in d["placements"][:cap]]))
     for key, label in (("collectives_only_in_a", "only in A"), ("collectives_only_in_b",
                                                                 "only in B")):
         if d[key]:
-            con.print(_table(f"collectives {label}", ("value", "consumer", "src", "dst", "steps",
-                                                      "time"),
+            con.print(_table(_listed(len(d[key]), f"collectives {label}", cap),
+                             ("value", "consumer", "src", "dst", "steps", "time"),
                              [(c["value"], c["consumer"], c["src"], c["dst"],
                                " + ".join(f"{k}/{ax} {fb(b)}" for k, ax, b in c["steps"]),
-                               _ms(c["time_s"])) for c in d[key]]))
+                               _ms(c["time_s"])) for c in d[key][:cap]]))
     for key in ("nodes_only_in_a", "nodes_only_in_b"):
         if d[key]:
             con.print(f"  {key.replace('_', ' ')}: {', '.join(d[key][:20])}"

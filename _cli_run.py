@@ -119,7 +119,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     summary = {"path": os.path.abspath(args.out), "mesh": dict(plan.mesh.axes),
                "strategy": plan.strategy, "estimated_step_time_s": plan.estimated_step_time_s,
                "peak_memory_bytes": plan.peak_memory_bytes, "fits": plan.fits,
-               "graph_hash": plan.graph_hash}
+               "fully_replicated": plan.fully_replicated, "graph_hash": plan.graph_hash}
     if args.json:
         print(json.dumps(summary), flush=True)
     else:
@@ -127,6 +127,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
                          f"{plan.estimated_step_time_s * 1e3:.3f} ms/step estimated, peak "
                          f"{plan.peak_memory_bytes / 2**20:.2f} MiB/device, fits={plan.fits} "
                          f"-> {args.out}")
+        if plan.fully_replicated:                     # say so, and what sharding would cost
+            from .planner._report import plan_report
+            from .planner._summary import replication_lines
+
+            for line in replication_lines(plan_report(plan)):
+                _console().print(f"  {line}", markup=False)
     return 0
 
 

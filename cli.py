@@ -11,6 +11,13 @@ from typing import Any, Callable, Sequence
 
 from ._errors import MeshplanError
 
+# what ``meshplan --help`` says above the commands (whole sentences, not the docstring's first
+# line)
+DESCRIPTION = ("meshplan traces an ordinary PyTorch training step into one graph, plans how to "
+               "shard it across a device mesh, runs the plan on local worker processes and "
+               "records what every rank did. Every command reports a mistake as one error line "
+               "(what, where, how to fix) and exits non-zero, without a traceback.")
+
 
 def _console() -> Any:
     from rich.console import Console
@@ -52,7 +59,7 @@ def cmd_ir_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary_dict(s), indent=2))
         return 0
-    print_summary(s)
+    print_summary(s, graph=graph)
     return 0
 
 
@@ -69,7 +76,10 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def print_summary(s: Any, console: Any = None) -> None:
+def print_summary(s: Any, console: Any = None, graph: Any = None) -> None:
+    """Print ``ir.summarize``'s facts; with the ``graph`` they were taken from, the largest
+    activations also say their phase (and a backward value is not labelled with its forward's
+    function)."""
     from rich.table import Table
 
     console = console or _console()
@@ -93,11 +103,28 @@ def print_summary(s: Any, console: Any = None) -> None:
         ops.add_row(f"... {len(s.ops) - 15} more", str(sum(c for _, c in s.ops[15:])))
     console.print(ops)
     acts = Table(title="largest activations")
-    for col in ("node", "op", "shape", "bytes", "source"):
+    for col in ("node", "op", "phase", "shape", "bytes", "source"):
         acts.add_column(col)
     for v in s.largest_activations:
-        acts.add_row(v.node, v.target, f"{v.dtype}{list(v.shape)}", _fmt_count(v.nbytes), v.where)
+        phase, where = _phase_and_source(graph, v.node, v.where)
+        acts.add_row(v.node, v.target, phase, f"{v.dtype}{list(v.shape)}", _fmt_count(v.nbytes),
+                     where)
     console.print(acts)
+
+
+def _phase_and_source(graph: Any, node: str, where: str) -> tuple[str, str]:
+    """A value's phase and its source as people should read it: a backward node carries the
+    ``file:line`` of the forward call it differentiates (whose function is usually
+    ``forward``), so it reads "backward of FILE:LINE", not "FILE:LINE in forward"."""
+    if graph is None or node not in graph:
+        return "-", where
+    n = graph.node(node)
+    src = n.source
+    if src is None:
+        return n.phase.value, where
+    if n.phase.value == "backward":
+        return "backward", f"backward of {src.file}:{src.line}"
+    return n.phase.value, str(src)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -144,7 +171,7 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="meshplan", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("trace", help="trace FILE.py:STEP into an IR graph (JSON)")

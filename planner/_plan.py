@@ -18,13 +18,15 @@ from functools import cached_property
 from typing import Any
 
 from .._errors import IRError, PlanError
-from ..ir import Graph, atomic_write_text
+from ..ir import Graph, Role, atomic_write_text
 from ..ir._serialize import graph_from_dict, graph_to_dict, read_text
 from ._mesh import Mesh, Topology
-from ._placement import Layout, format_layout, parse_placement
+from ._placement import Layout, Replicate, format_layout, parse_placement
 
 FORMAT = "meshplan.plan"
 VERSION = 1
+# the inputs whose layouts say whether a plan is fully replicated (state and batch)
+_REPLICATION_ROLES = frozenset({Role.PARAM, Role.GRAD, Role.OPT_STATE, Role.BUFFER, Role.DATA})
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,51 @@ class Redistribution:
     count: int = 1             # identical instances (repeated layers)
 
 
+@dataclass(frozen=True, slots=True)
+class PlanEstimate:
+    """A plan's headline numbers without its placements (a plan it was compared with)."""
+
+    strategy: str
+    estimated_step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    peak_memory_bytes: int
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedAlternatives:
+    """What a fully replicated ``auto`` plan was chosen over: the hand-written sharded families
+    (``dp``, ``fsdp``, ``megatron_tp``) planned for the same step, mesh, memory limit and cost
+    model. ``plans`` fastest first; ``skipped``: (family, why it has no sharded plan here)."""
+
+    plans: tuple[PlanEstimate, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def best(self) -> PlanEstimate | None:
+        """The fastest plan that fits the memory limit (the fastest of all if none fits)."""
+        fitting = [p for p in self.plans if p.fits]
+        return min(fitting or self.plans, key=lambda p: p.estimated_step_time_s, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plans": [{"strategy": p.strategy,
+                           "estimated_step_time_s": p.estimated_step_time_s,
+                           "compute_time_s": p.compute_time_s, "comm_time_s": p.comm_time_s,
+                           "peak_memory_bytes": p.peak_memory_bytes, "fits": p.fits}
+                          for p in self.plans],
+                "skipped": [list(s) for s in self.skipped]}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ShardedAlternatives:
+        return ShardedAlternatives(
+            tuple(PlanEstimate(str(p["strategy"]), float(p["estimated_step_time_s"]),
+                               float(p["compute_time_s"]), float(p["comm_time_s"]),
+                               int(p["peak_memory_bytes"]), bool(p["fits"]))
+                  for p in d["plans"]),
+            tuple((str(f), str(why)) for f, why in d["skipped"]))
+
+
 @dataclass(frozen=True)
 class Plan:
     mesh: Mesh
@@ -69,6 +116,9 @@ class Plan:
     # what the plan was made with; None: unknown (a file written before these were recorded)
     torch_version: str | None = field(default_factory=lambda: _torch_version())
     meshplan_version: str | None = field(default_factory=lambda: _meshplan_version())
+    # a fully replicated ``auto`` plan's comparison with the sharded families; None: not
+    # compared (not fully replicated, made with input pins, or saved before this was recorded)
+    sharded_alternatives: ShardedAlternatives | None = None
 
     @cached_property
     def graph_hash(self) -> str:
@@ -111,6 +161,23 @@ class Plan:
         inputs = {n.name for n in self.graph.inputs}
         return {p.target: p.outputs[0] for p in self.placements if p.node in inputs}
 
+    @functools.cached_property
+    def fully_replicated(self) -> bool:
+        """True when the mesh has more than one rank and every state and data input is
+        Replicate on every mesh axis: each rank holds all the state and runs the whole batch,
+        so the ranks repeat one another's work (no data, tensor or sharded-state parallelism)."""
+        if self.mesh.size <= 1:
+            return False
+        layouts = [self.input_layouts.get(n.target) for n in self.graph.inputs
+                   if n.meta.role in _REPLICATION_ROLES]
+        layouts = [l for l in layouts if l is not None]
+        return bool(layouts) and all(isinstance(p, Replicate) for l in layouts for p in l)
+
+    def estimate(self) -> PlanEstimate:
+        """This plan's headline numbers."""
+        return PlanEstimate(self.strategy, self.estimated_step_time_s, self.compute_time_s,
+                            self.comm_time_s, self.peak_memory_bytes, self.fits)
+
     def placement(self, node: str) -> NodePlacement:
         for p in self.placements:
             if p.node == node:
@@ -147,6 +214,8 @@ class Plan:
             "torch_version": self.torch_version,
             "meshplan_version": self.meshplan_version,
         }
+        if self.sharded_alternatives is not None:   # absent otherwise: older plans hash alike
+            body["sharded_alternatives"] = self.sharded_alternatives.to_dict()
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return {"format": FORMAT, "version": VERSION,
                 "sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}
@@ -229,6 +298,8 @@ def _plan_from_body(b: dict[str, Any]) -> Plan:
         bucket_bytes=None if b.get("bucket_bytes") is None else int(b["bucket_bytes"]),
         torch_version=b.get("torch_version"),
         meshplan_version=b.get("meshplan_version"),
+        sharded_alternatives=(None if b.get("sharded_alternatives") is None
+                              else ShardedAlternatives.from_dict(b["sharded_alternatives"])),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -12,14 +13,18 @@ from ._comm import Collective, best_bucket_bytes
 from ._hand import FAMILY_COLLECTIVES, HAND_STRATEGIES, hand_pins, hand_reads, hand_update_reads
 from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, parse_placement
-from ._plan import NodePlacement, Plan, Redistribution
+from ._plan import NodePlacement, Plan, PlanEstimate, Redistribution, ShardedAlternatives
 from ._problem import STATE_POS, Problem, build_problem, reshard_steps, result_refs
 from ._solve import Solution, min_peak_memory, solve
-from ._summary import format_bytes
+from ._summary import TIMED_OUT, format_bytes
 
 logger = logging.getLogger(__name__)
 
 Pins = Mapping[str, Layout | tuple[str, ...] | list[str] | str]
+
+# the time the hand-written families' solves get together when a fully replicated automatic
+# plan is compared with them (small models: each takes well under a second on one axis)
+COMPARE_TIME_LIMIT_S = 10.0
 
 
 def plan_graph(
@@ -41,6 +46,11 @@ def plan_graph(
     e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis. ``time_limit_s``
     bounds the solver, all its memory rounds together (the plan it has then stands; ``fits``
     says whether it fits).
+
+    When ``"auto"`` (without ``pins``) chooses a fully replicated plan, every rank running the
+    whole batch, the hand-written families are planned too, within ``COMPARE_TIME_LIMIT_S``
+    together, and the plan carries their estimates (``Plan.sharded_alternatives``) so that its
+    summary can say what splitting the step would cost.
     """
     t0 = time.perf_counter()
     if not isinstance(mesh, Mesh):
@@ -82,7 +92,40 @@ def plan_graph(
         sol = solve(problem, float("inf"), time_limit=time_limit_s)
     sol.solver["problem_s"] = t_problem
     sol.solver["plan_s"] = time.perf_counter() - t0
-    return _make_plan(problem, sol, strategy, limit)
+    plan = _make_plan(problem, sol, strategy, limit)
+    if strategy == "auto" and not pins and plan.fully_replicated:
+        plan = dataclasses.replace(plan, sharded_alternatives=compare_sharded(
+            graph, mesh, limit, min(time_limit_s, COMPARE_TIME_LIMIT_S)))
+    return plan
+
+
+def compare_sharded(graph: Graph, mesh: Mesh, memory_limit_bytes: int,
+                    time_limit_s: float = COMPARE_TIME_LIMIT_S) -> ShardedAlternatives:
+    """The hand-written families planned for ``graph`` on ``mesh`` (each as a plan that splits
+    the work: one that comes out fully replicated is skipped). Their solves share
+    ``time_limit_s``, each given at least the solver's minimum of 1 s, so every family is
+    tried. Families without a plan here are listed in ``skipped`` with the reason (starting
+    with ``TIMED_OUT`` when the solver ran out of time)."""
+    deadline = time.perf_counter() + time_limit_s
+    plans: list[PlanEstimate] = []
+    skipped: list[tuple[str, str]] = []
+    for family in HAND_STRATEGIES:
+        try:
+            plan = plan_graph(graph, mesh, strategy=family, memory_limit_bytes=memory_limit_bytes,
+                              time_limit_s=max(1.0, deadline - time.perf_counter()))
+        except PlanError as e:
+            late = time.perf_counter() >= deadline
+            skipped.append((family, f"{TIMED_OUT} ({e})" if late else str(e)))
+            continue
+        if plan.fully_replicated:
+            skipped.append((family, "it splits nothing on this mesh (fully replicated too)"))
+            continue
+        plans.append(plan.estimate())
+    plans.sort(key=lambda p: p.estimated_step_time_s)
+    logger.info("fully replicated plan of %s on %s; sharded families: %s", graph.info.name, mesh,
+                ", ".join(f"{p.strategy} {p.estimated_step_time_s * 1e3:.3f} ms" for p in plans)
+                or "none")
+    return ShardedAlternatives(tuple(plans), tuple(skipped))
 
 
 def _prepare(graph: Graph) -> Graph:

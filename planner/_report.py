@@ -11,6 +11,13 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
   ``meshplan_version`` (what compiled it; null in plans saved before these were recorded);
   ``estimated_step_time_s`` = ``compute_time_s`` + ``comm_time_s``;
   ``peak_memory_bytes``, ``memory_limit_bytes``, ``fits``;
+* ``fully_replicated``: true when the mesh has several ranks and every state and data input is
+  Replicate on every axis (each rank runs the whole batch: no parallelism);
+  ``sharded_alternatives``: for such an ``auto`` plan, the hand-written families planned for
+  comparison, ``{"plans": [{"strategy", "estimated_step_time_s", "compute_time_s",
+  "comm_time_s", "peak_memory_bytes", "fits"}, ...] (fastest first), "skipped": [[family,
+  why], ...]}``; null when not compared (not fully replicated, made with input pins, or saved
+  before comparisons were recorded);
 * ``memory``: per rank at the peak: ``parameters_bytes``, ``gradients_bytes`` (persistent
   ``.grad`` inputs; gradients made inside the step count as activations),
   ``optimizer_state_bytes``, ``buffers_bytes``, ``activations_bytes`` (peak minus state),
@@ -75,6 +82,9 @@ def plan_report(plan: Plan) -> dict[str, Any]:
         "peak_memory_bytes": plan.peak_memory_bytes,
         "memory_limit_bytes": plan.memory_limit_bytes,
         "fits": plan.fits,
+        "fully_replicated": plan.fully_replicated,
+        "sharded_alternatives": (None if plan.sharded_alternatives is None
+                                 else plan.sharded_alternatives.to_dict()),
         "memory": memory_breakdown(plan),
         "nodes": _nodes(plan),
         "layers": _layers(plan),
@@ -337,6 +347,8 @@ def diff(a: Plan, b: Plan) -> dict[str, Any]:
         "comm_time_s": _delta(a.comm_time_s, b.comm_time_s),
         "peak_memory_bytes": _delta(a.peak_memory_bytes, b.peak_memory_bytes),
         "bucket_bytes": _change(str(a.bucket_bytes), str(b.bucket_bytes)),
+        "placements_by_part": _changes_by_part(a, pa, changed),
+        "collective_totals": _totals_change(a, b),
     }
     out["identical"] = not (out["mesh"] or out["strategy"] or changed or out["nodes_only_in_a"]
                             or out["bucket_bytes"]
@@ -344,6 +356,44 @@ def diff(a: Plan, b: Plan) -> dict[str, Any]:
                             or out["collectives_only_in_b"]
                             or out["estimated_step_time_s"]["delta"]
                             or out["peak_memory_bytes"]["delta"])
+    return out
+
+
+def _part(graph: Any, name: str) -> str:
+    node = graph.node(name)
+    if node.kind is NodeKind.INPUT:
+        return f"{node.meta.role.value} inputs"
+    return f"{node.phase.value} ops" if node.kind is NodeKind.OP else f"{node.kind.value}s"
+
+
+def _changes_by_part(a: Plan, placed: dict[str, Any],
+                     changed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The changed placements counted per part of the step (inputs by role, ops by phase),
+    with the most common changes of output layout: what ``plan diff`` says before listing."""
+    total: dict[str, int] = defaultdict(int)
+    for name in placed:
+        total[_part(a.graph, name)] += 1
+    kinds: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for c in changed:
+        what = (f"{', '.join(c['before'])} -> {', '.join(c['after'])}"
+                if c["before"] != c["after"] else "reads its inputs differently")
+        kinds[_part(a.graph, c["node"])][what] += 1
+    return [{"part": part, "changed": sum(k.values()), "of": total[part],
+             "changes": sorted(([w, n] for w, n in k.items()), key=lambda wn: -wn[1])}
+            for part, k in sorted(kinds.items(), key=lambda kv: -sum(kv[1].values()))]
+
+
+def _totals_change(a: Plan, b: Plan) -> list[dict[str, Any]]:
+    """Collectives per step by kind and mesh axis in ``a`` and in ``b``."""
+    ta = {(t["kind"], t["axis"]): t for t in _totals(a)}
+    tb = {(t["kind"], t["axis"]): t for t in _totals(b)}
+    zero = {"count": 0, "bytes": 0, "time_s": 0.0}
+    out = []
+    for key in sorted(set(ta) | set(tb)):
+        x, y = ta.get(key, zero), tb.get(key, zero)
+        out.append({"kind": key[0], "axis": key[1], "count_a": x["count"], "count_b": y["count"],
+                    "bytes_a": x["bytes"], "bytes_b": y["bytes"], "time_a_s": x["time_s"],
+                    "time_b_s": y["time_s"]})
     return out
 
 
@@ -378,18 +428,23 @@ def render_html(plan: Plan) -> str:
     """ONE self-contained offline page: the step's nodes coloured by output layout (grouped by
     layer when the graph is large) with collectives marked, memory bars per rank, and the
     estimated step timeline. Inline CSS and SVG only; no scripts, no external references."""
-    from ._summary import format_bytes
+    from ._summary import format_bytes, replication_lines
 
     rep = plan_report(plan)
     ms = lambda s: f"{s * 1e3:.3f} ms"
+    # the same count as the collectives table: each collective of each layout change, per step
+    ncoll = sum(t["count"] for t in rep["collective_totals"])
+    replicated = "".join(f"<p class=replicated>{_esc(line)}</p>"
+                         for line in replication_lines(rep))
     head = (f"<h1>plan [{_esc(plan.strategy)}] for {_esc(rep['graph'])} on mesh "
             f"{_esc(plan.mesh)}</h1><p>estimated step time <span class=num id=step>"
             f"{ms(plan.estimated_step_time_s)}</span> (compute {ms(plan.compute_time_s)}, "
             f"communication {ms(plan.comm_time_s)}); peak memory per rank <span class=num "
             f"id=peak>{format_bytes(plan.peak_memory_bytes)}</span> of "
             f"{format_bytes(plan.memory_limit_bytes)}: {'fits' if plan.fits else 'DOES NOT FIT'}"
-            f"; {len(plan.redistributions)} collectives; {rep['mesh']['world_size']} ranks "
-            "(every rank holds the same amounts)</p>")
+            f"; <span id=collectives>{ncoll}</span> collectives per step; "
+            f"{rep['mesh']['world_size']} ranks (every rank holds the same amounts)</p>"
+            + replicated)
     body = [head, _html_graph(plan, rep), _html_memory(rep), _html_timeline(plan, rep),
             _html_collectives(rep)]
     return ("<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>meshplan plan "
@@ -483,5 +538,5 @@ def _html_collectives(rep: dict[str, Any]) -> str:
     rows = "".join(f"<tr><td>{_esc(t['kind'])}</td><td>{_esc(t['axis'])}</td><td>{t['count']}"
                    f"</td><td>{_esc(format_bytes(t['bytes']))}</td><td>{t['time_s'] * 1e3:.4f} "
                    "ms</td></tr>" for t in rep["collective_totals"])
-    return ("<h2>collectives</h2><table><tr><th>collective</th><th>axis</th><th>count</th>"
-            f"<th>bytes</th><th>time</th></tr>{rows}</table>")
+    return ("<h2>collectives per step</h2><table><tr><th>collective</th><th>axis</th>"
+            f"<th>count</th><th>bytes</th><th>time</th></tr>{rows}</table>")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -21,6 +21,54 @@ def _t(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 10 else f"{s:.2f} s"
 
 
+# how ``compare_sharded`` starts the reason of a family whose solve ran out of time
+TIMED_OUT = "not planned in time"
+
+
+def replication_lines(rep: dict[str, Any]) -> list[str]:
+    """What to say about a fully replicated plan, from its report (``plan_report``'s keys
+    ``fully_replicated``, ``sharded_alternatives``, ``estimated_step_time_s``, ``strategy`` and
+    ``mesh.world_size``); nothing for a plan that splits its work."""
+    if not rep.get("fully_replicated"):
+        return []
+    step = rep["estimated_step_time_s"]
+    lines = [f"fully replicated: every rank holds all the state and runs the whole batch, so "
+             f"the {rep['mesh']['world_size']} ranks repeat the same work (no data, tensor or "
+             "sharded-state parallelism)"]
+    alt = rep.get("sharded_alternatives")
+    if alt is None:
+        if rep["strategy"] == "auto":
+            lines.append("not compared with a sharded plan (plans made with input pins or saved "
+                         "by an older meshplan carry none): compile it again to see one")
+        return lines
+    fitting = [p for p in alt["plans"] if p["fits"]] or alt["plans"]
+    if not fitting:
+        why = "; ".join(f"{f}: {w}" for f, w in alt["skipped"]) or "no family applies"
+        lines.append(f"no sharded plan to compare with ({why})")
+        return lines
+    best = min(fitting, key=lambda p: p["estimated_step_time_s"])
+    t = best["estimated_step_time_s"]
+    head = (f"best sharded plan: {best['strategy']}, estimated step {_t(t)} "
+            f"({t / max(step, 1e-15):.2f}x this plan's {_t(step)})")
+    if not best["fits"]:
+        head += ", over the memory limit"
+    if t >= step:
+        head += ("; under this cost model splitting the step costs more in communication than "
+                 "it saves in compute")
+    else:
+        head += (f"; the automatic search stopped short of it (time limit or gap): raise "
+                 f"time_limit_s or use strategy={best['strategy']!r}")
+    others = [p for p in alt["plans"] if p is not best]
+    if others:
+        head += "; also " + ", ".join(f"{p['strategy']} {_t(p['estimated_step_time_s'])}"
+                                      for p in others)
+    late = [f for f, why in alt["skipped"] if why.startswith(TIMED_OUT)]
+    if late:
+        head += f"; not planned in time: {', '.join(late)}"
+    lines.append(head)
+    return lines
+
+
 def render_summary(plan: Plan, width: int = 100) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -31,6 +79,8 @@ def render_summary(plan: Plan, width: int = 100) -> str:
     con.print(f"plan \\[{plan.strategy}] for {plan.graph.info.name} on mesh {plan.mesh}")
     con.print(f"  estimated step time {_t(plan.estimated_step_time_s)} "
               f"(compute {_t(plan.compute_time_s)}, communication {_t(plan.comm_time_s)})")
+    for line in replication_lines(_replication_report(plan)):
+        con.print(f"  {line}", markup=False)
     con.print(f"  peak memory per device {format_bytes(plan.peak_memory_bytes)} of "
               f"{format_bytes(plan.memory_limit_bytes)}: "
               f"{'fits' if plan.fits else 'DOES NOT FIT'}")
@@ -74,6 +124,14 @@ def render_summary(plan: Plan, width: int = 100) -> str:
     if plan.fallbacks:
         con.print(f"  ops without a sharding rule (run replicated): {', '.join(plan.fallbacks)}")
     return out.getvalue()
+
+
+def _replication_report(plan: Plan) -> dict[str, Any]:
+    alt = plan.sharded_alternatives
+    return {"fully_replicated": plan.fully_replicated, "strategy": plan.strategy,
+            "estimated_step_time_s": plan.estimated_step_time_s,
+            "mesh": {"world_size": plan.mesh.size},
+            "sharded_alternatives": None if alt is None else alt.to_dict()}
 
 
 def _param_layouts(plan: Plan) -> dict[str, list]:
