@@ -9,7 +9,7 @@ from .frontend import trace
 from .planner import Mesh, Plan, Topology, plan_graph
 
 
-def compile(  # noqa: A001 - the public name DESIGN.md fixes
+def compile(  # noqa: A001 - the public name users call
     step_fn: Callable[..., Any],
     *example_args: Any,
     mesh: Mesh | Mapping[str, int],

@@ -95,7 +95,7 @@ GiB = 1 << 30
 
 PRESETS: dict[str, Topology] = {
     # This kind of machine: CPU processes on one host, gloo over TCP loopback. Measured here
-    # (ANCHORS.md: gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks); `meshplan calibrate`
+    # (gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks); `meshplan calibrate`
     # replaces these with the local machine's numbers. No overlap: gloo's thread runs on the
     # core its rank computes on; on this 2-core machine small buckets started during backward
     # gained nothing over one bucket (benchmarks/bucket_size.py, benchmarks/README.md).

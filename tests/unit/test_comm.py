@@ -3,7 +3,7 @@
 Ring formulas on n ranks for a buffer of B bytes over a link of latency a and bandwidth b:
 reduce-scatter = all-gather = all-to-all = (n-1)a + (n-1)/n B/b, all-reduce = both of them,
 send/recv = a + B/b, broadcast = (n-1)a + B/b. The CPU preset must agree with what this machine
-measured (ANCHORS.md: a 64 MB gloo all-reduce on 2 ranks runs at ~1.0 GB/s).
+measured (a 64 MB gloo all-reduce on 2 ranks ran at ~1.0 GB/s).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_bandwidth_term_tends_to_twice_the_buffer_for_large_rings() -> None:
 
 
 def test_cpu_preset_matches_the_measured_gloo_all_reduce() -> None:
-    """ANCHORS.md: gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks (algorithm bandwidth, which
+    """Measured here: gloo all-reduce of 64 MB ~1.0 GB/s with 2 ranks (algorithm bandwidth, which
     for 2 ranks equals the bus bandwidth). Within a factor of 2 is the order of magnitude."""
     cpu = PRESETS["cpu"]
     t = ct(Collective.ALL_REDUCE, 64e6, 2, cpu.intra_node)

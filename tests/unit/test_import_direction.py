@@ -1,4 +1,4 @@
-"""Imports flow one way through the pipeline stages (DESIGN.md, "The pipeline").
+"""Imports flow one way through the pipeline stages (README, "Layout").
 
 Every ``.py`` file under a stage folder is parsed with ``ast`` (nothing is imported) and each of its
 imports of ``meshplan`` -- absolute (``import meshplan.x``, ``from meshplan import x``), relative
@@ -54,7 +54,7 @@ class Violation:
         return (
             f"{self.path}:{self.line}: forbidden import edge {self.importer} -> {self.target}"
             f" ({self.statement}); {self.importer} may import only {', '.join(allowed) or 'nothing'}"
-            " of meshplan (DESIGN.md table)"
+            " of meshplan (the table in README.md, \"Layout\")"
         )
 
 
