@@ -60,8 +60,9 @@ def step_location(fn: Callable[..., Any]) -> SourceLocation | None:
 
 
 def _referenced(fn: Any, depth: int, seen: set[int]) -> list[tuple[str, Any]]:
-    """(name, object) pairs a function can reach: closure cells, globals it names, its bound
-    ``self``, partial arguments, and — recursively — the Python functions among them."""
+    """(name, object) pairs a function can reach: closure cells, default values, globals it
+    names, its bound ``self``, partial arguments, and — recursively — the Python functions
+    among them."""
     if id(fn) in seen or depth > _MAX_DEPTH:
         return []
     seen.add(id(fn))
@@ -81,6 +82,11 @@ def _referenced(fn: Any, depth: int, seen: set[int]) -> list[tuple[str, Any]]:
             out.append((name, cell.cell_contents))
         except ValueError:  # empty cell
             pass
+    # default values (``def step(x, y, model=model, opt=opt)``, a loop-variable idiom)
+    positional = code.co_varnames[:code.co_argcount]
+    defaults = getattr(fn, "__defaults__", None) or ()
+    out += list(zip(positional[len(positional) - len(defaults):], defaults))
+    out += list((getattr(fn, "__kwdefaults__", None) or {}).items())
     g = getattr(fn, "__globals__", {})
     for name in _all_names(code):
         if name in g:

@@ -98,7 +98,7 @@ def from_torch(inv: Inventory, sd: Mapping[str, Any],
                                 "model.state_dict() returns")
         out[keys[key]] = value
     slots = _optim_slots(inv)
-    per_opt = {slots[0][0]: optim} if len(slots) == 1 else dict(optim)
+    per_opt = {slots[0][0]: optim} if len(slots) == 1 and optim else dict(optim)
     groups: list[tuple[dict, dict]] = []
     for oname, opt, pnames in slots:
         saved = per_opt.get(oname)

@@ -30,9 +30,19 @@ def _skip_root_package_setup(items: list[pytest.Item]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Runs started by tests record telemetry into a throwaway store, never into the
-    repository's ``.meshplan/`` (tests that check telemetry pass their own path)."""
+    repository's ``.meshplan/`` (tests that check telemetry pass their own path).
+
+    ``python -m pytest`` puts the working directory (the repository root) on ``sys.path``,
+    which makes the package's own folders importable as top-level packages (``kernels``,
+    ``planner``...): libraries that probe for a package of that name (transformers looks for
+    HuggingFace's ``kernels``) would find ours. The tests import the installed ``meshplan``,
+    so the root comes off ``sys.path``."""
     import os
+    import sys
     import tempfile
+
+    sys.path[:] = [p for p in sys.path
+                   if Path(p or os.getcwd()).resolve() != _REPO]
 
     if "MESHPLAN_TELEMETRY" not in os.environ:
         root = tempfile.mkdtemp(prefix="meshplan-test-telemetry-")
