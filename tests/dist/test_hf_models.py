@@ -1,6 +1,7 @@
 """Models from HuggingFace transformers (random init, tiny configs, nothing downloaded):
-BERT masked-LM, ViT and GPT-2 trace and replay equal to eager, and BERT runs on a
-data-parallel mesh equal to one process.
+ViT and GPT-2 trace and replay equal to eager, and BERT masked-LM runs on a data-parallel mesh
+equal to one process (its trace is the mesh's; each model's trace takes seconds, so each is
+traced once).
 
 Tolerances: the replay runs the traced aten ops on one process in eager's order, so losses
 and parameters are bit-equal (rtol 0, atol 0). The mesh sums gradients across 2 ranks in
@@ -72,7 +73,7 @@ def _pair(make):
     return out, batch
 
 
-@pytest.mark.parametrize("make", [_bert, _vit, _gpt2], ids=["bert-mlm", "vit", "gpt2"])
+@pytest.mark.parametrize("make", [_vit, _gpt2], ids=["vit", "gpt2"])
 def test_traces_and_replays_equal_to_eager(make) -> None:
     ((m1, step), (m2, eager)), batch = _pair(make)
     g = torch.Generator().manual_seed(1)
