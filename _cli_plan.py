@@ -98,7 +98,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
 
 def print_report(rep: dict[str, Any], console: Any = None) -> None:
     from .planner._summary import format_bytes as fb
-    from .planner._summary import replication_lines
+    from .planner._summary import random_ops_line, replication_lines
 
     con = console or _console()
     mesh = ",".join(f"{a}={n}" for a, n in rep["mesh"]["axes"])
@@ -148,6 +148,9 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
         con.print(f"  ops without a sharding rule (run replicated): {', '.join(rep['fallbacks'])}")
     else:
         con.print("  fallbacks: none (every op has a sharding rule)")
+    random_line = random_ops_line([r["target"] for r in rep.get("random_ops", ())])
+    if random_line:
+        con.print(f"  {random_line}", markup=False)
     st = rep["solver"]
     if st:
         con.print("  solver: " + ", ".join(

@@ -11,6 +11,7 @@ from ._layout import all_axis_groups, assemble, holds_zeros, local_part, local_s
 from ._lower import Program, RunObserver, lower, run, split_inputs
 from ._mpi import MPICommunicator
 from ._rma import Transfer, TransferRecord
+from ._rng import StepRNG
 from ._threadcomm import ThreadMesh
 
 __all__: list[str] = [
@@ -20,6 +21,7 @@ __all__: list[str] = [
     "MPICommunicator",
     "Program",
     "RunObserver",
+    "StepRNG",
     "ThreadMesh",
     "TorchCommunicator",
     "Transfer",

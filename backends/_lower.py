@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Protocol
 
@@ -26,10 +26,11 @@ import torch
 from torch import Tensor
 
 from .._errors import LoweringError
-from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, last_uses
+from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, is_random, last_uses
 from ..ir._graph import _iter_refs
 from ..ir._interpret import constant_tensor
 from ..ir._ops import resolve
+from ..ir._random import takes_generator
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
 from ..planner._placement import local_shape
 from ..planner.rules import rule_for
@@ -38,6 +39,7 @@ from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, bucket, pending
 from ._kernels import KernelCall, run_kernel, substitute
 from ._portable import DEVICE_TWINS
 from ._layout import axis_group, local_part, plain_layout, rank_coords
+from ._rng import StepRNG, call_seeded, op_seed, stream
 
 Value = Any
 
@@ -70,6 +72,7 @@ class Compute:
     reads: tuple[Layout | None, ...]     # the layout each Ref is read in (None: not a tensor)
     args: tuple
     kwargs: tuple
+    stream: int | None = None            # a random op's stream on this rank (``_rng.py``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,12 @@ class Program:
         Built on the first run and kept (the program is immutable)."""
         return tuple(_Op(i, self.device) if isinstance(i, Compute) else None
                      for i in self.instructions)
+
+    @cached_property
+    def random(self) -> tuple[str, ...]:
+        """The random nodes this rank runs (``run`` then needs a ``StepRNG``)."""
+        return tuple(i.node.name for i in self.instructions
+                     if isinstance(i, Compute) and i.stream is not None)
 
 
 def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
@@ -139,7 +148,10 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
             for ref, layout in zip(node.refs(), p.inputs):
                 if layout is not None and isinstance(graph.meta(ref), TensorMeta):
                     need(ref, layout, node.name)
-            instrs.append(_on_device(_compute(graph, node, p.inputs, p.outputs, sizes), device))
+            ins = _compute(graph, node, p.inputs, p.outputs, sizes)
+            if is_random(node):
+                ins = replace(ins, stream=stream(node, p.outputs, coords, sizes))
+            instrs.append(_on_device(ins, device))
         elif node.kind in (NodeKind.HOST, NodeKind.CONSTANT):
             instrs.append(_on_device(Compute(node, tuple(None for _ in node.refs()), node.args,
                                              node.kwargs), device))
@@ -165,8 +177,14 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
         instrs = substitute(instrs, graph, out_layout, sizes, device,
                             tail_reads=[*(r for r, _ in state_out.values()), *results],
                             check_available=check_available)
-    return Program(rank, coords, sizes, tuple(instrs), inputs,
-                   {n.name: n.target for n in graph.inputs}, state_out, tuple(results), device)
+    program = Program(rank, coords, sizes, tuple(instrs), inputs,
+                      {n.name: n.target for n in graph.inputs}, state_out, tuple(results), device)
+    swallowed = sorted({n.name for n in graph.nodes if is_random(n)} - set(program.random))
+    if swallowed:
+        raise LoweringError(f"rank {rank}: random nodes {', '.join(swallowed)} were replaced by a "
+                            "kernel, which would draw unseeded; a kernel pattern must not match "
+                            "random ops (or lower with kernels=False)")
+    return program
 
 
 def _compute(graph: Graph, node: Node, ins: tuple[Layout | None, ...],
@@ -287,12 +305,21 @@ class RunObserver(Protocol):
 
 def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         data: Mapping[str, Tensor], observer: RunObserver | None = None, *,
-        donate: bool = False) -> tuple[list[Tensor], dict[str, Tensor]]:
+        donate: bool = False,
+        rng: StepRNG | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
     Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
     each redistribution's collectives and, if it asks, each op's (and kernel call's) time
     (``perf_counter``). ``donate=True``: the caller gives up ``state``'s tensors, and kernels
-    that update state in place (the optimizer's) may overwrite them instead of copying."""
+    that update state in place (the optimizer's) may overwrite them instead of copying.
+    ``rng``: the run's seed and this step's number, which seed the program's random ops
+    (``_rng.py``); required when it has any (``program.random``)."""
+    if rng is None and program.random:
+        raise LoweringError(
+            f"rank {program.rank}: the program has random ops ({', '.join(program.random[:3])}"
+            f"{', ...' if len(program.random) > 3 else ''}) and run() got no rng; pass "
+            "rng=StepRNG(seed, step), the same seed on every rank and a new step number each "
+            "step, so replicas draw equal values and steps different ones")
     env: dict[str, tuple] = {}
     copies: dict[str, dict[tuple[int, Layout], Tensor]] = {}   # node -> (index, layout) -> piece
     graph_inputs = {**state, **data}
@@ -323,7 +350,8 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                             v = c.get((index, layout), v)
                     vals.append(v)
                 t0 = time.perf_counter() if timed else 0.0
-                env[op.name] = op(vals)
+                env[op.name] = op(vals) if op.stream is None else op(
+                    vals, op_seed(rng, op.stream))   # type: ignore[arg-type]
                 if timed:
                     observer.compute(ins.node, t0, time.perf_counter() - t0)
             elif isinstance(ins, Free):
@@ -369,11 +397,14 @@ class _Op:
     literal arguments built once, and where each value read goes. ``op(values)`` (values in
     ``reads`` order) returns the node's outputs, flattened."""
 
-    __slots__ = ("name", "reads", "_node", "_fn", "_args", "_kwargs", "_slots", "_device")
+    __slots__ = ("name", "reads", "stream", "_node", "_fn", "_args", "_kwargs", "_slots",
+                 "_device", "_generator")
 
     def __init__(self, ins: Compute, device: str) -> None:
         node = ins.node
         self._node, self._device, self.name = node, device, node.name
+        self.stream = ins.stream
+        self._generator = ins.stream is not None and takes_generator(node.target)
         self.reads = tuple((r.node, r.index, layout) for r, layout in zip(node.refs(), ins.reads))
         fn = None if node.kind is NodeKind.CONSTANT else (
             (device != "cpu" and DEVICE_TWINS.get(node.target)) or _LOCAL_OPS.get(node.target)
@@ -393,7 +424,8 @@ class _Op:
         else:
             self._args, self._kwargs, self._slots = ins.args, dict(ins.kwargs), None
 
-    def __call__(self, values: list[Any]) -> tuple:
+    def __call__(self, values: list[Any], seed: int | None = None) -> tuple:
+        """``seed``: a random op's generator seed for this call (``_rng.py``)."""
         if self._fn is None:                          # a constant: a fresh tensor each step
             t = constant_tensor(self._node)
             return (t if self._device == "cpu" else t.to(self._device),)
@@ -412,7 +444,8 @@ class _Op:
                 for k, v in zip(kw_slots, values[len(arg_slots):]):
                     kwargs[k] = v
         try:
-            out = self._fn(*args, **kwargs)
+            out = self._fn(*args, **kwargs) if seed is None else call_seeded(
+                self._fn, args, kwargs, seed, self._device, self._generator)
         except Exception as e:
             raise _op_error(self._node, e) from e
         return (out,) if isinstance(out, Tensor) else tuple(_flatten(out))
@@ -426,7 +459,7 @@ def _on_device(ins: Compute, device: str) -> Compute:
     dev = torch.device(device)
     swap = lambda v: dev if isinstance(v, torch.device) else v  # noqa: E731
     return Compute(ins.node, ins.reads, tuple(swap(a) for a in ins.args),
-                   tuple((k, swap(v)) for k, v in ins.kwargs))
+                   tuple((k, swap(v)) for k, v in ins.kwargs), ins.stream)
 
 
 def _op_error(node: Node, e: Exception) -> LoweringError:
@@ -470,5 +503,5 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
     return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
 
 
-__all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "Reshard", "RunObserver", "Step", "lower",
-           "plan_steps", "reshard", "run", "split_inputs"]
+__all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "Reshard", "RunObserver", "Step",
+           "StepRNG", "lower", "plan_steps", "reshard", "run", "split_inputs"]

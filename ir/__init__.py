@@ -17,6 +17,7 @@ from ._passes import (
     run_passes,
     substitute,
 )
+from ._random import RANDOM_SEMANTICS, is_random, random_nodes, takes_generator
 from ._serialize import FORMAT, VERSION, atomic_write_text
 from ._summary import GraphSummary, summarize
 from ._types import (
@@ -33,6 +34,7 @@ from ._verify import verify
 
 __all__ = [
     "FORMAT",
+    "RANDOM_SEMANTICS",
     "VERSION",
     "ConstantValue",
     "Graph",
@@ -54,15 +56,18 @@ __all__ = [
     "eliminate_dead_code",
     "merge_host_scalars",
     "interpret",
+    "is_random",
     "last_uses",
     "node_bytes",
     "node_flops",
     "op_name",
+    "random_nodes",
     "remove_identity_ops",
     "resolve_op",
     "run_passes",
     "split_foreach",
     "substitute",
     "summarize",
+    "takes_generator",
     "verify",
 ]

@@ -35,6 +35,10 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
   ``best_bucket_bytes``; null: nothing to bucket, or a plan saved before it was chosen);
 * ``fallbacks``: op targets without a sharding rule (run replicated); ``solver``: its stats
   (``*_s`` fields are wall times and vary between runs);
+* ``random_ops``: the nodes that draw random numbers (dropout's ``bernoulli``...; on a mesh they
+  do not match one process bit for bit, ``backends/_rng.py``): ``name``, ``target``,
+  ``source``, ``outputs`` (layouts: each rank draws its own values on the axes that shard
+  them, the same values on the others);
 * ``kernels`` (added by ``meshplan plan show``, which may lower; the planner does not know the
   kernels): ``{"device", "rank", "enabled", "kernels": [{"kernel", "backend", "calls",
   "updates", "replaced_nodes", "doc"}]}``, what rank 0's program uses on the plan's device
@@ -49,7 +53,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from .._errors import PlanError
-from ..ir import NodeKind, Ref, Role, TensorMeta
+from ..ir import NodeKind, Ref, Role, TensorMeta, random_nodes
 from ._placement import Layout, layout_fraction
 from ._plan import layout_str
 
@@ -92,8 +96,17 @@ def plan_report(plan: Plan) -> dict[str, Any]:
         "collective_totals": _totals(plan),
         "bucket_bytes": plan.bucket_bytes,
         "fallbacks": list(plan.fallbacks),
+        "random_ops": _random_ops(plan),
         "solver": dict(plan.solver),
     }
+
+
+def _random_ops(plan: Plan) -> list[dict[str, Any]]:
+    placed = {p.node: p for p in plan.placements}
+    return [{"name": n.name, "target": n.target,
+             "source": f"{n.source.file}:{n.source.line}" if n.source else None,
+             "outputs": [layout_str(l) for l in placed[n.name].outputs]}
+            for n in random_nodes(plan.graph) if n.name in placed]
 
 
 def _world(plan: Plan) -> int:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from ..ir import RANDOM_SEMANTICS, random_nodes
 
 if TYPE_CHECKING:
     from ._plan import Plan
@@ -69,6 +72,15 @@ def replication_lines(rep: dict[str, Any]) -> list[str]:
     return lines
 
 
+def random_ops_line(targets: Sequence[str]) -> str | None:
+    """What to say about a step's random ops (their targets; None without any)."""
+    if not targets:
+        return None
+    kinds = ", ".join(f"{t} x{n}" for t, n in Counter(targets).most_common())
+    n = len(targets)
+    return f"{n} random op{'s' * (n != 1)} ({kinds}); {RANDOM_SEMANTICS}"
+
+
 def render_summary(plan: Plan, width: int = 100) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -123,6 +135,9 @@ def render_summary(plan: Plan, width: int = 100) -> str:
         con.print(table)
     if plan.fallbacks:
         con.print(f"  ops without a sharding rule (run replicated): {', '.join(plan.fallbacks)}")
+    random_line = random_ops_line([n.target for n in random_nodes(plan.graph)])
+    if random_line:
+        con.print(f"  {random_line}", markup=False)
     return out.getvalue()
 
 

@@ -29,7 +29,7 @@ import torch
 from .._errors import RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..frontend import trace
-from ..ir import Role
+from ..ir import RANDOM_SEMANTICS, Role, random_nodes
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig
 from ._files import FILES_PLUGIN
@@ -65,7 +65,7 @@ class DistributedStep:
                  topology: Any, strategy: str, plan: str | Plan | None,
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
                  telemetry: Any = None, kernels: bool | None = None,
-                 checkpoint: str | os.PathLike | None = None) -> None:
+                 checkpoint: str | os.PathLike | None = None, seed: int | None = None) -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
@@ -89,6 +89,10 @@ class DistributedStep:
         self.telemetry: TelemetryConfig | None = TelemetryConfig.resolve(telemetry)
         self._tel: ControllerTelemetry | None = None
         self._step_no = 0
+        if seed is not None and not isinstance(seed, int):
+            raise RuntimeFailure(f"distribute(seed={seed!r}): the seed must be an int or None")
+        self._seed: int | None = seed       # random ops' run seed; None: drawn when first needed
+        self._random_said = False
         # the running mesh's programs, by what their graph is specialised on (call_key)
         self._variants: dict[tuple, _Variant] = {}
         self._primary_key: tuple | None = None
@@ -127,6 +131,13 @@ class DistributedStep:
         if self._workers is None:
             self._launch()
         return self._step(self._variant(args, kwargs), args, kwargs)
+
+    @property
+    def seed(self) -> int | None:
+        """The run's seed for random ops (README, "Random ops on a mesh"): ``distribute(seed=)``,
+        else drawn from the controller's CPU generator (``torch.manual_seed`` before the run
+        fixes it) at the first mesh step whose program has random ops; None until then."""
+        return self._seed
 
     @property
     def variants(self) -> int:
@@ -483,7 +494,7 @@ class DistributedStep:
             self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
         assert self._primary_key is not None
-        self._variants = {self._primary_key: _Variant(0, plan, tuple(data))}
+        self._variants = {self._primary_key: _Variant(0, plan, tuple(data), _random(plan))}
 
     def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> _Variant:
         """The mesh's program for a call with these arguments: traced, planned and sent to
@@ -510,7 +521,7 @@ class DistributedStep:
                 if n.meta.role in _STATE_ROLES}
         plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
                           memory_limit_bytes=self.memory_limit_bytes, pins=pins)
-        variant = _Variant(len(self._variants), plan, tuple(_call_inputs(plan)))
+        variant = _Variant(len(self._variants), plan, tuple(_call_inputs(plan)), _random(plan))
         workers = self._workers
         assert workers is not None
         with self._recording_failures():
@@ -531,12 +542,14 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: expected {len(data)} tensor arguments "
                                  f"({', '.join(data)}), got {len(flat)}")
         batch = {**dict(zip(data, flat)), **self._traced.hyper_values()}
+        header = {"step": self._step_no, "variant": variant.id}
+        if variant.random:
+            header["seed"] = self._random_seed(variant)
         start_us, t0 = steps_timer()
         with self._recording_failures():
             for rank in range(workers.n):
                 pieces = split_inputs(plan, rank, {n: batch[n] for n in names})
-                workers.send(rank, "step", {"step": self._step_no, "variant": variant.id},
-                             [pieces[n] for n in names])
+                workers.send(rank, "step", header, [pieces[n] for n in names])
             replies = workers.gather("step", self.timeout_s)
         self.last_comm = [list(r.header["comm"]) for r in replies]
         results = list(replies[0].tensors)
@@ -545,6 +558,22 @@ class DistributedStep:
                            results)
         self._step_no += 1
         return self._traced.pack_results(results, plan.graph)
+
+    def _random_seed(self, variant: _Variant) -> int:
+        """The run's seed, drawn from the controller's CPU generator the first time a program
+        with random ops runs (unless given); says once that random ops differ from one process."""
+        if self._seed is None:
+            self._seed = int(torch.randint(0, 2**63 - 1, ()).item())
+        if not self._random_said:
+            self._random_said = True
+            nodes = {n.name: n for n in variant.plan.graph.nodes}
+            first = nodes[variant.random[0]]
+            where = f", first {first.target} at {first.source}" if first.source else ""
+            n = len(variant.random)
+            logger.warning("meshplan: %s has %d random op%s%s; %s; this run's seed is %d",
+                           self.__name__, n, "s" * (n != 1), where, RANDOM_SEMANTICS,
+                           self._seed)
+        return self._seed
 
     @contextlib.contextmanager
     def _recording_failures(self):
@@ -586,6 +615,11 @@ class _Variant:
     id: int
     plan: Plan
     inputs: tuple[str, ...]
+    random: tuple[str, ...] = ()         # its random nodes (seeded per step: backends/_rng.py)
+
+
+def _random(plan: Plan) -> tuple[str, ...]:
+    return tuple(n.name for n in random_nodes(plan.graph))
 
 
 def _call_inputs(plan: Plan) -> list[str]:
@@ -608,7 +642,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                plan: str | Plan | None = None, example_inputs: Any = None,
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                telemetry: Any = None, kernels: bool | None = None,
-               checkpoint: str | os.PathLike | None = None) -> Any:
+               checkpoint: str | os.PathLike | None = None, seed: int | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -622,13 +656,18 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``meshplan.telemetry.TelemetryConfig``; ``kernels``: let the lowering substitute the
     registry's kernels for matching op chains (``meshplan.kernels``; the default follows
     ``MESHPLAN_KERNELS``, on unless it says ``off``), False for the plan's ops only;
-    ``checkpoint``: a file from ``save_checkpoint`` to start from (see ``load_checkpoint``).
+    ``checkpoint``: a file from ``save_checkpoint`` to start from (see ``load_checkpoint``);
+    ``seed``: the seed of random ops such as dropout, which on the mesh do not match one process
+    bit for bit (README, "Random ops on a mesh"); None (the default) draws it from torch's CPU
+    generator at the first call that needs it, so ``torch.manual_seed(s)`` before the run
+    reproduces it. The same seed, mesh and plan give the same results.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
-                               telemetry=telemetry, kernels=kernels, checkpoint=checkpoint)
+                               telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
+                               seed=seed)
 
     return wrap(fn) if fn is not None else wrap
 

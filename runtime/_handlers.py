@@ -12,6 +12,7 @@ import torch
 
 from ..backends import (
     MPICommunicator,
+    StepRNG,
     TorchCommunicator,
     Transfer,
     all_axis_groups,
@@ -102,12 +103,14 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     ns.comm.records.clear()
     if tel is not None:
         tel.begin(int(header.get("step", tel.step + 1)))
+    # random ops: the run's seed and the step's number seed them (backends/_rng.py)
+    rng = StepRNG(int(header["seed"]), int(header["step"])) if "seed" in header else None
     start_us, perf0 = steps_timer()
     try:
         # the worker owns its state (fresh tensors from the channel): in-place kernels may
         # update it instead of copying
         results, new_state = run(program, ns.comm, ns.state, data, observer=tel,
-                                 donate=True)
+                                 donate=True, rng=rng)
     except Exception as exc:
         if tel is not None:
             tel.failure(exc, traceback.format_exc())

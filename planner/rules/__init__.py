@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (each module registers its rules on import)
     norm,
     pointwise,
     pool,
+    random_ops,
     reduction,
     softmax,
     view,

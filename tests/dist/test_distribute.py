@@ -259,3 +259,87 @@ def _alive(pid: int) -> bool:
         return os.waitpid(pid, os.WNOHANG) == (0, 0)
     except ChildProcessError:
         return True
+
+
+
+def _dropout_gpt():
+    return gpt.build(optimizer="adamw", config=gpt.GPTConfig(dropout=0.1, n_layer=1))
+
+
+def _dropout_mlp():
+    """The MLP with dropout (0.2) after its activation and after its output layer."""
+    ex = mlp.build(optimizer="adamw")
+    ex.model.act = torch.nn.Sequential(ex.model.act, torch.nn.Dropout(0.2))
+    ex.model.fc2 = torch.nn.Sequential(ex.model.fc2, torch.nn.Dropout(0.2))
+    return ex
+
+
+def _dropout_run(ex, mesh: dict[str, int], strategy: str, steps: int, **options):
+    """``steps`` steps of ``ex`` on ``mesh``: the losses, the step and every rank's raw state
+    pieces (``get_state``) after the last step."""
+    step = meshplan.distribute(ex.step, mesh=mesh, strategy=strategy, topology="cpu",
+                               telemetry=False, **options)
+    with step:
+        losses = torch.stack([step(*ex.batch(i)).detach() for i in range(steps)])
+        step._workers.broadcast("get_state", {})
+        held = [dict(zip(r.header["names"], r.tensors))
+                for r in step._workers.gather("get_state", 60)]
+    return losses, step, held
+
+
+def _random_warnings(caplog) -> list[str]:
+    said = [r.getMessage() for r in caplog.records]
+    return [m for m in said if "do not match one process" in m]
+
+
+@pytest.mark.timeout(240)
+def test_dropout_repeats_from_the_seed_and_says_it_differs_from_one_process(caplog) -> None:
+    """GPT with dropout under data parallelism (each rank's batch half draws its own masks):
+    the run's seed is the controller's first draw after torch.manual_seed, and the warning
+    that random ops do not match one process comes once, with it. Launched again on fresh
+    workers from the same state (the controller's, never synced), the same seed gives
+    bit-identical losses and another seed other losses."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="meshplan.runtime._distributed")
+    torch.manual_seed(3)
+    drawn = int(torch.randint(0, 2**63 - 1, ()).item())
+    torch.manual_seed(3)
+    ex = _dropout_gpt()
+    a, step, _ = _dropout_run(ex, {"dp": 2}, "dp", 2)
+    said = _random_warnings(caplog)
+    assert step.seed == drawn and len(said) == 1
+    assert "do not match one process bit for bit" in said[0] and f"seed is {drawn}" in said[0]
+    runs = []
+    for seed in (drawn, drawn + 1):
+        step._seed = seed
+        with step:
+            runs.append(torch.stack([step(*ex.batch(i)).detach() for i in range(2)]))
+    assert torch.isfinite(a).all() and torch.equal(a, runs[0]) and not torch.equal(a, runs[1])
+    assert len(_random_warnings(caplog)) == 1
+
+
+def test_distribute_takes_an_int_seed() -> None:
+    ex = mlp.build()
+    assert meshplan.distribute(ex.step, mesh={"dp": 2}, seed=7).seed == 7
+    assert meshplan.distribute(ex.step, mesh={"dp": 2}).seed is None     # drawn when needed
+    with pytest.raises(meshplan.RuntimeFailure, match="seed must be an int"):
+        meshplan.distribute(ex.step, mesh={"dp": 2}, seed="7")
+
+
+@pytest.mark.timeout(240)
+def test_dropout_under_tensor_parallelism_keeps_replicas_equal() -> None:
+    """Megatron TP on tp=2 (the MLP: fc1 split by columns, the rest replicated; both dropouts
+    replicated on tp, so both ranks must draw the same masks): after two steps every state
+    piece the two ranks both hold is bit-identical on them, and fc1's halves differ."""
+    torch.manual_seed(4)
+    losses, step, held = _dropout_run(_dropout_mlp(), {"tp": 2}, "megatron_tp", 2)
+    assert torch.isfinite(losses).all()
+    layouts = step.plan.input_layouts
+    replicated = [k for k in held[0] if k in layouts and all(
+        not isinstance(p, meshplan.planner.Shard) for p in layouts[k])]
+    split = [k for k in held[0] if k in layouts and k not in replicated]
+    assert any("norm.weight" in k for k in replicated) and split
+    for k in replicated:
+        assert torch.equal(held[0][k], held[1][k]), k
+    assert any(not torch.equal(held[0][k], held[1][k]) for k in split)

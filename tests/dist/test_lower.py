@@ -402,3 +402,79 @@ def test_an_op_that_fails_on_local_pieces_names_its_node_and_source_line() -> No
     assert "failed on local shards" in str(err) and "aten." in str(err)
     assert "mlp.py" in str(err) and err.meshplan_where and "mlp.py" in err.meshplan_where
     ThreadMesh(2, timeout_s=30).run(lambda comm: one(comm, data))      # still runs
+
+
+def _run_steps(plan, traced, ex, rng_seed, steps: int = 2):
+    """``steps`` steps of ``plan``'s programs on a thread mesh from the traced inputs, random
+    ops seeded with ``rng_seed`` and the step number: the losses (step x rank), every rank's
+    final state pieces and its program (for the layouts)."""
+    from meshplan.backends import StepRNG
+
+    graph = traced.graph
+    world = int(torch.tensor(plan.mesh.sizes).prod())
+    programs = [lower(plan, r) for r in range(world)]
+    full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
+    names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
+    local = [split_inputs(plan, r, {k: full[k] for k in names}) for r in range(world)]
+    data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
+    mesh, losses = ThreadMesh(world, timeout_s=60), []
+    for step in range(steps):
+        batch = dict(zip(data, ex.batch(step + 2)))
+        got = mesh.run(lambda comm, batch=batch, step=step: run(
+            programs[comm.rank], comm, local[comm.rank], split_inputs(plan, comm.rank, batch),
+            rng=StepRNG(rng_seed, step)))
+        for r in range(world):
+            local[r] = {**local[r], **got[r][1]}
+        losses.append(torch.stack([got[r][0][0] for r in range(world)]))
+    return torch.stack(losses), local, programs
+
+
+def _replicas_differ(local, programs, sizes) -> list[str]:
+    """State values whose replicas (ranks at the same coordinates on the axes that shard the
+    value) are not bit-identical."""
+    bad = []
+    for name, layout in programs[0].inputs.items():
+        if name not in local[0]:
+            continue
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for prog, held in zip(programs, local):
+            key = tuple(c for c, p, n in zip(prog.coords, layout, sizes)
+                        if isinstance(p, Shard) and n > 1)
+            groups.setdefault(key, []).append(held[name])
+        if any(not torch.equal(t, ts[0]) for ts in groups.values() for t in ts[1:]):
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.timeout(300)
+def test_random_ops_keep_replicas_equal_and_repeat_from_their_seed(monkeypatch) -> None:
+    """GPT with dropout 0.1 on dp=2 x tp=2, the batch split on dp only (every dropout's output
+    (S(0), R): the two tp ranks of a batch half hold replicas): after two steps every state
+    piece is bit-identical across the ranks that hold it; the same seed gives the same losses
+    and state, another seed other losses; run() without a seed is refused. Control: with
+    streams that also hash the replicated axis (each rank its own dropout mask) the replicas
+    drift apart, so the check can fail."""
+    from meshplan import LoweringError
+    from meshplan.backends import _rng
+
+    ex = gpt.build(optimizer="adamw", config=gpt.GPTConfig(dropout=0.1))
+    ex.step(*ex.batch(0))
+    traced = meshplan.trace(ex.step, *ex.batch(1))
+    plan = plan_graph(traced.graph, {"dp": 2, "tp": 2}, topology="cpu", strategy="dp",
+                      pins={"x": ("S(0)", "R"), "y": ("S(0)", "R")})
+    layouts = {p.node: p.outputs[0] for p in plan.placements}
+    drops = [n.name for n in traced.graph.nodes if n.target == "aten.bernoulli.p"]
+    assert drops and {layouts[n] for n in drops} == {(S0, R)}
+    losses, local, programs = _run_steps(plan, traced, ex, rng_seed=5)
+    assert torch.isfinite(losses).all() and (losses == losses[:, :1]).all()
+    assert not _replicas_differ(local, programs, plan.mesh.sizes)
+    again, local2, _ = _run_steps(plan, traced, ex, rng_seed=5)
+    assert torch.equal(losses, again)
+    assert all(torch.equal(local[r][k], local2[r][k]) for r in range(4) for k in local[r])
+    other, _, _ = _run_steps(plan, traced, ex, rng_seed=6)
+    assert not torch.equal(losses, other)
+    with pytest.raises(LoweringError, match="random ops.*rng=StepRNG"):
+        run(programs[0], None, local[0], {})
+    monkeypatch.setattr(_rng, "sharded_axes", lambda outputs, sizes: tuple(range(len(sizes))))
+    _, local3, programs3 = _run_steps(plan, traced, ex, rng_seed=5)
+    assert _replicas_differ(local3, programs3, plan.mesh.sizes)

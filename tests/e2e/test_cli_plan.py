@@ -24,6 +24,7 @@ from pathlib import Path
 
 import meshplan
 import pytest
+import torch
 from meshplan.examples import mlp
 from meshplan.planner import Plan, plan_graph
 
@@ -134,6 +135,29 @@ def test_show_json_schema_and_numbers(plans: dict, cli: dict) -> None:
     (adamw,) = [r for r in k["kernels"] if r["kernel"] == "adamw"]
     assert adamw["backend"] == "triton" and adamw["updates"] == params
     assert adamw["replaced_nodes"] >= 7 * params
+
+
+def test_show_says_when_random_ops_do_not_match_one_process(plans: dict,
+                                                           tmp_path: Path) -> None:
+    """A step with dropout: ``plan show`` lists its random ops in --json (with the layouts
+    that decide which ranks draw alike) and says in one line that they do not match one
+    process bit for bit, as ``Plan.summary()`` does; a step without says nothing of it."""
+    ex = mlp.build(optimizer="adamw")
+    ex.model.act = torch.nn.Sequential(ex.model.act, torch.nn.Dropout(0.2))
+    graph = meshplan.trace(ex.step, *ex.batch(0)).graph
+    plan = plan_graph(graph, {"dp": 2}, topology="cpu", strategy="dp")
+    path = tmp_path / "dropout.plan"
+    plan.save(path)
+    rc, out, err = _main("plan", "show", str(path))
+    assert rc == 0, err
+    line = "1 random op (aten.bernoulli.p x1); they do not match one process bit for bit"
+    assert line in " ".join(out.split()) and line in " ".join(plan.summary().split())
+    rc, out, err = _main("plan", "show", str(path), "--json")
+    (op,) = json.loads(out)["random_ops"]
+    assert op["target"] == "aten.bernoulli.p" and op["outputs"] == ["(R)"]
+    assert "mlp.py:" in op["source"]
+    rc, out, err = _main("plan", "show", str(plans["dp"][0]))
+    assert rc == 0 and "random op" not in out
 
 
 def test_explain_reports_the_chosen_layout_and_priced_alternatives(plans: dict, cli: dict) -> None:

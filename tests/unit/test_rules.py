@@ -69,6 +69,7 @@ from meshplan.planner.rules import (
     strategies_for,
 )
 from meshplan.planner.rules.creation import UNINITIALIZED
+from meshplan.planner.rules.random_ops import RANDOM
 
 RTOL, ATOL = 1e-4, 1e-5
 MESH_SIZES = (2, 3)
@@ -338,8 +339,8 @@ def simulate(rec: Recorded, node: Node, s: OpStrategy, n: int) -> str:
             problems.append(f"output {k}: local shape {tuple(parts[0].shape)}, "
                             f"expected {out_shapes[k]}")
             continue
-        if node.target in UNINITIALIZED:       # unspecified values: the shapes are the check
-            continue
+        if node.target in UNINITIALIZED or node.target in RANDOM:
+            continue                           # unspecified or random values: shapes only
         got, why = combine(parts, p)
         if why:
             problems.append(f"output {k}: {why}")
@@ -481,6 +482,14 @@ OP_CASES: dict[str, tuple[str, Callable[[], tuple]]] = {
     "empty-like": ("aten.empty_like.default", lambda: (rn(6, 12),)),
     "zeros-like": ("aten.zeros_like.default", lambda: (rn(6, 12),)),
     "copy": ("aten.copy.default", lambda: (rn(6, 4), rn(4))),
+    "bernoulli-p": ("aten.bernoulli.p", lambda: (rn(6, 12), 0.7)),
+    "bernoulli-probs": ("aten.bernoulli.default", lambda: (torch.rand(6, 12, generator=_GEN),)),
+    "rand-like": ("aten.rand_like.default", lambda: (rn(6, 12),)),
+    "randn-like": ("aten.randn_like.default", lambda: (rn(6, 12),)),
+    "randint-like": ("aten.randint_like.default", lambda: (rn(6, 12), 5)),
+    "randint-like-low": ("aten.randint_like.low_dtype", lambda: (rn(6, 12), 2, 5)),
+    "rand": ("aten.rand.default", lambda: ((6, 12),)),
+    "randn": ("aten.randn.default", lambda: ((6, 12),)),
     "lerp-tensor": ("aten.lerp.Tensor", lambda: (rn(6, 4), rn(6, 4), rn(4))),
     "rsub": ("aten.rsub.Tensor", lambda: (rn(6, 4), rn(4))),
     "sub-scalar": ("aten.sub.Scalar", lambda: (rn(6, 4), 0.5)),
