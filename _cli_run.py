@@ -113,7 +113,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         with _quiet_stdout():                         # HiGHS prints its banner on fd 1
             plan = plan_graph(traced.graph, mesh, topology=args.topology or opts["topology"],
                               strategy=args.strategy or opts["strategy"],
-                              memory_limit_bytes=limit or opts["memory_limit_bytes"])
+                              memory_limit_bytes=limit or opts["memory_limit_bytes"],
+                              compare_sharded=True)
         stage(f"writing {args.out}")
         plan.save(args.out)
     summary = {"path": os.path.abspath(args.out), "mesh": dict(plan.mesh.axes),

@@ -21,4 +21,4 @@ def compile(  # noqa: A001 - the public name users call
     """Trace ``step_fn`` on ``example_args`` and plan it on ``mesh`` (see ``plan_graph``)."""
     graph = trace(step_fn, *example_args).graph
     return plan_graph(graph, mesh, topology=topology or "cpu", strategy=strategy,
-                      memory_limit_bytes=memory_limit_bytes, pins=pins)
+                      memory_limit_bytes=memory_limit_bytes, pins=pins, compare_sharded=True)

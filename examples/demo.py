@@ -34,7 +34,7 @@ def run_demo(steps: int = 5, console: Any = None) -> int:
     print_summary(summarize(traced.graph), console, traced.graph)
 
     mesh = {"dp": 2, "tp": 2}
-    auto = plan_graph(traced.graph, mesh, topology="cpu")
+    auto = plan_graph(traced.graph, mesh, topology="cpu", compare_sharded=True)
     # a fully replicated automatic plan was already compared with the families: reuse that
     known = {p.strategy: p for p in getattr(auto.sharded_alternatives, "plans", ())}
     plans = {"auto": auto.estimate()}

@@ -36,6 +36,7 @@ def plan_graph(
     memory_limit_bytes: int | None = None,
     pins: Pins | None = None,
     time_limit_s: float = 60.0,
+    compare_sharded: bool = False,
 ) -> Plan:
     """Plan ``graph`` on ``mesh``.
 
@@ -47,10 +48,12 @@ def plan_graph(
     bounds the solver, all its memory rounds together (the plan it has then stands; ``fits``
     says whether it fits).
 
-    When ``"auto"`` (without ``pins``) chooses a fully replicated plan, every rank running the
-    whole batch, the hand-written families are planned too, within ``COMPARE_TIME_LIMIT_S``
+    With ``compare_sharded=True`` (``meshplan.compile``, ``meshplan compile``, the demo), when
+    ``"auto"`` (without ``pins``) chooses a fully replicated plan, every rank running the whole
+    batch, the hand-written families are planned too, within ``COMPARE_TIME_LIMIT_S``
     together, and the plan carries their estimates (``Plan.sharded_alternatives``) so that its
-    summary can say what splitting the step would cost.
+    summary can say what splitting the step would cost. ``distribute`` does not wait for
+    that: its plan says it is fully replicated, and how to compare.
     """
     t0 = time.perf_counter()
     if not isinstance(mesh, Mesh):
@@ -93,13 +96,13 @@ def plan_graph(
     sol.solver["problem_s"] = t_problem
     sol.solver["plan_s"] = time.perf_counter() - t0
     plan = _make_plan(problem, sol, strategy, limit)
-    if strategy == "auto" and not pins and plan.fully_replicated:
-        plan = dataclasses.replace(plan, sharded_alternatives=compare_sharded(
+    if compare_sharded and strategy == "auto" and not pins and plan.fully_replicated:
+        plan = dataclasses.replace(plan, sharded_alternatives=sharded_families(
             graph, mesh, limit, min(time_limit_s, COMPARE_TIME_LIMIT_S)))
     return plan
 
 
-def compare_sharded(graph: Graph, mesh: Mesh, memory_limit_bytes: int,
+def sharded_families(graph: Graph, mesh: Mesh, memory_limit_bytes: int,
                     time_limit_s: float = COMPARE_TIME_LIMIT_S) -> ShardedAlternatives:
     """The hand-written families planned for ``graph`` on ``mesh`` (each as a plan that splits
     the work: one that comes out fully replicated is skipped). Their solves share

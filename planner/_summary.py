@@ -24,7 +24,7 @@ def _t(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s < 10 else f"{s:.2f} s"
 
 
-# how ``compare_sharded`` starts the reason of a family whose solve ran out of time
+# how ``sharded_families`` starts the reason of a family whose solve ran out of time
 TIMED_OUT = "not planned in time"
 
 
@@ -41,8 +41,9 @@ def replication_lines(rep: dict[str, Any]) -> list[str]:
     alt = rep.get("sharded_alternatives")
     if alt is None:
         if rep["strategy"] == "auto":
-            lines.append("not compared with a sharded plan (plans made with input pins or saved "
-                         "by an older meshplan carry none): compile it again to see one")
+            lines.append("not compared with a sharded plan here (distribute does not wait for "
+                         "it; plans with input pins or from an older meshplan carry none): "
+                         "meshplan compile, or meshplan.compile, compares the sharded families")
         return lines
     fitting = [p for p in alt["plans"] if p["fits"]] or alt["plans"]
     if not fitting:

@@ -21,7 +21,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,33 +28,19 @@ import torch
 from .._errors import RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..frontend import trace
-from ..ir import RANDOM_SEMANTICS, Role, random_nodes
+from ..ir import RANDOM_SEMANTICS, Role
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig
 from ._files import FILES_PLUGIN
 from ._launch import LocalLauncher, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
-from ._telemetry import ControllerTelemetry, steps_timer
+from ._telemetry import ControllerTelemetry, QueryResult, ingest, merge_answers, steps_timer
+from ._variants import MAX_VARIANTS, Variant, call_inputs, random_of, what_changed
 
 logger = logging.getLogger(__name__)
 
 _HANDLERS = "meshplan.runtime._handlers"
 _STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
-
-
-@dataclass(frozen=True)
-class QueryResult:
-    """A live query's answer: every answering rank's rows in one Arrow table (``table``),
-    the ranks that did not answer in time (``missing``) and those whose query failed
-    (``errors``: rank -> message)."""
-
-    table: Any                     # pyarrow.Table
-    missing: tuple[int, ...] = ()
-    errors: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def complete(self) -> bool:
-        return not self.missing and not self.errors
 
 
 class DistributedStep:
@@ -94,7 +79,7 @@ class DistributedStep:
         self._seed: int | None = seed       # random ops' run seed; None: drawn when first needed
         self._random_said = False
         # the running mesh's programs, by what their graph is specialised on (call_key)
-        self._variants: dict[tuple, _Variant] = {}
+        self._variants: dict[tuple, Variant] = {}
         self._primary_key: tuple | None = None
         # a checkpoint to apply once the step is traced: (path, push)
         self._pending_checkpoint: tuple[str, bool | None] | None = None
@@ -264,7 +249,7 @@ class DistributedStep:
         else:
             table = pa.table({})
         if merge is not None:
-            table = _merge(table, merge)
+            table = merge_answers(table, merge)
         if missing:
             logger.warning("meshplan: %s did not answer the live query within %s s",
                            ", ".join(f"rank {r}" for r in missing), timeout_s)
@@ -286,7 +271,7 @@ class DistributedStep:
         if self._tel is not None:
             self._tel.close()
             self._tel = None
-            _ingest(self.telemetry)
+            ingest(self.telemetry)
 
     def __enter__(self) -> DistributedStep:
         return self
@@ -466,7 +451,7 @@ class DistributedStep:
             # accumulation into it leaves exactly as a fresh gradient
             state.setdefault(n.target, torch.zeros(n.meta.shape,
                                                    dtype=getattr(torch, n.meta.dtype)))
-        data = _call_inputs(plan)
+        data = call_inputs(plan)
         launcher = MPILauncher() if self.launcher == "mpi" else LocalLauncher()
         self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
@@ -494,9 +479,9 @@ class DistributedStep:
             self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
         assert self._primary_key is not None
-        self._variants = {self._primary_key: _Variant(0, plan, tuple(data), _random(plan))}
+        self._variants = {self._primary_key: Variant(0, plan, tuple(data), random_of(plan))}
 
-    def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> _Variant:
+    def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> Variant:
         """The mesh's program for a call with these arguments: traced, planned and sent to
         every rank the first time its key (``TracedStep.call_key``) is seen. The new plan keeps
         every state tensor where the running plan holds it, so no state moves."""
@@ -504,7 +489,7 @@ class DistributedStep:
         known = self._variants.get(key)
         if known is not None:
             return known
-        what = _what_changed(self._primary_key, key)
+        what = what_changed(self._primary_key, key)
         if len(self._variants) >= MAX_VARIANTS:
             raise RuntimeFailure(
                 f"{self.__name__}: a call with new {what}, and the mesh already holds programs "
@@ -521,7 +506,7 @@ class DistributedStep:
                 if n.meta.role in _STATE_ROLES}
         plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
                           memory_limit_bytes=self.memory_limit_bytes, pins=pins)
-        variant = _Variant(len(self._variants), plan, tuple(_call_inputs(plan)), _random(plan))
+        variant = Variant(len(self._variants), plan, tuple(call_inputs(plan)), random_of(plan))
         workers = self._workers
         assert workers is not None
         with self._recording_failures():
@@ -533,7 +518,7 @@ class DistributedStep:
         self._variants[key] = variant
         return variant
 
-    def _step(self, variant: _Variant, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+    def _step(self, variant: Variant, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         plan, workers, names = variant.plan, self._workers, list(variant.inputs)
         assert workers is not None
         data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
@@ -559,7 +544,7 @@ class DistributedStep:
         self._step_no += 1
         return self._traced.pack_results(results, plan.graph)
 
-    def _random_seed(self, variant: _Variant) -> int:
+    def _random_seed(self, variant: Variant) -> int:
         """The run's seed, drawn from the controller's CPU generator the first time a program
         with random ops runs (unless given); says once that random ops differ from one process."""
         if self._seed is None:
@@ -602,39 +587,6 @@ class DistributedStep:
 
     def _write_local(self, values: Mapping[str, torch.Tensor]) -> None:
         self._traced.write_state(dict(values), *self._example_data())
-
-
-MAX_VARIANTS = 8        # programs one mesh holds for calls of different signatures
-
-
-@dataclass(frozen=True)
-class _Variant:
-    """One program the mesh runs: its id on the workers, its plan, and what each call sends
-    (the data inputs, then the hyperparameters, by input name)."""
-
-    id: int
-    plan: Plan
-    inputs: tuple[str, ...]
-    random: tuple[str, ...] = ()         # its random nodes (seeded per step: backends/_rng.py)
-
-
-def _random(plan: Plan) -> tuple[str, ...]:
-    return tuple(n.name for n in random_nodes(plan.graph))
-
-
-def _call_inputs(plan: Plan) -> list[str]:
-    """The inputs a call sends to every rank: the arguments' tensors and the hyperparameters."""
-    return [n.target for n in plan.graph.inputs if n.meta.role in (Role.DATA, Role.HYPER)]
-
-
-def _what_changed(old: tuple | None, new: tuple) -> str:
-    """Which part of a call's key (``TracedStep.call_key``) differs, in words."""
-    parts = ("optimizer hyperparameters (one became zero or non-zero, or a non-numeric "
-             "entry changed)", "argument shapes, dtypes or Python values",
-             "train/eval modes of the modules")
-    if old is None:
-        return parts[1]
-    return " and ".join(p for p, a, b in zip(parts, old, new) if a != b) or parts[1]
 
 
 def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
@@ -687,35 +639,3 @@ def _stamp(path: str) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _ingest(config: TelemetryConfig | None) -> None:
-    """Load the run's segments into the DuckDB store, best effort: a store another process
-    holds open is left for later (``meshplan telemetry ingest``); the segments stay either way."""
-    if config is None:
-        return
-    from .._errors import TelemetryError
-    from ..telemetry import Store
-
-    try:
-        with Store.open(config.db) as store:
-            logger.info("meshplan: telemetry in %s", store.source)
-    except TelemetryError as exc:
-        logger.warning("meshplan: telemetry not loaded into %s yet (%s); its segments are "
-                       "in %s", config.db, exc, config.segments)
-
-
-def _merge(result: Any, sql: str) -> Any:
-    """``sql`` over the workers' concatenated answers (the table ``result``), in DuckDB."""
-    import duckdb
-
-    from .._errors import TelemetryError
-
-    con = duckdb.connect(":memory:")
-    try:
-        con.register("result", result)
-        return con.sql(sql).to_arrow_table()
-    except duckdb.Error as exc:
-        raise TelemetryError(f"the merge query failed: {exc}") from None
-    finally:
-        con.close()

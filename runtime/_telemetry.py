@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -246,5 +247,55 @@ def steps_timer() -> tuple[int, float]:
     return now_us(), time.perf_counter()
 
 
-__all__ = ["ControllerTelemetry", "WorkerTelemetry", "plan_collective_rows", "plan_node_rows",
-           "state_device", "steps_timer"]
+
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """A live query's answer: every answering rank's rows in one Arrow table (``table``),
+    the ranks that did not answer in time (``missing``) and those whose query failed
+    (``errors``: rank -> message)."""
+
+    table: Any                     # pyarrow.Table
+    missing: tuple[int, ...] = ()
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing and not self.errors
+
+
+def ingest(config: TelemetryConfig | None) -> None:
+    """Load the run's segments into the DuckDB store, best effort: a store another process
+    holds open is left for later (``meshplan telemetry ingest``); the segments stay either way."""
+    if config is None:
+        return
+    from .._errors import TelemetryError
+    from ..telemetry import Store
+
+    try:
+        with Store.open(config.db) as store:
+            logger.info("meshplan: telemetry in %s", store.source)
+    except TelemetryError as exc:
+        logger.warning("meshplan: telemetry not loaded into %s yet (%s); its segments are "
+                       "in %s", config.db, exc, config.segments)
+
+
+def merge_answers(result: Any, sql: str) -> Any:
+    """``sql`` over the workers' concatenated answers (the table ``result``), in DuckDB."""
+    import duckdb
+
+    from .._errors import TelemetryError
+
+    con = duckdb.connect(":memory:")
+    try:
+        con.register("result", result)
+        return con.sql(sql).to_arrow_table()
+    except duckdb.Error as exc:
+        raise TelemetryError(f"the merge query failed: {exc}") from None
+    finally:
+        con.close()
+
+
+__all__ = ["ControllerTelemetry", "QueryResult", "WorkerTelemetry", "ingest", "merge_answers",
+           "plan_collective_rows", "plan_node_rows", "state_device", "steps_timer"]

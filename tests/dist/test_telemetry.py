@@ -153,9 +153,10 @@ def test_a_raising_rank_records_its_error_and_line(tmp_path) -> None:
     step = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", telemetry=db)
     with step:
         step(*ex.batch(0))
-        from test_distribute import _send_bad_piece
-
-        _send_bad_piece(step, "fc1.weight")
+        # a 3x3 piece of fc1.weight on every rank, past load_state_dict's shape check: the
+        # next step fails on the ranks
+        name = next(n.target for n in step.plan.graph.inputs if n.target.endswith("fc1.weight"))
+        step._send_state("set_state", {name: torch.zeros(3, 3)}, lambda r, names: {"names": names})
         with pytest.raises(meshplan.RuntimeFailure):
             step(*ex.batch(1))
     rows = _rows(db, "SELECT rank, step, kind, source, traceback FROM failures ORDER BY rank")

@@ -47,7 +47,7 @@ def graph() -> Any:
 @pytest.fixture(scope="module")
 def auto(graph: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Plan]:
     """The MLP on dp=2 with the cpu topology: too small to gain from splitting, so replicated."""
-    plan = plan_graph(graph, {"dp": 2}, topology="cpu")
+    plan = plan_graph(graph, {"dp": 2}, topology="cpu", compare_sharded=True)
     path = tmp_path_factory.mktemp("plans") / "auto.plan"
     plan.save(path)
     return path, plan
