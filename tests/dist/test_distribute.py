@@ -262,10 +262,6 @@ def _alive(pid: int) -> bool:
 
 
 
-def _dropout_gpt():
-    return gpt.build(optimizer="adamw", config=gpt.GPTConfig(dropout=0.1, n_layer=1))
-
-
 def _dropout_mlp():
     """The MLP with dropout (0.2) after its activation and after its output layer."""
     ex = mlp.build(optimizer="adamw")
@@ -294,7 +290,7 @@ def _random_warnings(caplog) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_dropout_repeats_from_the_seed_and_says_it_differs_from_one_process(caplog) -> None:
-    """GPT with dropout under data parallelism (each rank's batch half draws its own masks):
+    """The MLP with dropout under data parallelism (each rank's batch half draws its own masks):
     the run's seed is the controller's first draw after torch.manual_seed, and the warning
     that random ops do not match one process comes once, with it. Launched again on fresh
     workers from the same state (the controller's, never synced), the same seed gives
@@ -305,7 +301,7 @@ def test_dropout_repeats_from_the_seed_and_says_it_differs_from_one_process(capl
     torch.manual_seed(3)
     drawn = int(torch.randint(0, 2**63 - 1, ()).item())
     torch.manual_seed(3)
-    ex = _dropout_gpt()
+    ex = _dropout_mlp()
     a, step, _ = _dropout_run(ex, {"dp": 2}, "dp", 2)
     said = _random_warnings(caplog)
     assert step.seed == drawn and len(said) == 1
