@@ -11,8 +11,8 @@ The optimizers branch on two of them (``if weight_decay != 0``, ``if momentum !=
 there stays a constant of the graph and is part of the graph's key (a change to or from zero
 traces again), a non-zero value is traced as a symbol known to be non-zero. Any value of the
 others (a learning rate annealed to 0 too) is a runtime input. Should an optimizer branch on
-another one, tracing fails on that guard and the step is traced with constants instead. A value that is not a plain number (a tensor ``lr``) stays a constant too, keyed by
-its value.
+another one, tracing fails on that guard and the step is traced with constants instead. A
+value that is not a plain number (a tensor ``lr``) stays a constant too, keyed by its value.
 """
 
 from __future__ import annotations

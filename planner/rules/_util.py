@@ -5,10 +5,10 @@ placements in ``node.refs()`` order, dim arithmetic, and localize functions for 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ...ir import Node, Ref, TensorMeta, resolve_op
-from .._placement import P_AVG, P_SUM, Partial, Placement, R
+from .._placement import P_AVG, P_SUM, Partial, Placement, R, Shard
 from ._registry import OpInfo, OpStrategy, RuleFn, Shape, sharding_rule
 
 PARTIALS: tuple[Partial, ...] = (P_SUM, P_AVG)
@@ -156,3 +156,15 @@ def localize_arg(*names: str, output: int = 0):
 def literal_rule(*targets: str) -> Callable[[RuleFn], RuleFn]:
     """``sharding_rule`` with ``keep_literals``, for ops whose int tuples are not shapes."""
     return sharding_rule(*targets, localize=keep_literals)
+
+
+def like_input(info: OpInfo) -> Iterator[OpStrategy]:
+    """An op whose output takes its first input's shape and none of its values (``ones_like``,
+    ``rand_like``): split the input along any dim and the output splits alike; a partial input
+    (a sum still to be made) gives a whole output on every rank."""
+    x = info.inputs[0]
+    assert x is not None
+    for d in shardable(x):
+        yield OpStrategy(place(info, {"self": Shard(d)}), outs(info, Shard(d)))
+    for p in PARTIALS:
+        yield OpStrategy(place(info, {"self": p}), outs(info, R))

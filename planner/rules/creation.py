@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .._placement import R, Shard
+from .._placement import Shard
 from ._registry import OpInfo, OpStrategy, default_localize, sharding_rule
-from ._util import PARTIALS, literal_rule, out0, outs, place, shardable
+from ._util import like_input, literal_rule, out0, outs, place, shardable
 
 LIKE = ("aten.ones_like.default", "aten.zeros_like.default", "aten.empty_like.default",
         "aten.full_like.default", "aten.fill.Scalar")
@@ -29,12 +29,7 @@ UNINITIALIZED = frozenset({"aten.empty_like.default", "aten.empty.memory_format"
 
 @literal_rule(*LIKE)
 def like(info: OpInfo) -> Iterator[OpStrategy]:
-    x = info.inputs[0]
-    assert x is not None
-    for d in shardable(x):
-        yield OpStrategy(place(info, {"self": Shard(d)}), outs(info, Shard(d)))
-    for p in PARTIALS:
-        yield OpStrategy(place(info, {"self": p}), outs(info, R))
+    return like_input(info)
 
 
 @sharding_rule(*FACTORIES, localize=default_localize)

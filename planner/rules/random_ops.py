@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .._placement import R, Shard
+from .._placement import Shard
 from ._registry import OpInfo, OpStrategy, default_localize, sharding_rule
-from ._util import PARTIALS, out0, outs, place, shardable
+from ._util import like_input, out0, outs, place, shardable
 
 SHAPE_ONLY = ("aten.bernoulli.p", "aten.rand_like.default", "aten.randn_like.default",
               "aten.randint_like.default", "aten.randint_like.low_dtype")
@@ -27,12 +27,7 @@ RANDOM = frozenset({*SHAPE_ONLY, "aten.bernoulli.default", *FACTORIES})
 
 @sharding_rule(*SHAPE_ONLY, family="random")
 def shape_only(info: OpInfo) -> Iterator[OpStrategy]:
-    x = info.inputs[0]
-    assert x is not None
-    for d in shardable(x):
-        yield OpStrategy(place(info, {"self": Shard(d)}), outs(info, Shard(d)))
-    for p in PARTIALS:
-        yield OpStrategy(place(info, {"self": p}), outs(info, R))
+    return like_input(info)
 
 
 @sharding_rule("aten.bernoulli.default", family="random")
