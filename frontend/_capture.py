@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from ..ir import Phase, Role
 from ._discover import Inventory
 from ._decomp import DECOMPOSITIONS
+from ._guards import READS, Guard, Guarding, Unguardable, make_static
 from ._hyper import HyperSlot, bind_symbols, check_unchanged, hyper_entries
 from ._source import is_user_file, user_frame
 
@@ -65,6 +66,8 @@ class StageOne:
     fake_inputs: list[list[torch.Tensor]]   # params, grads, buffers, opt state, data, hyper
     # (optimizer, parameter) pairs whose parameter held a gradient when that optimizer stepped
     stepped: frozenset[tuple[int, int]] = frozenset()
+    # reads of tensor values specialised on this call's arguments (``_guards``)
+    guards: tuple[Guard, ...] = ()
 
 
 def current_spec(inv: Inventory) -> StateSpec:
@@ -88,20 +91,21 @@ def opt_state_name(inv: Inventory, e: OptEntry) -> str:
 
 # ---- annotations: module path, source line, phase ----------------------------------------
 
-# Reading a tensor's value into Python. Allowed inside torch (the optimizers read their step
-# counters this way, which become host scalars), an error when the user's own code does it.
-_HOST_READS = frozenset({
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
-    torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
-})
+# Reading a tensor's value into Python (``_guards.READS``): specialised with a guard when only
+# the step's arguments decide it; else torch's own reads (the optimizers' step counters)
+# become host scalars and the user's are an error.
+_HOST_READS = READS
 
 
 class UserValueRead(Exception):
-    """The user's step read a tensor value into Python (``.item()``, ``if t:``...)."""
+    """The user's step read a tensor value into Python (``.item()``, ``if t:``...) that no
+    guard can hold (``_guards``); ``why`` says what the value depends on."""
 
-    def __init__(self, loc: Any) -> None:
+    def __init__(self, loc: Any, why: str = "", shape: bool = False) -> None:
         super().__init__(str(loc))
         self.loc = loc
+        self.why = why
+        self.shape = shape        # a tensor whose shape depends on values, not a Python read
 
 
 class _Annotator(TorchFunctionMode):
@@ -109,9 +113,10 @@ class _Annotator(TorchFunctionMode):
     the phase; registers a pre-hook on each new autograd node so that its backward ops carry the
     forward call's line and module."""
 
-    def __init__(self, inv: Inventory) -> None:
+    def __init__(self, inv: Inventory, guarding: Guarding | None = None) -> None:
         super().__init__()
         self.inv = inv
+        self.guarding = guarding
         self.modules: list[str] = []
         self.backward_seen = False
         self.hooked: set[int] = set()
@@ -122,13 +127,25 @@ class _Annotator(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         caller = sys._getframe(1)
         loc = user_frame(caller)
-        if func in _HOST_READS and is_user_file(caller.f_code.co_filename):
-            raise UserValueRead(loc)
+        if func in _HOST_READS and any(isinstance(a, FakeTensor) for a in args):
+            try:
+                if self.guarding is None:
+                    raise Unguardable("")
+                return self.guarding.read(func, args, kwargs, loc)
+            except Unguardable as e:
+                # torch's own reads (an optimizer's step counter) become host scalars
+                if is_user_file(caller.f_code.co_filename):
+                    raise UserValueRead(loc, e.why) from None
         src = None if loc is None else (loc.file, loc.line, loc.function, loc.code)
         module = self.modules[-1] if self.modules else ""
         phase = Phase.UPDATE if self.backward_seen and not self.modules else Phase.FORWARD
         self._stamp(src, module, phase)
         out = func(*args, **(kwargs or {}))
+        if self.guarding is not None:
+            try:
+                self.guarding.sizes(out, loc)
+            except Unguardable as e:
+                raise UserValueRead(loc, e.why, shape=True) from None
         for t in pytree.tree_leaves(out):
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
             if fn is not None and id(fn) not in self.hooked:
@@ -257,7 +274,8 @@ def trace_stage_one(
         + [(h.name(inv), Role.HYPER) for h in hyper]
     )
     record: dict[str, Any] = {}
-    annot = _Annotator(inv)
+    guarding = Guarding(len(f_params) + len(f_grads) + len(f_buffers) + len(f_opt), data)
+    annot = _Annotator(inv, guarding)
 
     def joint(params, grads, buffers, opt_flat, data_flat, hyper_flat):  # noqa: ANN001, ANN202
         opt_state: dict[tuple[int, int], dict[str, Any]] = {}
@@ -316,6 +334,8 @@ def trace_stage_one(
     with fxt.preserve_node_meta(), _without_mkldnn():
         gm = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(
             f_params, f_grads, f_buffers, f_opt, f_data, f_hyper)
+    if guarding.static:
+        gm = make_static(gm, guarding.static)
 
     exit_spec = StateSpec(tuple(record["grads"]), tuple(sorted(
         record["opt"], key=lambda e: (e.opt, e.param, e.key))))
@@ -330,7 +350,7 @@ def trace_stage_one(
     return StageOne(gm, input_names, output_names, record["n_results"], record["kind"],
                     record["keys"], len(record["marks"]),
                     [inv.params[i].name for i in record["marks"]], exit_spec, plain,
-                    record["with_grad"])
+                    record["with_grad"], tuple(guarding.guards))
 
 
 @contextlib.contextmanager

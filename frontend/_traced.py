@@ -42,6 +42,7 @@ from ._capture import (
 )
 from ._convert import convert
 from ._discover import Inventory, discover, step_location
+from ._guards import Guard, branch
 from ._hyper import HyperChanged, hyper_key, hyper_slots, hyper_values, keep_schedulers
 from ._probe import guess_steady_spec
 from ._source import describe, exception_user_location
@@ -154,7 +155,9 @@ class TracedStep:
             raise TraceError(f"meshplan.trace expects a function, got {type(step_fn).__name__}")
         self.step_fn = step_fn
         self.inventory: Inventory = discover(step_fn)
-        self._graphs: dict[tuple, Graph] = {}
+        # graphs by what they are specialised on (``_key``), each with the guards of the values
+        # it read from the arguments (``_guards``): the first whose guards hold is the call's
+        self._graphs: dict[tuple, list[tuple[tuple[Guard, ...], Graph]]] = {}
         self._steady: Graph | None = None
         self._steady_spec: StateSpec | None = None
         self._first: Graph | None = None
@@ -193,7 +196,7 @@ class TracedStep:
             key, spec0, steady, a = self._pending_first
             self._pending_first = None
             r0 = self._trace(spec0, a)
-            self._graphs[key] = self._first = r0.graph
+            self._first = self._store(key, r0)
             if r0.exit != steady:    # the prediction was wrong: trace the real steady state
                 logger.warning("meshplan: %s: predicted optimizer state was wrong; re-tracing "
                                "the steady step", self._name)
@@ -205,14 +208,14 @@ class TracedStep:
         a = _Args.of(args, kwargs)
         spec = current_spec(self.inventory)
         key = self._key(spec, a)
-        graph = self._graphs.get(key)
+        graph = self._lookup(key, a)
         if graph is None and self._pending_first is not None and key == self._pending_first[0]:
-            graph = self.first_step_graph
+            self.first_step_graph        # noqa: B018 - traces it
+            graph = self._lookup(key, a)
         if graph is None:
-            logger.info("meshplan: re-tracing %s (new shapes, hyperparameters or state)",
-                        self._name)
-            graph = self._trace(spec, a).graph
-            self._graphs[key] = graph
+            logger.info("meshplan: re-tracing %s (new shapes, hyperparameters, state or values "
+                        "read from the arguments)", self._name)
+            graph = self._store(key, self._trace(spec, a))
         return self._run(graph, a)
 
     def __repr__(self) -> str:
@@ -226,6 +229,17 @@ class TracedStep:
     def _key(self, spec: StateSpec, a: _Args) -> tuple:
         return (spec, *self._call_key(a))
 
+    def _lookup(self, key: tuple, a: _Args) -> Graph | None:
+        """The graph kept for ``key`` whose guards hold for these arguments."""
+        for guards, graph in self._graphs.get(key, ()):
+            if all(g.holds(a.tensors) for g in guards):
+                return graph
+        return None
+
+    def _store(self, key: tuple, r: _Result) -> Graph:
+        self._graphs.setdefault(key, []).append((r.guards, r.graph))
+        return r.graph
+
     def _call_key(self, a: _Args) -> tuple:
         hyper = hyper_key(self.inventory, runtime=self._runtime_hyper)
         modes = tuple(m.training for slot in self.inventory.params for m, _ in slot.homes)
@@ -234,8 +248,16 @@ class TracedStep:
     def call_key(self, *args: Any, **kwargs: Any) -> tuple:
         """What a steady graph is specialised on besides the state's structure: the arguments'
         shapes, dtypes and Python values, the param groups' entries (a runtime hyperparameter
-        only as "non-zero") and the modules' train/eval modes. Equal keys, equal graphs."""
-        return self._call_key(_Args.of(args, kwargs))
+        only as "non-zero"), the modules' train/eval modes, and the values the step read from
+        its arguments in Python (``_guards.branch`` of the steady graph whose guards hold;
+        None when no steady graph traced so far holds: ``steady_graph_for`` traces one).
+        Equal keys, equal graphs."""
+        a = _Args.of(args, kwargs)
+        base = self._call_key(a)
+        for guards, _ in self._graphs.get((self._steady_spec, *base), ()):
+            if all(g.holds(a.tensors) for g in guards):
+                return (*base, branch(guards))
+        return (*base, None)
 
     def steady_graph_for(self, *args: Any, **kwargs: Any) -> Graph:
         """The steady graph (same state as ``graph``) for a call with these arguments and the
@@ -243,7 +265,7 @@ class TracedStep:
         changed, else traced now (and kept)."""
         a = _Args.of(args, kwargs)
         key = self._key(self._steady_spec, a)
-        graph = self._graphs.get(key)
+        graph = self._lookup(key, a)
         if graph is None:
             r = self._trace(self._steady_spec, a)
             if r.exit != self._steady_spec:
@@ -252,7 +274,7 @@ class TracedStep:
                     f"for ({len(r.exit.grads)} gradients and {len(r.exit.opt)} optimizer "
                     f"tensors, not {len(self._steady_spec.grads)} and "
                     f"{len(self._steady_spec.opt)})\n{describe(step_location(self.step_fn))}")
-            graph = self._graphs[key] = r.graph
+            graph = self._store(key, r)
         return graph
 
     def _prepare(self, example_args: tuple) -> None:
@@ -263,12 +285,12 @@ class TracedStep:
         if guess is not None:     # no optimizer state yet: trace the steady step directly
             tried = self._try(guess, a)
             if tried is not None and _predicted(spec0, guess, tried):
-                self._graphs[self._key(guess, a)] = self._steady = tried.graph
+                self._steady = self._store(self._key(guess, a), tried)
                 self._steady_spec = guess
                 self._pending_first = (self._key(spec0, a), spec0, guess, a)
                 return
         r0 = self._trace(spec0, a)
-        self._graphs[self._key(spec0, a)] = r0.graph
+        self._store(self._key(spec0, a), r0)
         if r0.exit == spec0:
             self._steady, self._steady_spec = r0.graph, spec0
             return
@@ -285,8 +307,7 @@ class TracedStep:
                 f"({len(r0.exit.opt)} then {len(r1.exit.opt)} tensors); meshplan needs a steady "
                 "state: keep the optimizer's state shapes fixed between steps"
             )
-        self._graphs[self._key(r0.exit, a)] = r1.graph
-        return r1.graph
+        return self._store(self._key(r0.exit, a), r1)
 
     def _try(self, spec: StateSpec, a: _Args) -> _Result | None:
         try:
@@ -311,7 +332,7 @@ class TracedStep:
         with truncated(rep, part.k):
             r = self._trace_whole(part.inv, part.restrict(spec), a)
         graph = verify(stamp(r.graph, rep.naming(self.inventory), part.k, rep.n))
-        out = _Result(graph, spec, part.extend(r.exit), part.extend_pairs(r.stepped))
+        out = _Result(graph, spec, part.extend(r.exit), part.extend_pairs(r.stepped), r.guards)
         _check_io(out, self.inventory, a.names(self.step_fn), self._hyper_names())
         return out
 
@@ -370,8 +391,13 @@ class TracedStep:
             result=ResultSpec(one.result_kind, one.result_keys),
             torch_version=torch.__version__,
         )
-        graph, mutated, marks = convert(gm, one.input_names, one.output_names, one.n_results,
-                                        info.result, one.n_marks, info)
+        try:
+            graph, mutated, marks = convert(gm, one.input_names, one.output_names,
+                                            one.n_results, info.result, one.n_marks, info)
+        except _DATA_DEPENDENT as e:
+            raise self._value_read(UserValueRead(
+                exception_user_location(e), "torch computes it in C++, out of the tracer's "
+                "sight", shape=True)) from None
         for name, role in mutated:
             if role is Role.DATA:
                 raise TraceError(
@@ -379,16 +405,27 @@ class TracedStep:
                     f"{describe(step_location(fn))}\nclone it first (x = x.clone()) or use an "
                     "out-of-place op"
                 )
-        return _Result(_finish(graph, marks), spec, one.exit_spec, one.stepped)
+        return _Result(_finish(graph, marks), spec, one.exit_spec, one.stepped, one.guards)
 
     def _value_read(self, e: Exception) -> TraceError:
         loc = e.loc if isinstance(e, UserValueRead) else exception_user_location(e)
+        why = getattr(e, "why", "") or (
+            "it is computed inside torch in a way the tracer cannot cut out")
+        if getattr(e, "shape", False):
+            return TraceError(
+                f"{self._name} makes a tensor whose shape depends on tensor values\n"
+                f"{describe(loc)}\nmeshplan specialises such a shape when only the step's "
+                f"tensor arguments decide it (x[mask] with a mask made from the arguments; "
+                f"traced again when it changes), but not this one: {why}. Keep shapes fixed: "
+                "multiply by the mask (x * mask, or torch.where) and sum, or pass "
+                "ignore_index / reduction='none' to the loss")
         return TraceError(
             f"{self._name} reads a tensor's value in Python\n{describe(loc)}\n"
-            "meshplan traces the step once and replays it, so Python control flow and "
-            "`.item()`/`float()`/`print` must not depend on tensor values inside the step; "
-            "use tensor ops (torch.where, masks) instead, or return the value and read it "
-            "after the call")
+            f"meshplan specialises a read of a value computed only from the step's tensor "
+            f"arguments (and traces again when it changes), but not this one: {why}. "
+            "Python control flow and `.item()`/`float()`/`print` on such values cannot run "
+            "inside a traced step; use tensor ops (torch.where, masks) instead, or return the "
+            "value and read it after the call")
 
     # ---- running --------------------------------------------------------------------------
     def input_values(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -493,6 +530,7 @@ class _Result:
     spec: StateSpec
     exit: StateSpec
     stepped: frozenset[tuple[int, int]]     # (optimizer, parameter) with a gradient at step()
+    guards: tuple[Guard, ...] = ()          # values read from the arguments (``_guards``)
 
 
 def _predicted(spec0: StateSpec, guess: StateSpec, r: _Result) -> bool:

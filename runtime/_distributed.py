@@ -496,11 +496,18 @@ class DistributedStep:
                 f"for {MAX_VARIANTS} different calls; meshplan traces and plans each new one "
                 "(as torch.compile recompiles), so a value that changes at every call makes "
                 "every call a new program: keep shapes steady (DataLoader(drop_last=True), "
-                "pad sequences to a few fixed lengths) and pass changing numbers as tensors")
-        logger.warning("meshplan: %s: a call with new %s; tracing and planning it (program "
-                       "%d of at most %d on this mesh)", self.__name__, what,
-                       len(self._variants) + 1, MAX_VARIANTS)
+                "pad sequences to a few fixed lengths), pass changing numbers as tensors, and "
+                "do not branch in Python on values of the arguments that change from call to "
+                "call (use torch.where or masks)")
         graph = self._traced.steady_graph_for(*args, **kwargs)
+        key = self._traced.call_key(*args, **kwargs)    # with the values the new graph read
+        known = self._variants.get(key)
+        if known is not None:
+            return known
+        logger.warning("meshplan: %s: a call with new %s; tracing and planning it (program "
+                       "%d of at most %d on this mesh)", self.__name__,
+                       what_changed(self._primary_key, key), len(self._variants) + 1,
+                       MAX_VARIANTS)
         base = self.plan
         pins = {n.target: base.input_layouts[n.target] for n in base.graph.inputs
                 if n.meta.role in _STATE_ROLES}

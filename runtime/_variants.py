@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..frontend._guards import branch_change
 from ..ir import Role, random_nodes
 from ..planner import Plan
 
@@ -36,7 +37,7 @@ def what_changed(old: tuple | None, new: tuple) -> str:
     """Which part of a call's key (``TracedStep.call_key``) differs, in words."""
     parts = ("optimizer hyperparameters (one became zero or non-zero, or a non-numeric "
              "entry changed)", "argument shapes, dtypes or Python values",
-             "train/eval modes of the modules")
+             "train/eval modes of the modules", branch_change(old and old[3], new[3]))
     if old is None:
         return parts[1]
     return " and ".join(p for p, a, b in zip(parts, old, new) if a != b) or parts[1]

@@ -15,6 +15,11 @@ gradients by itself), losses rtol 1e-5.
 
 from __future__ import annotations
 
+import logging
+import sys
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,10 @@ from torch import nn
 
 import meshplan
 from meshplan.runtime import _distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+
+from test_trace_guards import batches, program  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -207,3 +216,28 @@ def test_gru_and_rnn_trace_and_replay_equal_to_eager(kind: str) -> None:
         torch.testing.assert_close(traced(x, y), eager(x, y), rtol=1e-5, atol=1e-6,
                                    msg=f"call {i}")
     _close_params(m1, m2, atol=5e-5)
+
+
+def test_reads_of_the_arguments_take_effect_on_the_mesh(caplog) -> None:
+    """Issue 18, point 8 on a data-parallel mesh (rows split over the ranks, so ``x[mask]``
+    selects rows across shards): a call whose arguments give other values for the step's
+    Python reads (a library's padding check, a branch, ``int()``, a mask's count) gets its own
+    program, named by the read that changed; a call with the first call's values reuses it."""
+    m1, eager = program()
+    m2, step = program()
+    dist = meshplan.distribute(step, mesh={"dp": 2}, strategy="dp", telemetry=False)
+    programs = []
+    with dist, warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="meshplan"):
+        warnings.simplefilter("ignore")
+        for i, (ids, labels) in enumerate(batches()):
+            torch.testing.assert_close(dist(ids, labels), eager(ids, labels), rtol=1e-5,
+                                       atol=1e-6, msg=f"call {i}")
+            programs.append(dist.variants)
+        dist.sync()
+    # calls 1 and 2 read new values; call 3 reads call 0's
+    assert programs == [1, 2, 3, 3], programs
+    said = [r.getMessage() for r in caplog.records if "tracing and planning" in r.getMessage()]
+    assert "(number of True in a mask at" in said[0] and "4 before, 3 now" in said[0], said
+    assert "`in` at" in said[1] and "False before, True now" in said[1], said
+    assert "bool() at" in said[1] and "; 1 more)" in said[1], said   # and int()'s 3 -> 4
+    _close_params(m1, m2)
