@@ -387,8 +387,9 @@ def _dist_op(op: str, dtype: torch.dtype):
 class TorchCommunicator(CommBase):
     """``Communicator`` over ``torch.distributed``: gloo on CPU, NCCL on GPU.
 
-    The constructor initialises the default process group (``init_method``: ``env://`` by
-    default, reading MASTER_ADDR / MASTER_PORT, or e.g. ``"tcp://127.0.0.1:PORT"``) and then
+    The constructor initialises the default process group (on ``store`` when given: the
+    launchers pass the controller's, ``runtime/_launch.RendezvousStore``; else ``init_method``:
+    ``env://`` by default, reading MASTER_ADDR / MASTER_PORT, or ``"tcp://127.0.0.1:PORT"``) and then
     calls ``dist.new_group`` once per declared group. ``new_group`` is collective over ALL ranks,
     members or not, so every rank must pass the SAME ``groups`` in the SAME order, including
     groups it is not in (all groups of the mesh); otherwise construction hangs until the timeout.
@@ -433,7 +434,8 @@ class TorchCommunicator(CommBase):
 
     def __init__(self, rank: int, world_size: int, groups: Sequence[tuple[int, ...]], *,
                  backend: str | None = None, timeout_s: float = 300.0,
-                 init_method: str | None = None, shm: bool | None = None) -> None:
+                 init_method: str | None = None, shm: bool | None = None,
+                 store: dist.Store | None = None) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise LoweringError(f"TorchCommunicator: world_size must be >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -456,8 +458,12 @@ class TorchCommunicator(CommBase):
             torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=timeout_s)
         try:
-            dist.init_process_group(self.backend, init_method=init_method or "env://",
-                                    rank=rank, world_size=world_size, timeout=timeout)
+            if store is not None:
+                dist.init_process_group(self.backend, store=store, rank=rank,
+                                        world_size=world_size, timeout=timeout)
+            else:
+                dist.init_process_group(self.backend, init_method=init_method or "env://",
+                                        rank=rank, world_size=world_size, timeout=timeout)
         except (RuntimeError, ValueError) as exc:     # taken port, missing env, second init
             raise RuntimeFailure(
                 f"rank {rank}: cannot start the {self.backend} process group of {world_size} "

@@ -1,6 +1,19 @@
 """The signed control channel between the controller and its workers (ZeroMQ).
 
-The controller binds a ROUTER socket; each worker connects a DEALER whose identity is its rank.
+The controller binds a ROUTER socket; each worker connects a DEALER whose identity is its rank
+and a tag only holders of the run's secret can make (``rank.<hmac>``), so nobody can occupy a
+rank's identity before the rank connects. Who may connect at all:
+
+* **one host** (the controller binds loopback): an ``ipc://`` socket in Linux's abstract
+  namespace (no file to leave behind, gone with the process) that admits only peers of the
+  controller's own user id (``IPC_FILTER_UID``, checked by the kernel's ``SO_PEERCRED``):
+  another local user's connection is closed before a byte is read. Where that filter is not
+  available, the socket lives in a fresh directory only the run's user may enter (0700);
+* **over TCP** (another interface, for ranks on other hosts): ZeroMQ's CURVE with keys derived
+  from the run's secret, and a ZAP handler that admits only the run's client key, so a peer
+  without the secret cannot finish the handshake, send a frame or take an identity; a peer that
+  does not finish its handshake within ``HANDSHAKE_S`` is dropped.
+
 A message travels as the multipart frames ``[header_json, *tensor_buffers, mac]``:
 
 * ``header_json`` (UTF-8 JSON) holds the wire version, the run id, the sender and the receiver,
@@ -13,8 +26,9 @@ A message travels as the multipart frames ``[header_json, *tensor_buffers, mac]`
 
 The receiver checks the MAC (``hmac.compare_digest``) before it parses anything, then the run
 id, the sender and receiver, and that the sequence number grows (a replayed message is refused).
-A bad message is dropped, counted in ``rejected`` and logged; it is never parsed further and
-nothing is ever unpickled. Bulk data belongs on the communicators, not on this channel.
+A bad message is dropped, counted in ``rejected`` and logged (the first few, then at most one
+line per ``_LOG_EVERY_S`` with the count since); it is never parsed further and nothing is ever
+unpickled. Bulk data belongs on the communicators, not on this channel.
 """
 
 from __future__ import annotations
@@ -24,7 +38,10 @@ import hmac
 import json
 import logging
 import math
+import os
 import secrets
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +53,7 @@ import zmq
 
 from .._errors import RuntimeFailure
 
-__all__ = ["CONTROLLER", "ControllerChannel", "Message", "Secret", "WorkerChannel"]
+__all__ = ["CONTROLLER", "ControllerChannel", "Message", "Secret", "WorkerChannel", "identity", "store_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +62,9 @@ CONTROLLER = -1                  # the sender/receiver id of the controller in a
 _NOT_A_RANK = -2                 # a socket identity that is not a rank
 _MAC_SIZE = hashlib.sha256().digest_size
 _POLL_SLICE_S = 0.5              # recv(None) wakes this often; it never returns without a message
+HANDSHAKE_S = 5.0                # a TCP peer that has not authenticated by then is dropped
+_LOG_FIRST, _LOG_EVERY_S = 5, 10.0   # rejection lines: the first few, then one per interval
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 # The contract between launchers and workers: built-in message kinds and the environment a
 # launcher sets for each worker (the secret is not among them: it comes on the worker's stdin).
@@ -102,6 +122,45 @@ class Message:
 
 class _Rejected(Exception):
     """A frame set failed a check; it is dropped (internal)."""
+
+
+def identity(secret: Secret, rank: int) -> bytes:
+    """The socket identity of ``rank``: the rank and a tag only the secret's holders can make."""
+    tag = hmac.new(secret.key, f"identity:{rank}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"{rank}.{tag}".encode()
+
+
+def store_prefix(secret: Secret) -> str:
+    """The run's key prefix in the torch.distributed rendezvous store (``_launch``)."""
+    return "meshplan/" + hmac.new(secret.key, b"store", hashlib.sha256).hexdigest()[:32] + "/"
+
+
+def _rank_of(secret: Secret, ident: bytes) -> int:
+    """The rank an identity belongs to, or ``_NOT_A_RANK`` when its tag is not the run's."""
+    head = ident.split(b".", 1)[0]
+    if not head.isdigit():
+        return _NOT_A_RANK
+    rank = int(head)
+    return rank if hmac.compare_digest(identity(secret, rank), ident) else _NOT_A_RANK
+
+
+def _curve_keys(secret: Secret, role: str) -> tuple[bytes, bytes]:
+    """A CURVE key pair (public, secret; Z85) derived from the run's secret for ``role``
+    (``server``: the controller; ``client``: every worker)."""
+    seed = hmac.new(secret.key, f"curve:{role}".encode(), hashlib.sha256).digest()
+    private = zmq.utils.z85.encode(seed)
+    return zmq.curve_public(private), private
+
+
+class _RunKey:
+    """The ZAP credentials check: only the run's client key is admitted."""
+
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(zmq.utils.z85.encode(key) if len(key) == 32 else key,
+                                   self.public)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,6 +288,7 @@ class _Endpoint:
         self._seq = time.time_ns()
         self._last_seq: dict[int, int] = {}
         self.rejected = 0
+        self._logged_at, self._logged_count = 0.0, 0
         self._ctx = zmq.Context()
         self._closed = False
 
@@ -256,10 +316,19 @@ class _Endpoint:
             message = _decode(doc, frames)
         except _Rejected as exc:
             self.rejected += 1
-            logger.warning("control channel (run %s): dropped a message: %s", self.run_id, exc)
+            self._log_rejection(exc)
             return None
         self._last_seq[sender] = seq
         return sender, message
+
+    def _log_rejection(self, exc: _Rejected) -> None:
+        now = time.monotonic()
+        if self.rejected <= _LOG_FIRST or now - self._logged_at >= _LOG_EVERY_S:
+            more = self.rejected - self._logged_count - 1
+            since = f" ({more} more dropped since the last line)" if more > 0 else ""
+            logger.warning("control channel (run %s): dropped a message: %s%s", self.run_id,
+                           exc, since)
+            self._logged_at, self._logged_count = now, self.rejected
 
     def _poll(self, socket: zmq.Socket, deadline: float | None) -> bool:
         remaining = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()
@@ -284,25 +353,52 @@ class _Endpoint:
 
 
 class ControllerChannel(_Endpoint):
-    """The controller's end: a ROUTER bound on a random port of ``host`` (loopback by default).
+    """The controller's end: a ROUTER on an ``ipc://`` socket in a private directory when
+    ``host`` is loopback (the default), else on a random TCP port of ``host`` with CURVE
+    (``transport="tcp"`` forces TCP on loopback too).
 
     Not thread-safe: use it from one thread at a time.
     """
 
-    def __init__(self, secret: Secret, run_id: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, secret: Secret, run_id: str, host: str = "127.0.0.1",
+                 transport: str | None = None) -> None:
         super().__init__(secret, run_id, CONTROLLER)
+        transport = transport or ("ipc" if host in _LOOPBACK else "tcp")
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown rank raises, not drops
         self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self._dir: str | None = None
+        self._auth: Any = None
+        if transport == "ipc":
+            try:
+                self._socket.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
+                self.address = f"ipc://@meshplan-{run_id}-{secrets.token_hex(8)}"
+            except (AttributeError, zmq.ZMQError):
+                # mkdtemp makes it 0700: only this user can reach the socket inside
+                self._dir = tempfile.mkdtemp(prefix="meshplan-ctl-")
+                self.address = f"ipc://{self._dir}/control"
+            self._socket.bind(self.address)
+        else:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(__name__ + ".zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _RunKey(_curve_keys(secret, "client")[0]))
+            _, private = _curve_keys(secret, "server")
+            self._socket.setsockopt(zmq.CURVE_SERVER, 1)
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, private)
+            self._socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+            port = self._socket.bind_to_random_port(f"tcp://{host}")
+            self.address = f"tcp://{host}:{port}"
 
     def send(self, rank: int, kind: str, header: dict[str, Any] | None = None,
              tensors: Sequence[torch.Tensor] = ()) -> None:
         self._check_open()
         frames = self._frames(rank, kind, header, tensors)
         try:
-            _send(self._socket, [str(rank).encode(), *frames])
+            _send(self._socket, [identity(self.secret, rank), *frames])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise RuntimeFailure(f"cannot send {kind!r} to rank {rank}: it is not connected") from None
@@ -317,17 +413,18 @@ class ControllerChannel(_Endpoint):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no message from any worker within {timeout_s} s")
                 continue
-            identity, *frames = self._socket.recv_multipart(copy=False)
-            try:
-                src = int(bytes(identity.buffer))
-            except ValueError:
-                src = _NOT_A_RANK      # fails the identity check in _accept
-            got = self._accept(frames, src)
+            ident, *frames = self._socket.recv_multipart(copy=False)
+            # an identity without the run's tag fails the sender check in _accept
+            got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
             if got is not None:
                 return got
 
     def close(self) -> None:
+        if self._auth is not None and not self._closed:
+            self._auth.stop()
         self._close(self._socket, 0)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> ControllerChannel:
         return self
@@ -337,7 +434,8 @@ class ControllerChannel(_Endpoint):
 
 
 class WorkerChannel(_Endpoint):
-    """A worker's end: a DEALER with identity ``str(rank)`` connected to the controller."""
+    """A worker's end: a DEALER with the rank's identity (``identity``) connected to the
+    controller; over TCP it authenticates with the run's CURVE client key."""
 
     def __init__(self, address: str, secret: Secret, run_id: str, rank: int) -> None:
         if not isinstance(rank, int) or rank < 0:
@@ -345,8 +443,14 @@ class WorkerChannel(_Endpoint):
         super().__init__(secret, run_id, rank)
         self.rank = rank
         self._socket = self._ctx.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self._socket.setsockopt(zmq.IDENTITY, identity(secret, rank))
         self._socket.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://"):
+            public, private = _curve_keys(secret, "client")
+            self._socket.setsockopt(zmq.CURVE_SERVERKEY, _curve_keys(secret, "server")[0])
+            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, private)
+        self.address = address
         self._socket.connect(address)
 
     def send(self, kind: str, header: dict[str, Any] | None = None,

@@ -22,6 +22,7 @@ from ..backends import (
     rank_coords,
     run,
 )
+from .._errors import RuntimeFailure
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
@@ -46,15 +47,29 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
         ns.comm = MPICommunicator(all_axis_groups(plan.mesh.sizes),     # the mpi launcher
                                   timeout_s=float(header.get("timeout_s", 300.0)))
     elif getattr(ns, "comm", None) is None:
+        timeout_s = float(header.get("timeout_s", 300.0))
         ns.comm = TorchCommunicator(
             state.rank, state.world_size, all_axis_groups(plan.mesh.sizes),
-            timeout_s=float(header.get("timeout_s", 300.0)),
-            init_method=f"tcp://{state.master_addr}:{state.master_port}")
+            timeout_s=timeout_s, store=_rendezvous(state, timeout_s))
     tel = header.get("telemetry")
     if tel is not None and getattr(ns, "telemetry", None) is None:
         ns.telemetry = WorkerTelemetry(TelemetryConfig.from_json(tel), tel["run_id"],
                                        state.rank, plan, state_device(ns.state))
     return {"rank": state.rank}, []
+
+
+def _rendezvous(state: WorkerState, timeout_s: float) -> Any:
+    """The controller's store (``_launch.RendezvousStore``), under the run's secret prefix."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not state.master_addr or not state.master_port:
+        raise RuntimeFailure(f"rank {state.rank}: no rendezvous store (MASTER_ADDR/MASTER_PORT "
+                             "unset); start workers with a meshplan launcher")
+    client = dist.TCPStore(state.master_addr, state.master_port, state.world_size, False,
+                           timedelta(seconds=timeout_s))
+    return dist.PrefixStore(state.store_prefix, client)
 
 
 @register("load_checkpoint")

@@ -56,8 +56,9 @@ class WorkerFailure(RuntimeFailure):
 class _Group:
     """The processes, pipes, log files and channel of one launch; what the finalizer stops."""
 
-    def __init__(self, channel: ControllerChannel) -> None:
+    def __init__(self, channel: ControllerChannel, store: RendezvousStore | None = None) -> None:
         self.channel = channel
+        self.store = store
         self.procs: list[subprocess.Popen] = []
         self.logs: list[IO[bytes]] = []
         self.closed = False
@@ -81,6 +82,8 @@ class _Group:
         for log in self.logs:
             log.close()
         self.channel.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def _close_pipes(procs: Sequence[subprocess.Popen]) -> None:
@@ -92,10 +95,35 @@ def _close_pipes(procs: Sequence[subprocess.Popen]) -> None:
                 pass
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+class RendezvousStore:
+    """The torch.distributed store of one launch, served by the controller for its lifetime.
+
+    The controller binds the listening socket itself, on ``host`` only (loopback for one host),
+    and hands it to ``TCPStore`` (``master_listen_fd``), so the port is never closed and
+    re-opened (no race with another process picking it) and the store never listens on other
+    interfaces. The store has no authentication of its own: every rank wraps it in a
+    ``PrefixStore`` whose prefix is derived from the run's secret (``_channel.store_prefix``), so a peer
+    without the secret can reach the port but not name, read or overwrite the run's keys.
+    """
+
+    def __init__(self, host: str) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            sock.listen(128)
+            self.host, self.port = host, sock.getsockname()[1]
+            self._store: Any = dist.TCPStore(
+                host, self.port, None, True, datetime.timedelta(seconds=300),
+                wait_for_workers=False, master_listen_fd=sock.fileno())
+            sock.detach()              # the store owns the descriptor and closes it
+
+    def close(self) -> None:
+        self._store = None             # the server stops (and closes its socket) with it
 
 
 def _describe_exit(code: int) -> str:
@@ -379,8 +407,8 @@ class LocalLauncher:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"launch needs at least one worker, got n={n!r}")
         secret, run_id = Secret.new(), secrets.token_hex(8)
-        group = _Group(ControllerChannel(secret, run_id, self.host))
-        master_port = _free_port(self.host)
+        group = _Group(ControllerChannel(secret, run_id, self.host), RendezvousStore(self.host))
+        master_port = group.store.port
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         base = self._environment(n, env, run_id, group.channel.address, master_port)

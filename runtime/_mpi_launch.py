@@ -48,7 +48,7 @@ from pathlib import Path
 from .._errors import RuntimeFailure
 from . import _channel as P
 from ._channel import ControllerChannel, Secret
-from ._launch import LocalLauncher, Workers, _free_port, _Group
+from ._launch import LocalLauncher, Workers, _Group
 
 __all__ = ["MPILauncher", "find_mpiexec", "worker_start"]
 
@@ -199,7 +199,7 @@ class MPILauncher(LocalLauncher):
             fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secret.hex() + "\n")
-            master_port = _free_port(self.host)
+            master_port = 0      # the ranks talk through MPI: no torch.distributed store
             base = self._environment(n, env, run_id, group.channel.address, master_port)
             base.update({ENV_MPI: "1", ENV_SECRET_FILE: str(secret_file)})
             self._start_mpiexec(mpiexec, n, base, cwd, group)

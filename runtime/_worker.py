@@ -50,6 +50,7 @@ from ._channel import (
     Message,
     Secret,
     WorkerChannel,
+    store_prefix,
 )
 
 __all__ = ["Handler", "WorkerState", "keep_freed_memory", "main", "register"]
@@ -69,6 +70,7 @@ class WorkerState:
     run_id: str
     master_addr: str | None = None
     master_port: int | None = None
+    store_prefix: str = ""        # the run's keys in the rendezvous store (_launch.store_prefix)
     hostname: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
@@ -245,7 +247,7 @@ def main() -> int:
                         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     port = env.get("MASTER_PORT")
     state = WorkerState(rank, world_size, run_id, env.get("MASTER_ADDR"),
-                        int(port) if port else None)
+                        int(port) if port else None, store_prefix(secret))
     channel = WorkerChannel(address, secret, run_id, rank)
     try:
         _load_plugins(env.get(ENV_PLUGINS, ""))

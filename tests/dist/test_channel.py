@@ -8,6 +8,7 @@ messages must be dropped and counted, and the channel must keep working afterwar
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -43,11 +44,11 @@ def pair():
 
 @pytest.fixture
 def raw(pair):
-    """A raw DEALER connected to the controller with identity b"1" (rank 1), to send crafted frames."""
+    """A raw DEALER connected to the controller with rank 1's identity, to send crafted frames."""
     ctrl, _ = pair
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"1")
+    sock.setsockopt(zmq.IDENTITY, _channel.identity(ctrl.secret, 1))
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(ctrl.address)
     yield sock
@@ -179,16 +180,16 @@ def test_wrong_secret_run_or_sender_is_dropped(pair, raw) -> None:
     forged.send("hello")
     _expect_dropped(ctrl, ctrl.rejected)
     forged.close()
-    # controller -> worker: a message from a controller with another secret is dropped too
+    # controller -> worker: a controller with another secret cannot even address the worker
+    # (identities carry a tag of the secret), and a message that reached it would be dropped
     other = ControllerChannel(Secret.new(), RUN)
     w2 = WorkerChannel(other.address, ctrl.secret, RUN, rank=0)
-    w2.send("hello")                                    # `other` drops it, but learns the peer
+    w2.send("hello")                                    # `other` drops it
     with pytest.raises(TimeoutError):
         other.recv(0.3)
-    other.send(0, "ping")
-    with pytest.raises(TimeoutError):
-        w2.recv(0.3)
-    assert w2.rejected == 1 and other.rejected == 1
+    with pytest.raises(RuntimeFailure, match="not connected"):
+        other.send(0, "ping")
+    assert w2.rejected == 0 and other.rejected == 1
     w2.close()
     other.close()
     worker.send("still-ok")
@@ -214,3 +215,104 @@ def test_secret_api_and_bad_input(pair) -> None:
     ctrl.close()                                        # idempotent
     with pytest.raises(RuntimeFailure, match="closed"):
         ctrl.send(0, "ping")
+
+
+# ---- who may connect at all (issue 19, point 1) ---------------------------------------------
+
+_NOBODY_PY = "/usr/bin/python3"      # the system interpreter: `nobody` cannot enter the venv
+
+
+def _as_nobody(code: str) -> str:
+    import pwd
+    import subprocess
+
+    if os.geteuid() != 0 or not os.path.exists(_NOBODY_PY):
+        pytest.skip("needs root (to run a peer as `nobody`) and /usr/bin/python3")
+    try:
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no `nobody` user")
+    out = subprocess.run([_NOBODY_PY, "-c", code], user="nobody", capture_output=True,
+                         text=True, timeout=20)
+    return out.stdout + out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_another_local_user_cannot_connect_on_one_host(pair) -> None:
+    """One host: the controller's socket admits its own user only. `nobody` connecting and
+    sending ZeroMQ's greeting is closed before any reply (an admitted peer gets the 10-byte
+    start of the controller's greeting), and leaves no trace on the channel."""
+    ctrl, worker = pair
+    assert ctrl.address.startswith("ipc://@"), ctrl.address      # no file to leave behind
+    probe = f"""
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.settimeout(5)
+try:
+    s.connect({ctrl.address[len("ipc://"):].replace("@", chr(0), 1)!r})
+    s.sendall(b"\\xff" + bytes(8) + b"\\x7f\\x03")
+    print("reply", len(s.recv(64)))
+except OSError as e:
+    print("closed", type(e).__name__)
+"""
+    said = _as_nobody(probe)
+    assert "reply 0" in said or "closed" in said, said
+    worker.send("still-ok")
+    assert ctrl.recv(5)[1].kind == "still-ok" and ctrl.rejected == 0
+
+
+@pytest.mark.timeout(60)
+def test_over_tcp_only_holders_of_the_run_key_get_in(monkeypatch) -> None:
+    """TCP (ranks on other hosts): a peer without the run's secret cannot take a rank's
+    identity even when it knows it, nor get a frame through, with no key or with a CURVE key
+    of its own; an idle connection is dropped after the handshake deadline; the real rank
+    then connects and talks."""
+    import socket
+
+    monkeypatch.setattr(_channel, "HANDSHAKE_S", 0.5)
+    secret = Secret.new()
+    ctrl = ControllerChannel(secret, RUN, transport="tcp")
+    ctx = zmq.Context()
+    rogues = []
+    for keys in (None, zmq.curve_keypair()):
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.setsockopt(zmq.IDENTITY, _channel.identity(secret, 0))
+        if keys is not None:
+            rogue.setsockopt(zmq.CURVE_SERVERKEY, _channel._curve_keys(secret, "server")[0])
+            rogue.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+            rogue.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+        rogue.connect(ctrl.address)
+        rogue.send_multipart(_frames(secret, time.time_ns(), src=0))   # even correctly signed
+        rogues.append(rogue)
+    host, port = ctrl.address[len("tcp://"):].rsplit(":", 1)
+    idle = socket.create_connection((host, int(port)), timeout=5)
+    with pytest.raises(TimeoutError):
+        ctrl.recv(1.0)
+    assert ctrl.rejected == 0                # nothing reached the channel at all
+    assert idle.recv(64)[:1] == b"\xff" and idle.recv(64) == b""   # greeting, then dropped
+    worker = WorkerChannel(ctrl.address, secret, RUN, rank=0)
+    worker.send("hello")
+    rank, msg = ctrl.recv(5)
+    assert (rank, msg.kind) == (0, "hello")
+    ctrl.send(0, "ping")
+    assert worker.recv(5).kind == "ping"
+    for sock in (*rogues, idle):
+        sock.close()
+    worker.close()
+    ctrl.close()
+    ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_rejections_are_counted_and_their_lines_rate_limited(pair, raw, caplog) -> None:
+    ctrl, _ = pair
+    seq = time.time_ns()
+    with caplog.at_level("WARNING", logger="meshplan.runtime._channel"):
+        for i in range(40):
+            raw.send_multipart(_frames(Secret.new(), seq + i))
+        with pytest.raises(TimeoutError):
+            ctrl.recv(1.0)
+    assert ctrl.rejected == 40
+    lines = [r for r in caplog.records if "dropped a message" in r.getMessage()]
+    assert len(lines) == _channel._LOG_FIRST, len(lines)

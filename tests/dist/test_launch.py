@@ -282,3 +282,48 @@ def test_workers_keep_freed_memory_unless_told_not_to() -> None:
         out[mode] = (kept == "True", int(faults))
     assert out["keep"][0] and not out["default"][0]
     assert out["keep"][1] < 1000, out            # of 10 x 4 x 3072 pages touched
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on ``port`` (from /proc/net/tcp*)."""
+    out = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:       # 0A: LISTEN
+                raw = bytes.fromhex(addr)
+                out.add(".".join(str(b) for b in raw[::-1]) if width == 8 else raw.hex())
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_the_rendezvous_store_listens_where_the_ranks_are_under_a_secret_prefix() -> None:
+    """Issue 19, point 2: the controller serves the torch.distributed store from a socket it
+    bound itself (no bind-close-reuse race), on loopback only (torch's own listens on every
+    interface), and the run's keys live under a prefix only the secret's holders know."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from meshplan.runtime._channel import Secret, store_prefix
+    from meshplan.runtime._launch import RendezvousStore
+
+    store = RendezvousStore("127.0.0.1")
+    try:
+        assert _listening(store.port) == {"127.0.0.1"}
+        secret = Secret.new()
+        client = dist.TCPStore("127.0.0.1", store.port, None, False, timedelta(seconds=5))
+        dist.PrefixStore(store_prefix(secret), client).set("rank0", "addr")
+        assert dist.PrefixStore(store_prefix(secret), client).get("rank0") == b"addr"
+        other = dist.PrefixStore(store_prefix(Secret.new()), client)
+        other.set_timeout(timedelta(seconds=0.5))
+        with pytest.raises(Exception, match="(?i)timeout|wait"):
+            other.get("rank0")                       # another run's prefix: not there
+        assert not store_prefix(secret).startswith(store_prefix(Secret.new()))
+    finally:
+        store.close()
+    assert _listening(store.port) == set()
