@@ -526,7 +526,7 @@ class TorchCommunicator(CommBase):
         try:
             if index == 0:
                 try:
-                    path, token = _shm.create_file(n, cap, f"r{self.rank}")
+                    path, token = _shm.create_file(n, cap, _shm.file_tag(self.rank))
                     mine = _shm.ShmGroup(path, token, n, 0, cap, init=True,
                                          timeout_s=self.timeout_s)
                     raw = path.encode() + b"\0" + token

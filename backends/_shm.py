@@ -94,6 +94,33 @@ def _data_offset(members: int) -> int:
     return -(-head // _ALIGN) * _ALIGN
 
 
+def file_tag(rank: int) -> str:
+    """``<run id>-r<rank>``: the launchers' run id (``MESHPLAN_RUN_ID``) names the files, so
+    the controller removes what a rank killed between creating and unlinking one left
+    (``remove_run_files``)."""
+    run = os.environ.get("MESHPLAN_RUN_ID", "")
+    return f"{run}-r{rank}" if run.isalnum() else f"r{rank}"
+
+
+def remove_run_files(run_id: str) -> list[str]:
+    """Remove the group files of run ``run_id`` still in ``/dev/shm``; returns their paths."""
+    if not run_id.isalnum():
+        return []
+    gone = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    for name in names:
+        if name.startswith(f"meshplan-{run_id}-r"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                gone.append(name)
+            except OSError:
+                pass
+    return gone
+
+
 def create_file(members: int, capacity: int, tag: str) -> tuple[str, bytes]:
     """Create and reserve a group's file (by its first member, before the others map it);
     returns its path and the token written at its start. Raises ``OSError`` when

@@ -9,6 +9,7 @@ raises :class:`WorkerFailure`; nothing is left running, even when the controller
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -33,6 +34,8 @@ __all__ = ["LocalLauncher", "WorkerFailure", "Workers"]
 _POLL_S = 0.05          # how often a waiting controller looks at its worker processes
 _DRAIN_S = 0.2          # after an exit, how long to wait for messages the rank sent before dying
 _STDERR_TAIL_LINES = 20
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerFailure(RuntimeFailure):
@@ -84,6 +87,16 @@ class _Group:
         self.channel.close()
         if self.store is not None:
             self.store.close()
+        _remove_leftovers(self.channel.run_id)
+
+
+def _remove_leftovers(run_id: str) -> None:
+    """What ranks stopped mid-way can leave: a shared-memory group file a rank created and
+    had not unlinked yet (``backends/_shm.py``)."""
+    from ..backends._shm import remove_run_files
+
+    for name in remove_run_files(run_id):
+        logger.info("meshplan: removed /dev/shm/%s left by a stopped rank", name)
 
 
 def _close_pipes(procs: Sequence[subprocess.Popen]) -> None:

@@ -261,6 +261,17 @@ def main() -> int:
     return 0
 
 
+def _finalize_mpi() -> None:
+    """Finalize MPI if a rank used it: mpi4py finalizes at interpreter teardown, which the
+    quick exit below skips, and MPICH then leaves its ``/dev/shm/mpich_shm_*`` file behind."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the file may remain
+        print(f"meshplan worker: MPI_Finalize failed: {exc}", file=sys.stderr)
+
+
 if __name__ == "__main__":
     # Run the canonical module, not this __main__ copy, so plugins that import
     # meshplan.runtime._worker register into the same handler table.
@@ -271,6 +282,7 @@ if __name__ == "__main__":
     import atexit
 
     atexit._run_exitfuncs()
+    _finalize_mpi()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -112,6 +112,11 @@ def test_two_workers_ping_and_shut_down_politely(plugin_env, tmp_path) -> None:
     with LocalLauncher().launch(2, env=plugin_env, cwd=tmp_path) as workers:
         assert workers.n == 2 and len(set(workers.pids)) == 2
         _ping_and_info(workers, 2, tmp_path)
+        # what a rank killed between creating its shared-memory group file and unlinking it
+        # leaves (issue 19, point 4): the controller removes it when the group stops
+        left = Path("/dev/shm") / f"meshplan-{workers.run_id}-r1-0123456789abcdef"
+        left.write_bytes(b"x")
+    assert not left.exists()
     assert workers.closed and not _wait_gone(workers.pids, 0)
     assert [p.returncode for p in workers._group.procs] == [0, 0]       # polite exit
     workers.shutdown()                                                  # idempotent

@@ -130,12 +130,15 @@ def test_mpi_launcher_steps_equal_one_process(name: str, axes: dict[str, int],
                                               strategy: str) -> None:
     """``launcher="mpi"``: MPICommunicator collectives; ``state_dict()`` gathered by RMA onto
     rank 0. Tolerances as ``test_distribute.py`` (rtol 1e-5 / atol 1e-6 on losses, atol 1e-5
-    on weights: cross-rank sums run in MPI's order, not one process's)."""
+    on weights: cross-rank sums run in MPI's order, not one process's). The run leaves nothing
+    in /dev/shm (issue 19, point 4: MPICH's file stays when MPI is not finalized)."""
     def no_send(step) -> None:
         assert all(c["kind"] != "send" for rank in step.last_comm for c in rank)
 
+    before = set(os.listdir("/dev/shm"))
     check_equal_to_one_process(name, axes, strategy, after_steps=no_send, launcher="mpi",
                                telemetry=False, timeout_s=60)
+    assert set(os.listdir("/dev/shm")) - before == set()
 
 
 @pytest.mark.timeout(60)
