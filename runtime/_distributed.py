@@ -35,7 +35,8 @@ from ._files import FILES_PLUGIN
 from ._launch import LocalLauncher, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
 from ._telemetry import ControllerTelemetry, QueryResult, ingest, merge_answers, steps_timer
-from ._variants import MAX_VARIANTS, Variant, call_inputs, random_of, what_changed
+from ._checks import check_indices
+from ._variants import MAX_VARIANTS, Variant, call_inputs, what_changed
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,11 @@ class DistributedStep:
             return traced(*args, **kwargs)
         if self._workers is None:
             self._launch()
+        if self._variants:          # before a new signature is traced and planned for it
+            first = next(iter(self._variants.values()))
+            names = [n.target for n in first.plan.graph.inputs_with_role(Role.DATA)]
+            check_indices(first.checks, dict(zip(names, traced.data_tensors(*args, **kwargs))),
+                          self.__name__)
         return self._step(self._variant(args, kwargs), args, kwargs)
 
     @property
@@ -479,7 +485,7 @@ class DistributedStep:
             self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
         assert self._primary_key is not None
-        self._variants = {self._primary_key: Variant(0, plan, tuple(data), random_of(plan))}
+        self._variants = {self._primary_key: Variant.of(0, plan, tuple(data))}
 
     def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> Variant:
         """The mesh's program for a call with these arguments: traced, planned and sent to
@@ -513,7 +519,7 @@ class DistributedStep:
                 if n.meta.role in _STATE_ROLES}
         plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
                           memory_limit_bytes=self.memory_limit_bytes, pins=pins)
-        variant = Variant(len(self._variants), plan, tuple(call_inputs(plan)), random_of(plan))
+        variant = Variant.of(len(self._variants), plan, tuple(call_inputs(plan)))
         workers = self._workers
         assert workers is not None
         with self._recording_failures():
@@ -534,6 +540,7 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: expected {len(data)} tensor arguments "
                                  f"({', '.join(data)}), got {len(flat)}")
         batch = {**dict(zip(data, flat)), **self._traced.hyper_values()}
+        check_indices(variant.checks, batch, self.__name__)
         header = {"step": self._step_no, "variant": variant.id}
         if variant.random:
             header["seed"] = self._random_seed(variant)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..frontend._guards import branch_change
 from ..ir import Role, random_nodes
 from ..planner import Plan
+from ._checks import IndexCheck, index_checks
 
 MAX_VARIANTS = 8        # programs one mesh holds for calls of different signatures
 
@@ -22,6 +23,11 @@ class Variant:
     plan: Plan
     inputs: tuple[str, ...]
     random: tuple[str, ...] = ()         # its random nodes (seeded per step: backends/_rng.py)
+    checks: tuple[IndexCheck, ...] = ()  # index values checked before dispatch (_checks.py)
+
+    @classmethod
+    def of(cls, id: int, plan: Plan, inputs: tuple[str, ...]) -> Variant:
+        return cls(id, plan, inputs, random_of(plan), index_checks(plan.graph))
 
 
 def random_of(plan: Plan) -> tuple[str, ...]:

@@ -233,6 +233,15 @@ def test_reads_of_the_arguments_take_effect_on_the_mesh(caplog) -> None:
             torch.testing.assert_close(dist(ids, labels), eager(ids, labels), rtol=1e-5,
                                        atol=1e-6, msg=f"call {i}")
             programs.append(dist.variants)
+        # issue 19, point 8: an id past the embedding's 12 rows is refused on the controller
+        # before any rank runs (and before a new program is traced for the values it would
+        # read); the mesh and its state stay usable (classes: tests/unit/test_batch_checks.py)
+        ids, labels = next(batches())
+        with pytest.raises(meshplan.RuntimeFailure,
+                           match=r"'ids' holds 12 at \[0, 1\].*embedding with 12 rows.*model.emb.*call again"):
+            dist(torch.where(ids == 4, 12, ids), labels)
+        assert dist.variants == 3
+        torch.testing.assert_close(dist(ids, labels), eager(ids, labels), rtol=1e-5, atol=1e-6)
         dist.sync()
     # calls 1 and 2 read new values; call 3 reads call 0's
     assert programs == [1, 2, 3, 3], programs
