@@ -282,12 +282,14 @@ def ingest(config: TelemetryConfig | None) -> None:
 
 
 def merge_answers(result: Any, sql: str) -> Any:
-    """``sql`` over the workers' concatenated answers (the table ``result``), in DuckDB."""
+    """``sql`` over the workers' concatenated answers (the table ``result``), in DuckDB, on a
+    connection that cannot read or write files nor load extensions (``telemetry/_sandbox.py``)."""
     import duckdb
 
     from .._errors import TelemetryError
+    from ..telemetry._sandbox import connect
 
-    con = duckdb.connect(":memory:")
+    con = connect()
     try:
         con.register("result", result)
         return con.sql(sql).to_arrow_table()

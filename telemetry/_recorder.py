@@ -263,11 +263,14 @@ class Recorder:
 
     def query(self, sql: str) -> pa.Table:
         """Run ``sql`` (DuckDB) over this process's recent rows; the schema's tables and views
-        are defined. A bad query raises ``TelemetryError`` with DuckDB's message."""
+        are defined. The connection cannot read or write files nor load extensions
+        (``_sandbox``). A bad or refused query raises ``TelemetryError`` with DuckDB's message."""
         import duckdb
 
+        from ._sandbox import connect
+
         if self._db is None:
-            self._db = duckdb.connect(":memory:")
+            self._db = connect()
         con = self._db.cursor()
         try:
             for table in TABLES:

@@ -5,6 +5,11 @@ Parquet segments.
 and ingests every finished segment it has not seen yet. DuckDB lets one process hold a database
 file; when another process holds it, the store reads the segments directly instead (an in-memory
 database whose tables are views over the Parquet files) and says so in ``Store.source``.
+
+Either way the connection is made by ``_sandbox.connect``: the SQL a user hands ``Store.sql``
+cannot read or write files, attach databases or load extensions. So DuckDB never opens a segment
+itself: pyarrow reads them, as datasets registered on the connection (one per table and column
+layout), for ingest and for the views of the fallback alike.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from .._errors import TelemetryError
+from ._sandbox import connect
 from ._schema import TABLES, VIEWS, default_db_path, segment_glob, segments_dir
 
 logger = logging.getLogger(__name__)
@@ -32,6 +39,9 @@ _BOOKKEEPING_DDL = (f"CREATE TABLE IF NOT EXISTS {BOOKKEEPING} (path VARCHAR, ta
 _SQL_TYPES = {pa.string(): "VARCHAR", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
               pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN", pa.float32(): "FLOAT"}
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
+# what reading a segment through a registered dataset can raise (DuckDB wraps what pyarrow
+# raises during the scan; opening the dataset raises pyarrow's own)
+_READ_ERRORS = (duckdb.Error, pa.ArrowException, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +73,6 @@ def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _file_list(paths: list[Path]) -> str:
-    return "[" + ", ".join(_literal(str(p)) for p in paths) + "]"
-
-
 def find_segments(root: Path) -> list[Segment]:
     """Every finished segment under ``root`` (temporary files are not matched), sorted."""
     found = []
@@ -84,13 +86,27 @@ def find_segments(root: Path) -> list[Segment]:
     return found
 
 
-def _check_segment(seg: Segment) -> str | None:
-    """None when the segment's Parquet footer reads; else why not."""
+def _footer(seg: Segment) -> pq.FileMetaData | str:
+    """The segment's Parquet footer; why not when it does not read."""
     try:
-        pq.read_metadata(seg.path)
+        return pq.read_metadata(seg.path)
     except Exception as e:   # noqa: BLE001 - any unreadable file is skipped with its reason
         return f"{type(e).__name__}: {e}"
-    return None
+
+
+def _layouts(segs: list[Segment], footers: dict[Segment, pq.FileMetaData]
+             ) -> list[tuple[pa.Schema, list[Path]]]:
+    """``segs`` (of one table) grouped by column layout: (schema, files) per group, in order."""
+    groups: dict[tuple, tuple[pa.Schema, list[Path]]] = {}
+    for s in segs:
+        schema = footers[s].schema.to_arrow_schema().remove_metadata()
+        key = tuple((f.name, str(f.type), f.nullable) for f in schema)
+        groups.setdefault(key, (schema, []))[1].append(s.path)
+    return list(groups.values())
+
+
+def _dataset(schema: pa.Schema, files: list[Path]) -> ds.Dataset:
+    return ds.dataset([str(p) for p in files], schema=schema, format="parquet")
 
 
 class Store:
@@ -126,7 +142,7 @@ class Store:
         except OSError as e:
             raise TelemetryError(f"cannot create the telemetry folder {path.parent}: {e}") from None
         try:
-            con = duckdb.connect(str(path))
+            con = connect(path)
         except duckdb.Error as e:
             msg = str(e)
             if "lock" in msg.lower():
@@ -150,18 +166,29 @@ class Store:
         pid_match = _LOCK_PID.search(lock_msg)
         holder = f"PID {pid_match.group(1)}" if pid_match else "another process"
         found = find_segments(root) if root.is_dir() else []
-        bad = {s: why for s in found if (why := _check_segment(s))}
+        footers = {s: _footer(s) for s in found}
+        bad = {s: why for s, why in footers.items() if isinstance(why, str)}
         segs = [s for s in found if s not in bad]
         if not segs:
             raise TelemetryError(
                 f"telemetry database {path} is locked by {holder} and there are no segments at "
                 f"{root} to read instead; close that process (or wait for it to finish), or "
                 "pass --db another path") from None
-        con = duckdb.connect()
-        for table, schema in TABLES.items():
-            files = [s.path for s in segs if s.table == table]
-            con.execute(f"CREATE VIEW {_quote(table)} AS {_select_as_schema(con, schema, files)}")
-        _create_views(con)
+        con = connect()
+        try:
+            for table, schema in TABLES.items():
+                selects = []
+                for i, (layout, files) in enumerate(
+                        _layouts([s for s in segs if s.table == table], footers)):
+                    name = f"_segments_{table}_{i}"
+                    con.register(name, _dataset(layout, files))
+                    selects.append(_select_as_schema(schema, name, set(layout.names)))
+                body = " UNION ALL ".join(selects) or _select_as_schema(schema, None, set())
+                con.execute(f"CREATE VIEW {_quote(table)} AS {body}")
+            _create_views(con)
+        except BaseException:
+            con.close()
+            raise
         source = f"segments {root} (database {path} locked by {holder})"
         logger.warning("telemetry: reading %s", source)
         store = cls(con, source=source, db_path=path, segments=root, fallback=True)
@@ -205,69 +232,77 @@ class Store:
         done = set(self._con.execute(f"SELECT path, size FROM {BOOKKEEPING}").fetchall())
         new = [s for s in find_segments(self.segments) if (s.key, s.size) not in done]
         skipped: list[tuple[str, str]] = []
-        rows: dict[Segment, int] = {}
+        footers: dict[Segment, pq.FileMetaData] = {}
         for seg in new:
-            try:
-                rows[seg] = pq.read_metadata(seg.path).num_rows
-            except Exception as e:   # noqa: BLE001 - any unreadable file is skipped
-                skipped.append((str(seg.path), f"{type(e).__name__}: {e}"))
-        good = [s for s in new if s in rows]
+            footer = _footer(seg)
+            if isinstance(footer, str):
+                skipped.append((str(seg.path), footer))
+            else:
+                footers[seg] = footer
+        good = [s for s in new if s in footers]
         try:
-            self._load(good, rows)
-        except duckdb.Error:      # a file whose footer reads but whose rows don't read or insert
-            bad = {s: why for s in good if (why := self._probe(s, rows))}
+            self._load(good, footers)
+        except _READ_ERRORS:      # a file whose footer reads but whose rows don't read or insert
+            bad = {s: why for s in good if (why := self._probe(s, footers))}
             skipped += [(str(s.path), why) for s, why in bad.items()]
             good = [s for s in good if s not in bad]
             try:
-                self._load(good, rows)
-            except duckdb.Error as e:
+                self._load(good, footers)
+            except _READ_ERRORS as e:
                 raise TelemetryError(f"ingesting {len(good)} segments from {self.segments} "
                                      f"failed: {e}") from None
         for path, why in skipped:
             logger.warning("telemetry: skipped unreadable segment %s (%s); it is retried on the "
                            "next ingest", path, why)
-        self.last_ingest = IngestResult(sum(rows[s] for s in good), len(good), tuple(skipped))
+        self.last_ingest = IngestResult(sum(footers[s].num_rows for s in good), len(good),
+                                        tuple(skipped))
         self.skipped = self.last_ingest.skipped
         return self.last_ingest
 
-    def _load(self, segs: list[Segment], rows: dict[Segment, int], *, commit: bool = True) -> None:
+    def _load(self, segs: list[Segment], footers: dict[Segment, pq.FileMetaData], *,
+              commit: bool = True) -> None:
         """Insert ``segs`` and their bookkeeping rows in one transaction (rolled back instead of
-        committed with ``commit=False``)."""
+        committed with ``commit=False``). pyarrow reads the files (one dataset per table and
+        column layout); the locked connection only sees the registered datasets. (The
+        configuration is locked, so ``preserve_insertion_order`` stays on: inserts are not
+        reordered for speed.)"""
         if not segs:
             return
         con = self._con
-        con.execute("SET preserve_insertion_order = false")   # parallel inserts; ~15% faster
+        scans: list[str] = []
         con.execute("BEGIN")
         try:
             for table, schema in TABLES.items():
-                files = [s.path for s in segs if s.table == table]
-                if not files:
-                    continue
-                scan = f"read_parquet({_file_list(files)}, union_by_name=true)"
-                have = [r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()]
-                cols = ", ".join(_quote(c) for c in have if c in schema.names)
-                if cols:
-                    con.execute(f"INSERT INTO {_quote(table)} BY NAME SELECT {cols} FROM {scan}")
-            _record(con, segs, rows)
+                for layout, files in _layouts([s for s in segs if s.table == table], footers):
+                    cols = ", ".join(_quote(c) for c in layout.names if c in schema.names)
+                    if not cols:
+                        continue
+                    con.register(name := f"_segments_scan_{len(scans)}", _dataset(layout, files))
+                    scans.append(name)
+                    con.execute(f"INSERT INTO {_quote(table)} BY NAME SELECT {cols} FROM {name}")
+            _record(con, segs, {s: footers[s].num_rows for s in segs})
             con.execute("COMMIT" if commit else "ROLLBACK")
         except BaseException:
             con.execute("ROLLBACK")
             raise
-        finally:
-            con.execute("RESET preserve_insertion_order")
+        finally:                  # after the transaction: an aborted one refuses even this
+            for name in scans:
+                con.unregister(name)
 
-    def _probe(self, seg: Segment, rows: dict[Segment, int]) -> str | None:
+    def _probe(self, seg: Segment, footers: dict[Segment, pq.FileMetaData]) -> str | None:
         """None when the segment reads and inserts on its own (then rolled back); else why not."""
         try:
-            self._load([seg], rows, commit=False)
-        except duckdb.Error as e:
+            self._load([seg], footers, commit=False)
+        except _READ_ERRORS as e:
             return str(e).splitlines()[0]
         return None
 
     # ---- queries -------------------------------------------------------------------------
 
     def sql(self, query: str, params: list[Any] | dict[str, Any] | None = None) -> pa.Table:
-        """The answer to ``query`` as a ``pyarrow.Table`` (empty for a statement without rows)."""
+        """The answer to ``query`` as a ``pyarrow.Table`` (empty for a statement without rows).
+        The query cannot read or write files, attach databases, load extensions or change a
+        setting (``_sandbox``); trying is a ``TelemetryError`` with DuckDB's reason."""
         try:
             rel = self._con.sql(query, params=params) if params else self._con.sql(query)
             return rel.to_arrow_table() if rel is not None else pa.table({})
@@ -304,14 +339,9 @@ def _create_views(con: duckdb.DuckDBPyConnection) -> None:
         con.execute(f"CREATE OR REPLACE VIEW {_quote(name)} AS {body}")
 
 
-def _select_as_schema(con: duckdb.DuckDBPyConnection, schema: pa.Schema, files: list[Path]) -> str:
-    """A SELECT with exactly ``schema``'s columns over ``files`` (NULL for a column no file has;
-    no rows when there are no files)."""
-    have: set[str] = set()
-    scan = ""
-    if files:
-        scan = f"read_parquet({_file_list(files)}, union_by_name=true)"
-        have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()}
+def _select_as_schema(schema: pa.Schema, source: str | None, have: set[str]) -> str:
+    """A SELECT with exactly ``schema``'s columns over the registered ``source``, whose columns
+    are ``have`` (NULL for a column it lacks; no rows when there is no source)."""
     cols = ", ".join(f"CAST({_quote(f.name) if f.name in have else 'NULL'} AS "
                      f"{_sql_type(f.type)}) AS {_quote(f.name)}" for f in schema)
-    return f"SELECT {cols} FROM {scan}" if files else f"SELECT {cols} WHERE false"
+    return f"SELECT {cols} FROM {_quote(source)}" if source else f"SELECT {cols} WHERE false"

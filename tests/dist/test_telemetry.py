@@ -39,10 +39,11 @@ def gpt_run(tmp_path_factory):
             losses.append(float(step(*ex.batch(i))))
             comm.append([len(c) for c in step.last_comm])
         live = step.query("SELECT rank, count(*) AS n FROM steps GROUP BY rank ORDER BY rank")
+        escape = step.query(f"COPY (SELECT 1 AS x) TO '{db.parent / 'live.csv'}'")
         run_id = step.run_id
         plan = step.plan
-    return {"db": db, "losses": losses, "comm": comm, "live": live, "run_id": run_id,
-            "plan": plan}
+    return {"db": db, "losses": losses, "comm": comm, "live": live, "escape": escape,
+            "run_id": run_id, "plan": plan}
 
 
 def _rows(db, sql: str) -> list[dict]:
@@ -102,6 +103,11 @@ def test_ops_are_sampled_and_the_live_query_merges_every_rank(gpt_run) -> None:
     live = gpt_run["live"]
     assert live.complete
     assert live.table.to_pylist() == [{"rank": r, "n": STEPS} for r in range(4)]
+    # a live query cannot write files (telemetry/_sandbox.py): every rank refuses COPY TO
+    escape = gpt_run["escape"]
+    assert sorted(escape.errors) == [0, 1, 2, 3] and not escape.missing, escape
+    assert all("Permission Error" in m for m in escape.errors.values()), escape.errors
+    assert not (gpt_run["db"].parent / "live.csv").exists()
 
 
 @pytest.mark.timeout(240)

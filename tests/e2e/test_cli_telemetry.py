@@ -99,6 +99,8 @@ def test_outputs_in_process(db: Path, capsys: pytest.CaptureFixture) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["sql", "SELEC 1"], "TelemetryError: query failed: Parser Error"),
+    (["sql", "SELECT * FROM read_text('/etc/hostname')"],
+     "TelemetryError: query failed: Permission Error: Cannot access file"),
     (["summary", "--run", "nope"], "TelemetryError: run 'nope' is not in"),
     (["trace", "--out", "/no/such/folder/t.json"], "folder /no/such/folder does not exist"),
 ])

@@ -5,7 +5,8 @@ Segments are written the way recorders write them (``_schema.TABLES`` schemas, t
 runs of 4 ranks. Run ``r1`` (6 steps) has a known straggler -- rank 2 computes 30% slower from
 step 3 on while the other ranks wait for it in the dp all-reduce -- and known collectives that
 match the plan's bytes; run ``r2`` (3 steps, later) has a failure. Everything here is exact
-integer arithmetic, so the checks demand equality.
+integer arithmetic, so the checks demand equality. SQL from outside (``Store.sql``, a rank's live
+query, the controller's merge) must not reach files, other databases or extensions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -113,6 +115,23 @@ def db(tmp_path: Path) -> tuple[Path, int]:
 
 def one(store: Store, q: str) -> object:
     return store.sql(q).to_pylist()[0]
+
+
+def refused(run: Callable[[str], object], tmp: Path) -> None:
+    """Every way out of the sandbox (``telemetry/_sandbox.py``) fails with DuckDB's reason as a
+    TelemetryError, and nothing is written."""
+    for sql, why in {
+        f"COPY (SELECT 1 AS x) TO '{tmp / 'x.csv'}'": "Permission Error: Cannot access file",
+        "SELECT * FROM read_text('/etc/hostname')": "Permission Error: Cannot access file",
+        f"ATTACH '{tmp / 'y.duckdb'}' AS y": "Permission Error: Cannot access file",
+        "SET enable_external_access = true": "the configuration has been locked",
+        "SET lock_configuration = false": "the configuration has been locked",
+        "INSTALL httpfs": "Permission Error",
+        "LOAD httpfs": "Permission Error",
+    }.items():
+        with pytest.raises(TelemetryError, match=why):
+            run(sql)
+    assert not (tmp / "x.csv").exists() and not (tmp / "y.duckdb").exists()
 
 
 # ---- store ---------------------------------------------------------------------------------
@@ -222,6 +241,29 @@ def test_older_and_newer_segment_columns(tmp_path: Path) -> None:
             [{"step": 0, "loss": None}, {"step": 1, "loss": 0.5}]
 
 
+def test_outside_sql_reaches_no_file_database_or_extension(db: tuple[Path, int],
+                                                           tmp_path: Path) -> None:
+    """Store.sql (``meshplan telemetry sql``), a rank's live query and the controller's merge
+    refuse COPY TO, read_text, ATTACH, SET and INSTALL/LOAD; ordinary queries and ingest work."""
+    from meshplan.runtime._telemetry import merge_answers
+    from meshplan.telemetry import Recorder
+
+    path, n = db
+    with Store.open(path) as s:
+        refused(s.sql, tmp_path)
+        assert one(s, "SELECT count(*) AS c FROM runs")["c"] == 2
+        write_segment(segments_dir(path), "r3", 0, "steps", [dict(run_id="r3", rank=0, step=0)])
+        assert s.ingest().rows == 1                   # pyarrow reads the segments, not DuckDB
+    rec = Recorder(tmp_path / "rec", "r1", 0, flush_interval_s=None)
+    rec.add("steps", (0, 0, 1, None, 0, 0, 0))
+    refused(rec.query, tmp_path)
+    assert rec.query("SELECT count(*) AS n FROM steps").to_pylist() == [{"n": 1}]
+    rec.close()
+    answers = pa.table({"n": [1, 2]})
+    refused(lambda q: merge_answers(answers, q), tmp_path)
+    assert merge_answers(answers, "SELECT sum(n) AS n FROM result").to_pylist() == [{"n": 3}]
+
+
 def test_sql_error_is_telemetry_error(db: tuple[Path, int]) -> None:
     with Store.open(db[0]) as s:
         with pytest.raises(TelemetryError, match="query failed: .*no_such_table"):
@@ -275,6 +317,7 @@ def test_locked_database_reads_segments(db: tuple[Path, int], locked) -> None:
         vs = s.sql("SELECT * FROM collectives_vs_plan WHERE run_id = 'r1'").to_pylist()
         assert all(r["measured_bytes"] == r["predicted_bytes"] for r in vs)
         assert summary(s, "r1")["stragglers"][0]["rank"] == 2
+        refused(s.sql, path.parent)                   # the segments' views are sandboxed too
         with pytest.raises(TelemetryError, match="cannot ingest"):
             s.ingest()
 
