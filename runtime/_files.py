@@ -500,7 +500,8 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
     ``bwlimit``: bytes/s each sender (the controller and every forwarding rank) may put on its
     link, like rsync's ``--bwlimit``; in a chain every link carries the data once, so this is
     also each host's share of its network. None: no limit.
-    ``_faults`` (tests): ``{"corrupt": [[sender_rank or -1, frame]], "delay": [rank, s]}``.
+    ``_faults`` (tests): ``{"corrupt": [[sender_rank or -1, frame]], "delay": [rank, s],
+    "squat": True}`` (squat: a silent connection to every writer's listener before the chain's).
     """
     if (workers is None) == (ranks is None):
         raise RuntimeFailure("files push: pass either workers= (running workers) or ranks=N")
@@ -548,6 +549,7 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
               "io_timeout_s": io_timeout_s, "bind": bind_host or workers.master_addr,
               "rate": bwlimit}
     feed: dict[str, Any] = {}
+    squatters: list[socket.socket] = []
     try:
         for rank in range(workers.n):
             header = {"push": push, "role": "shared"}
@@ -556,6 +558,9 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
                               corrupt_frame=corrupt.get(rank), delay_s=delay.get(rank, 0.0))
             workers.send(rank, "files.prepare", header)
         prepared = [m.header for m in workers.gather("files.prepare", timeout_s)]
+        # a peer without the push's key connecting first (tests): it must not hold the push
+        squatters += [socket.create_connection(tuple(prepared[r]["addr"]), timeout=5)
+                      for r in chain if faults.get("squat")]
         plan = _plan(tree, [prepared[r]["need"] for r in chain])
         for rank in range(workers.n):
             workers.send(rank, "files.start", _neighbours(push, rank, chain, prepared))
@@ -576,6 +581,9 @@ def _push(tree: Tree, template: str, workers: Any, t0: float, scan_s: float, *, 
         if error is not None and not isinstance(error, LinkError):
             raise RuntimeFailure(f"files push: reading SRC failed: {error}") from exc
         raise _explain(exc) from exc
+    finally:
+        for sock in squatters:
+            sock.close()
     if feed.get("error") is not None:
         raise RuntimeFailure(f"files push: {feed['error']}") from feed["error"]
     return _result(tree, plan, chain, hosts, dests, owner, done, t0, scan_s,

@@ -35,6 +35,8 @@ from ._files import (
 from ._worker import WorkerState, register
 
 _CHECKPOINT_S = 0.5
+HELLO_S = 5.0           # a connection to a writer's listener must authenticate by then
+MAX_PENDING = 16        # connections vetted at once; more are closed when accepted
 _REPORT_GRACE_S = 2.0
 
 
@@ -215,25 +217,47 @@ class Push:
             self.fds.clear()
 
     def _accept(self) -> Link:
-        """The first connection that says a valid hello for this push (others are dropped)."""
+        """The first connection that says a valid hello for this push. Each connection is
+        vetted on a thread of its own and must send its MAC'd hello within ``HELLO_S``, so a
+        connection that stays silent (or many: at most ``MAX_PENDING`` are vetted at once,
+        more are closed at accept) cannot hold the listener until the push times out."""
         deadline = time.monotonic() + self.io_timeout_s
-        while True:
-            self.listener.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                sock, _ = self.listener.accept()
-            except socket.timeout:
-                raise LinkError(f"{self.pred_name} did not connect within "
-                                f"{self.io_timeout_s} s") from None
-            sock.settimeout(self.io_timeout_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        found: queue.Queue[Link] = queue.Queue()
+        pending = threading.BoundedSemaphore(MAX_PENDING)
+        won = threading.Event()
+
+        def vet(sock: socket.socket) -> None:
             link = Link(sock, self.key, self.id, self.pos, self.pos - 1, self.chunk_bytes,
                         self.pred_name)
             try:
-                if link.recv()[0].get("k") == "hello":
-                    return link
-            except (LinkError, ValueError):
+                sock.settimeout(HELLO_S)
+                if link.recv()[0].get("k") == "hello" and not won.is_set():
+                    won.set()
+                    sock.settimeout(self.io_timeout_s)
+                    found.put(link)
+                    return
+            except (LinkError, ValueError, OSError):
                 pass
+            finally:
+                pending.release()
             link.close()
+
+        self.listener.settimeout(0.1)
+        while found.empty():
+            if time.monotonic() >= deadline:
+                raise LinkError(f"{self.pred_name} did not connect within "
+                                f"{self.io_timeout_s} s")
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            if not pending.acquire(blocking=False):
+                sock.close()                      # too many unauthenticated connections
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=vet, args=(sock,), name="meshplan-files-hello",
+                             daemon=True).start()
+        return found.get()
 
     def _receive(self, link: Link, fwd: _Forwarder | None) -> None:
         expected, received = None, set()

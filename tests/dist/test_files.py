@@ -128,6 +128,21 @@ def test_push_tree_then_skip_unchanged(tree: Path, tmp_path: Path, n: int,
 
 
 @pytest.mark.timeout(60)
+def test_a_silent_connection_first_does_not_hold_the_push(tmp_path: Path, workers3) -> None:
+    """Issue 19, point 5: a peer without the push's key connects to every writer's listener
+    before its chain neighbour and says nothing; each writer vets connections on their own
+    with a short hello deadline, so the push completes (an io timeout of 200 s would outlast
+    this test's 60 s if the silent connection held the listener)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.bin").write_bytes(os.urandom(3 * 64 * 1024))
+    push_files(src, str(tmp_path / "dst{rank}"), workers=workers3, chunk_bytes=64 * 1024,
+               io_timeout_s=200, _faults={"squat": True})
+    for rank in range(3):
+        _assert_same_tree(src, tmp_path / f"dst{rank}")
+
+
+@pytest.mark.timeout(60)
 def test_corrupt_chunks_are_detected_and_resent(tmp_path: Path, workers3) -> None:
     """One byte flipped after signing, once on the controller -> rank 0 link and once on the
     rank 0 -> rank 1 link: each receiver rejects the chunk and its sender resends it. Also a
