@@ -32,6 +32,7 @@ from ._channel import ControllerChannel, Message, Secret
 __all__ = ["LocalLauncher", "WorkerFailure", "Workers"]
 
 _POLL_S = 0.05          # how often a waiting controller looks at its worker processes
+STOPPED_S = 10.0        # a rank stopped (SIGSTOP, state T) this long while awaited fails the call
 _DRAIN_S = 0.2          # after an exit, how long to wait for messages the rank sent before dying
 _STDERR_TAIL_LINES = 20
 
@@ -42,8 +43,9 @@ class WorkerFailure(RuntimeFailure):
     """One or more ranks failed; all workers have been stopped.
 
     ``reason`` is ``"error"`` (a handler raised: ``remote_type``, ``remote_traceback``, ``where``
-    are set), ``"exit"`` (a process ended: ``exit_code``; negative is a signal), ``"timeout"``
-    or ``"protocol"`` (an unexpected reply).
+    are set), ``"exit"`` (a process ended: ``exit_code``; negative is a signal), ``"timeout"``,
+    ``"stopped"`` (a rank stopped by SIGSTOP for ``STOPPED_S``) or ``"protocol"`` (an
+    unexpected reply).
     """
 
     def __init__(self, message: str, *, reason: str, ranks: Sequence[int], kind: str,
@@ -97,6 +99,21 @@ def _remove_leftovers(run_id: str) -> None:
 
     for name in remove_run_files(run_id):
         logger.info("meshplan: removed /dev/shm/%s left by a stopped rank", name)
+
+
+_STATES = {"R": "running", "S": "waiting (sleeping)", "D": "in uninterruptible I/O",
+           "T": "stopped (SIGSTOP)", "t": "held by a debugger", "Z": "exited (zombie)",
+           "X": "exited", None: "gone"}
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of a local process (``/proc/PID/stat``), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:][:1] or None
 
 
 def _close_pipes(procs: Sequence[subprocess.Popen]) -> None:
@@ -188,6 +205,8 @@ class Workers:
         self.log_dir = log_dir
         self.hostnames: tuple[str, ...] = ()
         self._late: dict[int, list[str]] = {}   # per rank: kinds of replies given up on
+        self._stopped_since: dict[int, float] = {}
+        self._stopped_checked = 0.0
         self._finalizer = weakref.finalize(self, group.stop)
 
     @property
@@ -245,6 +264,7 @@ class Workers:
                 if not self._is_late(rank, message):
                     self._take(rank, message, kind_expected, got)
             self._check_exits(kind_expected)
+            self._check_stopped(kind_expected, got)
             if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
                 self._timeout(kind_expected, timeout_s, got)
         return [got[rank] for rank in range(self.n)]
@@ -394,11 +414,35 @@ class Workers:
 
     def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
         missing = [r for r in range(self.n) if r not in got]
+        states = [f"rank {r}: {_STATES.get(_proc_state(self._group.procs[r].pid), 'unknown')}"
+                  for r in missing]
         self._fail(WorkerFailure(
             f"{_ranks(missing)} did not answer {kind!r} within {timeout_s} s"
-            f" ({len(got)} of {self.n} answered)\n"
+            f" ({len(got)} of {self.n} answered; {', '.join(states)})\n"
             f"  all {self.n} workers were stopped; if the work is just slow, raise timeout_s",
             reason="timeout", ranks=missing, kind=kind))
+
+    def _check_stopped(self, kind: str, got: dict[int, Message]) -> None:
+        """Fail at once, naming it, when an awaited rank has been stopped (SIGSTOP or SIGTSTP:
+        state ``T``) for ``STOPPED_S``: the others wait for it in a collective, and a timeout
+        would name them all much later. A rank held by a debugger (``t``) is left alone."""
+        now = time.monotonic()
+        if now - self._stopped_checked < 1.0:
+            return
+        self._stopped_checked = now
+        for rank in range(self.n):
+            if rank in got or _proc_state(self._group.procs[rank].pid) != "T":
+                self._stopped_since.pop(rank, None)
+                continue
+            since = self._stopped_since.setdefault(rank, now)
+            if now - since >= STOPPED_S:
+                self._fail(WorkerFailure(
+                    f"rank {rank} is stopped (state T: SIGSTOP or SIGTSTP; pid "
+                    f"{self._group.procs[rank].pid}) and has been for {now - since:.0f} s while "
+                    f"the controller waited for {kind!r}; the other ranks wait for it\n"
+                    f"  all {self.n} workers were stopped; resume it with SIGCONT next time "
+                    "before the call's timeout",
+                    reason="stopped", ranks=[rank], kind=kind))
 
 
 class LocalLauncher:

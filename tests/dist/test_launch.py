@@ -174,6 +174,24 @@ def test_hanging_worker_times_out_by_name(plugin_env) -> None:
     assert 1.5 <= time.monotonic() - t0 < 6
     assert info.value.reason == "timeout" and info.value.ranks == (1,)
     assert "rank 1 did not answer 'hang' within 1.5 s" in str(info.value)
+    assert "rank 1: waiting (sleeping)" in str(info.value)
+    assert not _wait_gone(workers.pids, 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_rank_is_named_as_stopped_before_the_timeout(plugin_env, monkeypatch) -> None:
+    """Issue 19, point 7: a rank stopped with SIGSTOP while the controller waits is named as
+    the cause (not "ranks 0, 1 did not answer" after the whole timeout)."""
+    from meshplan.runtime import _launch
+
+    monkeypatch.setattr(_launch, "STOPPED_S", 1.0)
+    workers = LocalLauncher().launch(2, env=plugin_env)
+    workers.broadcast("hang", {"rank": 1})
+    os.kill(workers.pids[1], signal.SIGSTOP)
+    with pytest.raises(WorkerFailure) as info:
+        workers.gather("hang", timeout_s=50)
+    assert info.value.reason == "stopped" and info.value.ranks == (1,), info.value
+    assert "rank 1 is stopped (state T" in str(info.value)
     assert not _wait_gone(workers.pids, 0)
 
 
