@@ -39,6 +39,8 @@ _BOOKKEEPING_DDL = (f"CREATE TABLE IF NOT EXISTS {BOOKKEEPING} (path VARCHAR, ta
 _SQL_TYPES = {pa.string(): "VARCHAR", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
               pa.float64(): "DOUBLE", pa.bool_(): "BOOLEAN", pa.float32(): "FLOAT"}
 _LOCK_PID = re.compile(r"\(PID (\d+)\)")
+# DuckDB's words for a file another process holds ("block" in a checksum error is not a lock)
+_LOCKED = re.compile(r"Could not set lock on file|Conflicting lock", re.IGNORECASE)
 # what reading a segment through a registered dataset can raise (DuckDB wraps what pyarrow
 # raises during the scan; opening the dataset raises pyarrow's own)
 _READ_ERRORS = (duckdb.Error, pa.ArrowException, OSError)
@@ -145,8 +147,13 @@ class Store:
             con = connect(path)
         except duckdb.Error as e:
             msg = str(e)
-            if "lock" in msg.lower():
+            if _LOCKED.search(msg):
                 return cls._open_segments(path, root, msg)
+            if "Corrupt database file" in msg or "does not match stored checksum" in msg:
+                raise TelemetryError(
+                    f"telemetry database {path} is damaged ({msg.splitlines()[0]}); move it "
+                    "away and open again: a new database is built from the segments still at "
+                    f"{root}, or pass --db another path") from None
             if "not a valid DuckDB database" in msg:
                 raise TelemetryError(f"{path} is not a DuckDB database (corrupt, or another "
                                      "file); move it away or pass --db another path") from None

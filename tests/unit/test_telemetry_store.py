@@ -277,6 +277,24 @@ def test_corrupt_database_file(tmp_path: Path) -> None:
         Store.open(path)
 
 
+def test_damaged_database_is_named_damaged_not_locked(db: tuple[Path, int]) -> None:
+    """Issue 19, point 7: a block failing its checksum ("... in block at ...") was taken for
+    a lock and the store silently answered from segments only; it is one clear error, and
+    moving the file away rebuilds the database from the segments."""
+    path, n = db
+    with Store.open(path):
+        pass
+    data = bytearray(path.read_bytes())
+    for off in range(8192 + 100, len(data), 4096):      # past the headers: every block
+        data[off] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(TelemetryError, match=r"is damaged \(Corrupt database file.*move it away"):
+        Store.open(path)
+    path.rename(path.with_suffix(".bad"))
+    with Store.open(path) as s:
+        assert not s.fallback and s.last_ingest.rows == n
+
+
 _HOLD = """import duckdb, sys, time
 con = duckdb.connect(sys.argv[1])
 print("ready", flush=True)
