@@ -334,6 +334,7 @@ def trace_stage_one(
     with fxt.preserve_node_meta(), _without_mkldnn():
         gm = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(
             f_params, f_grads, f_buffers, f_opt, f_data, f_hyper)
+    guarding.finish(gm)
     if guarding.static:
         gm = make_static(gm, guarding.static)
 

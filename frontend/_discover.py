@@ -3,6 +3,7 @@ naming every stateful tensor (parameters, buffers, optimizer state, gradients)."
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import types
@@ -98,7 +99,10 @@ def _referenced(fn: Any, depth: int, seen: set[int]) -> list[tuple[str, Any]]:
 
 
 def _all_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
+    """The globals ``code`` (and the functions nested in it) loads: not ``co_names``, which
+    also holds attribute names (``opt.step`` would name a global ``step``)."""
+    names = [i.argval for i in dis.get_instructions(code)
+             if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")]
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             names += _all_names(c)
@@ -134,7 +138,9 @@ def discover(fn: Callable[..., Any]) -> Inventory:
                 modules.setdefault(id(o), (n, o))
             elif isinstance(o, torch.optim.Optimizer):
                 optimizers.setdefault(id(o), (n, o))
-            elif isinstance(o, torch.Tensor):
+            elif isinstance(o, torch.Tensor) and o.requires_grad:
+                # a trainable tensor outside a module; one that needs no gradient (a lookup
+                # table, a threshold) is a constant of the graph
                 raw.setdefault(id(o), (n, o))
     where = step_location(fn)
     if not optimizers:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -110,10 +111,10 @@ class Guarding:
         self.data_at = data_at
         self.data = data
         self.guards: list[Guard] = []
-        # nodes of the stage-1 graph whose output length depends on values, by name: the
-        # length this call gives (``make_static`` rewrites them to static-shape ops)
-        self.static: dict[str, int] = {}
-        self._sized: set[Any] = set()
+        # the unbacked sizes of value-dependent lengths (``x[mask]``...) and the length this
+        # call gives: ``make_static`` rewrites every op making one to a static-shape op (an op
+        # on the same mask again reuses the size's symbol, so it is found by symbol, not op)
+        self.static: dict[Any, int] = {}
         self._placeholders: dict[fx.Node, int] | None = None
         self._writes: dict[Any, list[fx.Node]] = {}     # in-place ops by storage written
         self._placeholder_storages: set[Any] = set()
@@ -154,7 +155,7 @@ class Guarding:
         :class:`Unguardable` for a length no guard can hold."""
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                for sym in free_unbacked_symbols(t.shape) - self._sized:
+                for sym in free_unbacked_symbols(t.shape) - set(self.static):
                     self._size(sym, where)
 
     def _size(self, sym: Any, where: SourceLocation | None) -> None:
@@ -162,6 +163,13 @@ class Guarding:
         if mode is None:
             raise Unguardable("its shape depends on tensor values")
         origin, dim = _origin(mode.tracer.graph, sym)
+        count = self._count_guard(mode.tracer, origin, where)
+        torch._check(origin.meta["val"].shape[dim] == count)
+        self.static[sym] = count
+
+    def _count_guard(self, tracer: Any, origin: fx.Node, where: SourceLocation | None) -> int:
+        """Guard the length ``origin`` (x[mask], masked_select, nonzero) makes on the number of
+        True values in its mask; returns this call's."""
         op = origin.target
         vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in origin.args]
         if op is torch.ops.aten.nonzero.default:
@@ -175,7 +183,7 @@ class Guarding:
         else:
             raise Unguardable(f"{op} makes a tensor whose shape depends on tensor values; "
                               "meshplan specialises only x[mask], masked_select and nonzero")
-        gm, data = self._cut_node(mode.tracer, [mask])
+        gm, data = self._cut_node(tracer, [mask])
         if any(self.data[i].is_meta or isinstance(self.data[i], FakeTensor) for i in data):
             raise Unguardable("the step's arguments are meta or fake tensors here, so the "
                               "mask is unknown; trace with real example values")
@@ -183,10 +191,31 @@ class Guarding:
                       (_TENSOR,), gm, data, None)
         with _disable_current_modes():
             guard.value = guard.value_for(self.data)
-        torch._check(origin.meta["val"].shape[dim] == guard.value)
-        self._sized.add(sym)
         self.guards.append(guard)
-        self.static[origin.name] = guard.value
+        return guard.value
+
+    def finish(self, gm: fx.GraphModule) -> None:
+        """Guard the value-dependent lengths no call of the step's showed (ops autograd made
+        in backward, like indexing a gradient by a mask): each gets its guard and size, so
+        ``make_static`` can rewrite it too."""
+        graph = gm.graph
+        self._placeholders, self._scanned = None, None        # index the final graph afresh
+        self._writes, self._placeholder_storages = {}, set()
+        view = SimpleNamespace(graph=graph, root=gm)
+        for n in graph.nodes:
+            if n.op != "call_function" or n.target not in _DYNAMIC or (
+                    n.target is torch.ops.aten.index.Tensor and _one_mask(n.args[1]) is None) \
+                    or _count_of(n, self.static) is not None:
+                continue
+            val = n.meta.get("val")
+            at = list(n.args[1]).index(_one_mask(n.args[1])) \
+                if n.target is torch.ops.aten.index.Tensor else 0
+            syms = getattr(val.shape[at].node, "_expr", None)
+            src = (n.meta.get("custom") or {}).get("src")
+            where = SourceLocation(*src) if src else None
+            count = self._count_guard(view, n, where)
+            for sym in (syms.free_symbols if syms is not None else ()):
+                self.static[sym] = count
 
     def _cut_node(self, tracer: Any, targets: list[fx.Node]
                   ) -> tuple[fx.GraphModule, tuple[int, ...]]:
@@ -313,14 +342,19 @@ def _origin(graph: fx.Graph, sym: Any) -> tuple[fx.Node, int]:
     raise Unguardable("its shape depends on tensor values")
 
 
-def make_static(gm: fx.GraphModule, static: dict[str, int]) -> fx.GraphModule:
-    """Rewrite the nodes ``Guarding.sizes`` specialised to static-shape ops: ``nonzero`` to
-    ``nonzero_static``, ``x[mask]`` and ``masked_select`` to an index by ``nonzero_static``
-    of the mask (exact while the guard on the mask's count holds)."""
+def make_static(gm: fx.GraphModule, static: dict[Any, int]) -> fx.GraphModule:
+    """Rewrite every op whose output length is a size ``Guarding.sizes`` specialised to a
+    static-shape op: ``nonzero`` to ``nonzero_static``, ``x[mask]`` and ``masked_select`` to
+    an index by ``nonzero_static`` of the mask (exact while the guard on the mask's count
+    holds)."""
     aten = torch.ops.aten
     g = gm.graph
     for n in list(g.nodes):
-        size = static.get(n.name)
+        if n.op != "call_function" or n.target not in _DYNAMIC:
+            continue
+        if n.target is aten.index.Tensor and _one_mask(n.args[1]) is None:
+            continue
+        size = _count_of(n, static)
         if size is None:
             continue
         with g.inserting_before(n):
@@ -348,6 +382,30 @@ def make_static(gm: fx.GraphModule, static: dict[str, int]) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+_DYNAMIC = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+            torch.ops.aten.index.Tensor)
+
+
+def _count_of(n: fx.Node, static: dict[Any, int]) -> int | None:
+    """The length a value-dependent op made while traced: its specialised size, or the value
+    the shape environment already gave it (the same mask indexed again after its count was
+    specialised, or a constant mask); None when neither is known."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    at = 0
+    if n.target is torch.ops.aten.index.Tensor:
+        mask = _one_mask(n.args[1])
+        if mask is None:
+            return None
+        at = list(n.args[1]).index(mask)
+    d = val.shape[at]
+    if isinstance(d, int):
+        return d
+    syms = getattr(d.node, "_expr", d.node.expr).free_symbols
+    return next((static[x] for x in syms if x in static), None)
 
 
 def _columns(g: fx.Graph, mask: fx.Node, ndim: int, size: int) -> list[fx.Node]:

@@ -191,3 +191,70 @@ def test_a_mask_changed_in_place_is_read_with_its_change() -> None:
         torch.testing.assert_close(traced(x, labels), eager(x, labels), rtol=1e-6, atol=1e-7)
     for p, q in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+
+
+_MASKED = {
+    # one mask object indexed twice (the second index reuses the first's size)
+    "twice": lambda o, l: o[l > 0].sum() + o[l > 0].mean(),
+    # a mask made twice; backward indexes the gradient by it (no call of the step shows it)
+    "index_put": lambda o, l: o.clone().index_put_((l > 0,), o[l > 0] * 3).sum(),
+    "masked_select": lambda o, l: torch.masked_select(o, (l > 0)[:, None]).pow(2).mean(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_MASKED))
+def test_masks_reused_or_seen_only_by_backward_replay_equal_to_eager(kind: str) -> None:
+    """Found by trying: a mask indexed twice, or whose count only a backward op shows, kept a
+    length unspecialised (a crash naming no line, depending on the batch: a count of 1)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(x, labels):
+            opt.zero_grad()
+            loss = _MASKED[kind](model(x), labels)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return model, step
+
+    (m1, eager), (m2, step) = make(), make()
+    x = torch.randn(8, 4)
+    calls = [torch.tensor([1, 2, 0, 0, 0, 0, 0, 0]), torch.tensor([0, 0, 0, 2, 0, 0, 0, 0]),
+             torch.tensor([1, 1, 1, 0, 2, 0, 2, 0])]
+    traced = meshplan.trace(step, x, calls[0])
+    for labels in calls:
+        torch.testing.assert_close(traced(x, labels), eager(x, labels), rtol=1e-6, atol=1e-7)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+
+
+CLASS_MAP = torch.tensor([2, 0, 1])          # a global integer lookup table the step reads
+step = None                                  # a global named like opt.step's attribute
+
+
+def test_a_global_lookup_table_is_a_constant_and_attribute_names_are_not_globals() -> None:
+    """Found by trying: a global integer tensor the step reads was taken for a trainable
+    parameter ("only Tensors of floating point dtype can require gradients"), and a global
+    named ``step`` was pulled in because ``opt.step()`` names the attribute ``step``."""
+    global step
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    other = nn.Linear(4, 3)
+
+    def train(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), CLASS_MAP[y])
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = lambda: other(torch.zeros(1, 4))  # noqa: E731 - must not join train's inventory
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    traced = meshplan.trace(train, x, y)
+    assert [s.name for s in traced.inventory.params] == ["model.weight", "model.bias"]
+    want = F.cross_entropy(model(x), CLASS_MAP[y]).detach()
+    torch.testing.assert_close(traced(x, y), want)
