@@ -181,3 +181,133 @@ def test_save_is_atomic_and_bad_files_are_one_clear_error(tmp_path: Path,
                        dict.fromkeys(values, "param"), {})
     with pytest.raises(meshplan.RuntimeFailure, match="not_a_layer.*does not have"):
         step.load_checkpoint(tmp_path / "foreign.safetensors")
+
+
+# --- digests (format version 2): unit level, tiny tensors, no mesh ------------------------
+
+
+def _tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of a few tiny tensors saved in 64-byte chunks (so a slice touches only
+    some chunks of a tensor)."""
+    import meshplan.runtime._checkpoint as ck
+
+    monkeypatch.setattr(ck, "CHUNK_BYTES", 64)
+    values = {"model.a": torch.randn(3, 5), "model.b": torch.arange(64.0).reshape(16, 4),
+              "model.h": torch.randn(4, 6).to(torch.bfloat16), "model.m": torch.rand(7) > 0.5,
+              "model.e": torch.zeros(0, 3), "model.s": torch.tensor(2.5)}
+    path = tmp_path / "tiny.safetensors"
+    ck.save_checkpoint(path, values, dict.fromkeys(values, "param"), {"mesh": {"dp": 2}})
+    return path, values
+
+
+def _data_offset(path: Path, name: str) -> int:
+    """Where tensor ``name``'s bytes start in the file."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return 8 + n + json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+
+
+def test_pieces_read_back_equal_the_saved_tensors(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole tensors and slices (of dim 0, of a later dim, empty, of a 0-d tensor) read back
+    exactly, with every chunk they touch checked; the header lists one digest per chunk."""
+    import meshplan.runtime._checkpoint as ck
+
+    path, values = _tiny(tmp_path, monkeypatch)
+    info = ck.read_info(path)
+    assert info.meta["version"] == 2 and info.specs["model.h"] == ((4, 6), "bfloat16")
+    digests = info.meta["digests"]
+    assert digests["chunk_bytes"] == 64 and len(digests["tensors"]["model.b"]) == 4
+    assert digests["tensors"]["model.e"] == [] and len(digests["header"]) == 64
+    whole = ck.read_whole(str(path))
+    for k, v in values.items():
+        assert whole[k].dtype == v.dtype and torch.equal(whole[k], v), k
+    slices = {"model.a": (slice(1, 2), slice(0, 5)), "model.b": (slice(0, 16), slice(2, 4)),
+              "model.h": (slice(2, 4), slice(0, 3)), "model.m": (slice(3, 7),),
+              "model.e": (slice(0, 0), slice(0, 3)), "model.s": ()}
+    got = ck.read_pieces(str(path), list(slices), slices)
+    for k, index in slices.items():
+        assert got[k].is_contiguous() and torch.equal(got[k], values[k][index]), k
+
+
+def test_a_flipped_byte_is_refused_naming_the_tensor(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte flipped in model.b's data (its 3rd 64-byte chunk, rows 8-11): a whole read, a
+    rank's slice that touches it (rows, or a column split: every row) are refused naming the
+    file and the tensor; a slice of other rows and the other tensors still read."""
+    import meshplan.runtime._checkpoint as ck
+
+    path, values = _tiny(tmp_path, monkeypatch)
+    at = _data_offset(path, "model.b") + 2 * 64 + 5
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    ck.read_info(path)                                  # the header is intact
+    damaged = rf"{path} is damaged: tensor model.b does not match its digest \(chunk 3 of 4\)" \
+              ".*restore it from a good copy, or save the checkpoint again"
+    with pytest.raises(meshplan.RuntimeFailure, match=damaged):
+        ck.read_whole(str(path))
+    for index in [(), (slice(8, 12), slice(0, 4)), (slice(0, 16), slice(0, 2))]:
+        with pytest.raises(meshplan.RuntimeFailure, match=damaged):
+            ck.read_pieces(str(path), ["model.a", "model.b"], {"model.a": (), "model.b": index})
+    rows = (slice(0, 8), slice(0, 4))
+    got = ck.read_pieces(str(path), ["model.a", "model.b"], {"model.a": (), "model.b": rows})
+    assert torch.equal(got["model.b"], values["model.b"][rows])
+    assert torch.equal(got["model.a"], values["model.a"])
+
+
+def test_an_edited_header_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header digest covers the tensor table and the metadata: a dtype reinterpreted
+    (F32 -> I32, same size), swapped offsets, or a changed metadata field are refused by
+    read_info and by a rank's read_pieces alike; so is a file cut short."""
+    import meshplan.runtime._checkpoint as ck
+
+    path, _ = _tiny(tmp_path, monkeypatch)
+    good = path.read_bytes()
+    n = int.from_bytes(good[:8], "little")
+    head = json.loads(good[8:8 + n])
+    a, b = (json.dumps(head[k]["data_offsets"]).replace(" ", "").encode()
+            for k in ("model.a", "model.b"))
+    edits = {
+        "dtype": lambda h: h.replace(b'"dtype":"F32"', b'"dtype":"I32"', 1),
+        "offsets": lambda h: h.replace(a, b"@A").replace(b, a).replace(b"@A", b),
+        "metadata": lambda h: h.replace(b'\\"dp\\": 2', b'\\"dp\\": 4'),
+    }
+    for what, edit in edits.items():
+        header = edit(good[8:8 + n])
+        assert header != good[8:8 + n] and len(header) == n, what
+        path.write_bytes(good[:8] + header + good[8 + n:])
+        with pytest.raises(meshplan.RuntimeFailure, match=rf"header of {path} is damaged.*"
+                           "digest does not match.*save the checkpoint again"):
+            ck.read_info(path)
+        with pytest.raises(meshplan.RuntimeFailure, match="header of .* is damaged"):
+            ck.read_pieces(str(path), ["model.a"], {"model.a": (slice(0, 1), slice(0, 5))})
+    path.write_bytes(good[:-3])
+    with pytest.raises(meshplan.RuntimeFailure, match=r"is damaged: tensor model\.\w+ ends past"):
+        ck.read_info(path)
+
+
+def test_a_version_1_file_loads_with_one_warning(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A file written the version-1 way (no digests) loads, unverified: read_info warns once
+    per file, naming it (``distribute(checkpoint=)`` reads the header twice); reads work."""
+    from safetensors.torch import save_file
+
+    import meshplan.runtime._checkpoint as ck
+
+    values = {"model.w": torch.randn(4, 3), "opt.state.model.w.exp_avg": torch.zeros(4, 3)}
+    meta = {"format": "meshplan-checkpoint", "version": 1,
+            "roles": {"model.w": "param", "opt.state.model.w.exp_avg": "opt_state"},
+            "saved_from": {"mesh": {"dp": 2}, "strategy": "dp"}, "torch": torch.__version__,
+            "created": "2024-01-01T00:00:00+00:00"}
+    path = tmp_path / "v1.safetensors"
+    save_file(values, str(path), metadata={"meshplan": json.dumps(meta, sort_keys=True)})
+    with caplog.at_level("WARNING", logger="meshplan.runtime._checkpoint"):
+        assert ck.read_info(path).specs["model.w"] == ((4, 3), "float32")
+        ck.read_info(path)
+    warned = [r.getMessage() for r in caplog.records if "version-1" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0] and "unverified" in warned[0]
+    whole = ck.read_whole(str(path))
+    assert all(torch.equal(whole[k], v) for k, v in values.items())
+    got = ck.read_pieces(str(path), ["model.w"], {"model.w": (slice(2, 4), slice(0, 3))})
+    assert torch.equal(got["model.w"], values["model.w"][2:])
