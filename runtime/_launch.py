@@ -387,6 +387,9 @@ class Workers:
         exited = [r for r, p in enumerate(self._group.procs) if p.poll() is not None]
         if not exited:
             return
+        # the first to end is the cause (mpiexec ends every rank once one dies)
+        exited.sort(key=lambda r: (getattr(self._group.procs[r], "exit_order", None)
+                                   is None, getattr(self._group.procs[r], "exit_order", 0), r))
         rank = exited[0]
         self._drain_errors(exited)  # an error a rank sent before dying explains more than its exit
         code = self._group.procs[rank].returncode

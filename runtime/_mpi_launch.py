@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -85,6 +86,7 @@ class _RankProc:
         self.pid: int | None = None         # known after hello
         self.returncode: int | None = None
         self._gone_at: float | None = None
+        self.exit_order: int | None = None  # 0 for the rank whose process ended first...
 
     def poll(self) -> int | None:
         if self.returncode is not None:
@@ -110,6 +112,35 @@ class _RankProc:
     def kill(self) -> None:
         if self.mpiexec.poll() is None:
             self.mpiexec.kill()
+
+
+def _watch_exits(procs: list[_RankProc]) -> None:
+    """Number the ranks' processes in the order they end (``exit_order``), as it happens: when
+    one rank dies, mpiexec kills the others and exits, and by the time the controller polls,
+    every rank looks gone; the first to end is the cause. Linux pidfds (not children of this
+    process) wake a thread the moment each ends; elsewhere the order stays unknown."""
+    if not hasattr(os, "pidfd_open"):
+        return
+    fds: dict[int, _RankProc] = {}
+    for proc in procs:
+        try:
+            fds[os.pidfd_open(proc.pid)] = proc
+        except (OSError, TypeError):
+            pass
+
+    def watch() -> None:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        order = 0
+        while fds:
+            for fd, _ in poller.poll():
+                poller.unregister(fd)
+                fds.pop(fd).exit_order = order
+                os.close(fd)
+            order += 1
+
+    threading.Thread(target=watch, name="meshplan-mpi-exits", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
@@ -213,6 +244,7 @@ class MPILauncher(LocalLauncher):
         for proc, hello in zip(group.procs, hellos):
             proc.pid = int(hello.header["pid"])
         workers.pids = tuple(p.pid for p in group.procs)
+        _watch_exits(group.procs)
         workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
         return workers
 

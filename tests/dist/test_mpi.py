@@ -160,6 +160,25 @@ def test_mpi_a_failing_rank_is_raised_on_the_controller() -> None:
     assert workers is None or workers.closed
 
 
+@pytest.mark.timeout(60)
+def test_mpi_a_killed_rank_is_the_rank_named() -> None:
+    """Issue 19, point 7: mpiexec ends every rank once one dies, so all look gone when the
+    controller looks; the rank whose process ended first is the one named (was rank 0 in 2
+    of 5 runs when rank 1 was killed)."""
+    import meshplan
+    from test_distribute import _models
+
+    ex, _ = _models("mlp")
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", launcher="mpi",
+                               telemetry=False, timeout_s=30)
+    with step:
+        step(*ex.batch(0))
+        step(*ex.batch(1))
+        os.kill(step._workers.pids[1], signal.SIGKILL)
+        with pytest.raises(meshplan.RuntimeFailure, match=r"rank 1 (exited|was killed)"):
+            step(*ex.batch(2))
+
+
 def test_missing_mpiexec_or_mpi4py_is_one_clear_error(monkeypatch, tmp_path) -> None:
     import importlib.util as iu
 
