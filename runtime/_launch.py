@@ -76,6 +76,10 @@ class _Group:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)   # a stopped rank acts on SIGTERM now
+                except OSError:
+                    pass
         _close_pipes(self.procs)        # EOF on stdin: the worker's guard exits at once
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
