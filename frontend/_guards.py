@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..ir import SourceLocation
+from ..ir._random import draws
 
 _READ_NAMES = {
     torch.Tensor.item: "item()", torch.Tensor.tolist: "tolist()", torch.Tensor.numpy: "numpy()",
@@ -203,14 +204,10 @@ class Guarding:
         self._writes, self._placeholder_storages = {}, set()
         view = SimpleNamespace(graph=graph, root=gm)
         for n in graph.nodes:
-            if n.op != "call_function" or n.target not in _DYNAMIC or (
-                    n.target is torch.ops.aten.index.Tensor and _one_mask(n.args[1]) is None) \
-                    or _count_of(n, self.static) is not None:
+            at = _length_dim(n)
+            if at is None or _count_of(n, self.static) is not None:
                 continue
-            val = n.meta.get("val")
-            at = list(n.args[1]).index(_one_mask(n.args[1])) \
-                if n.target is torch.ops.aten.index.Tensor else 0
-            syms = getattr(val.shape[at].node, "_expr", None)
+            syms = getattr(n.meta["val"].shape[at].node, "_expr", None)
             src = (n.meta.get("custom") or {}).get("src")
             where = SourceLocation(*src) if src else None
             count = self._count_guard(view, n, where)
@@ -287,7 +284,7 @@ class Guarding:
                 raise Unguardable("it is computed from the model's parameters, gradients, "
                                   "buffers, optimizer state or hyperparameters, which change "
                                   "at every step")
-        elif n.op == "call_function" and _is_random(n):
+        elif n.op == "call_function" and draws(str(n.target), n.args, n.kwargs):
             raise Unguardable(f"it is computed from a random op ({n.target})")
         elif n.op not in ("call_function", "get_attr"):
             raise Unguardable(f"it is computed by a {n.op} node")
@@ -350,10 +347,6 @@ def make_static(gm: fx.GraphModule, static: dict[Any, int]) -> fx.GraphModule:
     aten = torch.ops.aten
     g = gm.graph
     for n in list(g.nodes):
-        if n.op != "call_function" or n.target not in _DYNAMIC:
-            continue
-        if n.target is aten.index.Tensor and _one_mask(n.args[1]) is None:
-            continue
         size = _count_of(n, static)
         if size is None:
             continue
@@ -373,10 +366,10 @@ def make_static(gm: fx.GraphModule, static: dict[Any, int]) -> fx.GraphModule:
                 cols = _columns(g, mask, mask.meta["val"].dim(), size)
                 new = g.call_function(aten.index.Tensor,
                                       (x, indices[:at] + cols + indices[at + 1:]))
-        for m in g.nodes:       # the new nodes carry the replaced one's line and module
-            if m.op == "call_function" and not m.meta and m is not new:
-                m.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-        new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        m = n.prev              # the new nodes, just before n, carry its line and module
+        while m.op == "call_function" and not m.meta:
+            m.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+            m = m.prev
         n.replace_all_uses_with(new)
         g.erase_node(n)
     g.lint()
@@ -388,19 +381,24 @@ _DYNAMIC = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default
             torch.ops.aten.index.Tensor)
 
 
+def _length_dim(n: fx.Node) -> int | None:
+    """The output dimension whose length values decide, when ``n`` is ``nonzero``,
+    ``masked_select`` or an index by one mask (``x[mask]``); None for any other node."""
+    if n.op != "call_function" or n.target not in _DYNAMIC:
+        return None
+    if n.target is not torch.ops.aten.index.Tensor:
+        return 0
+    mask = _one_mask(n.args[1])
+    return None if mask is None else list(n.args[1]).index(mask)
+
+
 def _count_of(n: fx.Node, static: dict[Any, int]) -> int | None:
     """The length a value-dependent op made while traced: its specialised size, or the value
     the shape environment already gave it (the same mask indexed again after its count was
-    specialised, or a constant mask); None when neither is known."""
-    val = n.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    specialised, or a constant mask); None when neither is known, or ``n`` is no such op."""
+    at, val = _length_dim(n), n.meta.get("val")
+    if at is None or not isinstance(val, torch.Tensor):
         return None
-    at = 0
-    if n.target is torch.ops.aten.index.Tensor:
-        mask = _one_mask(n.args[1])
-        if mask is None:
-            return None
-        at = list(n.args[1]).index(mask)
     d = val.shape[at]
     if isinstance(d, int):
         return d
@@ -412,20 +410,6 @@ def _columns(g: fx.Graph, mask: fx.Node, ndim: int, size: int) -> list[fx.Node]:
     """``nonzero_static(mask, size)`` split into one index tensor per dimension."""
     where = g.call_function(torch.ops.aten.nonzero_static.default, (mask,), {"size": size})
     return [g.call_function(torch.ops.aten.select.int, (where, 1, j)) for j in range(ndim)]
-
-
-def _is_random(n: fx.Node) -> bool:
-    op = n.target
-    tags = getattr(op, "tags", ())
-    if torch.Tag.nondeterministic_seeded not in tags:
-        return False
-    schema = getattr(op, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" not in names:
-        return True
-    i = names.index("dropout_p")
-    p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", 0.0)
-    return p != 0
 
 
 def branch(guards: tuple[Guard, ...]) -> tuple:

@@ -9,6 +9,8 @@ from a generator the runtime seeds per step (``RANDOM_SEMANTICS``; ``backends/_r
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -43,14 +45,18 @@ def _seeded(target: str) -> tuple[bool, int | None]:
 
 def is_random(node: Node) -> bool:
     """True when ``node`` draws random numbers when it runs."""
-    if node.kind is not NodeKind.OP:
-        return False
-    seeded, p_at = _seeded(node.target)
+    return node.kind is NodeKind.OP and draws(node.target, node.args, dict(node.kwargs))
+
+
+def draws(target: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """True when a call of op ``target`` with these arguments draws random numbers (also for
+    fx nodes while tracing: ``frontend/_guards.py``)."""
+    seeded, p_at = _seeded(target)
     if not seeded:
         return False
     if p_at is None:
         return True
-    p = node.args[p_at] if p_at < len(node.args) else dict(node.kwargs).get("dropout_p", 0.0)
+    p = args[p_at] if p_at < len(args) else kwargs.get("dropout_p", 0.0)
     return p != 0
 
 
