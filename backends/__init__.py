@@ -8,7 +8,7 @@ kernels) and the communicators and transfers: torch.distributed (gloo on CPU, NC
 
 from ._comm import CollectiveKind, CommRecord, Communicator, TorchCommunicator
 from ._layout import all_axis_groups, assemble, holds_zeros, local_part, local_slices, rank_coords
-from ._lower import Program, RunObserver, lower, run, split_inputs
+from ._lower import Program, RunObserver, StepAborted, lower, run, split_inputs
 from ._mpi import MPICommunicator
 from ._rma import Transfer, TransferRecord
 from ._rng import StepRNG
@@ -21,6 +21,7 @@ __all__: list[str] = [
     "MPICommunicator",
     "Program",
     "RunObserver",
+    "StepAborted",
     "StepRNG",
     "ThreadMesh",
     "TorchCommunicator",

@@ -11,6 +11,17 @@ that order would be wrong for a dim sharded by several axes (gathering an outer 
 interleaves pieces), the lowering gathers inner axes first, or, failing that, gathers the whole
 value and slices it: always correct, and the bytes it moves differ from the plan's only there
 (``Reshard.exact`` says which).
+
+A step is applied on every rank or on none. An op that fails on one rank (an index only that
+rank holds out of range, memory it cannot get) does not leave its peers waiting in a collective:
+the failing rank goes on through the program's collectives with zero-filled pieces of the right
+shapes (``Program.placeholders``), skipping every op, and before the first instruction that
+changes state in place (``Program.commit``: an optimizer kernel updating donated state) or at
+the end, all ranks vote with one 8-byte all-reduce (max) over the world. Any failure and no
+rank keeps the step's new state: the failing rank raises its error and the others
+``StepAborted``, both marked ``meshplan_intact`` (the state each rank holds is as before the
+step). A failure at or past the commit point, or in a collective, leaves the ranks
+inconsistent and is raised as it is.
 """
 
 from __future__ import annotations
@@ -18,14 +29,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .._errors import LoweringError
+from .._errors import LoweringError, RuntimeFailure
 from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, is_random, last_uses
 from ..ir._graph import _iter_refs
 from ..ir._interpret import constant_tensor
@@ -34,8 +45,8 @@ from ..ir._random import takes_generator
 from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
 from ..planner._placement import local_shape
 from ..planner.rules import rule_for
-from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, bucket, pending_name,
-                      run_bucket, start_bucket)
+from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, PendingBucket, bucket,
+                      pending_name, run_bucket, start_bucket)
 from ._kernels import KernelCall, run_kernel, substitute
 from ._portable import DEVICE_TWINS
 from ._layout import axis_group, local_part, plain_layout, rank_coords
@@ -96,6 +107,15 @@ class Program:
     state_out: dict[str, tuple[Ref, Layout]]   # state name -> (new value, its stored layout)
     results: tuple[Ref, ...]
     device: str = "cpu"                   # what the kernels were chosen for
+    # (node, index) -> (local shape, dtype) of every value a collective reads: a rank whose
+    # op failed sends zeros of these shapes so its peers finish the step (``run``)
+    placeholders: dict[tuple[str, int], tuple[tuple[int, ...], str]] = field(
+        default_factory=dict)
+    commit: int | None = None             # first instruction that may change donated state
+
+    @property
+    def commit_index(self) -> int:
+        return len(self.instructions) if self.commit is None else self.commit
 
     @cached_property
     def prepared(self) -> tuple[_Op | None, ...]:
@@ -177,14 +197,31 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
         instrs = substitute(instrs, graph, out_layout, sizes, device,
                             tail_reads=[*(r for r, _ in state_out.values()), *results],
                             check_available=check_available)
+    commit = next((i for i, ins in enumerate(instrs)
+                   if isinstance(ins, KernelCall) and ins.mutates), None)
     program = Program(rank, coords, sizes, tuple(instrs), inputs,
-                      {n.name: n.target for n in graph.inputs}, state_out, tuple(results), device)
+                      {n.name: n.target for n in graph.inputs}, state_out, tuple(results), device,
+                      _placeholders(instrs, graph, sizes), commit)
     swallowed = sorted({n.name for n in graph.nodes if is_random(n)} - set(program.random))
     if swallowed:
         raise LoweringError(f"rank {rank}: random nodes {', '.join(swallowed)} were replaced by a "
                             "kernel, which would draw unseeded; a kernel pattern must not match "
                             "random ops (or lower with kernels=False)")
     return program
+
+
+def _placeholders(instrs: Sequence[Instruction], graph: Graph, sizes: tuple[int, ...]
+                  ) -> dict[tuple[str, int], tuple[tuple[int, ...], str]]:
+    out = {}
+    for ins in instrs:
+        members = (ins.members if isinstance(ins, Bucket) else ins.bucket.members
+                   if isinstance(ins, BucketStart) else (ins,) if isinstance(ins, Reshard) else ())
+        for r in members:
+            meta = graph.meta(r.ref)
+            if isinstance(meta, TensorMeta):
+                out[(r.ref.node, r.ref.index)] = (local_shape(meta.shape, r.src, sizes),
+                                                   meta.dtype)
+    return out
 
 
 def _compute(graph: Graph, node: Node, ins: tuple[Layout | None, ...],
@@ -294,13 +331,17 @@ def reshard(t: Tensor, steps: Sequence[Step], comm: Any, coords: tuple[int, ...]
 class RunObserver(Protocol):
     """What ``run`` tells an observer (telemetry). ``time_ops``: call ``compute`` for every op
     (two clock reads per op); ``reshard`` is always called, after the instruction, with the
-    slice ``comm.records[first:last]`` of collectives it made."""
+    slice ``comm.records[first:last]`` of collectives it made, and ``vote`` likewise for the
+    step's vote (the all-or-nothing check, module docstring)."""
 
     time_ops: bool
 
     def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None: ...
 
     def compute(self, node: Node | KernelCall, start_s: float, dur_s: float) -> None: ...
+
+    def vote(self, first: int, last: int) -> None:
+        """The step's vote made ``comm.records[first:last]`` (``run``)."""
 
 
 def run(program: Program, comm: Any, state: Mapping[str, Tensor],
@@ -338,58 +379,155 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
 
     timed = observer is not None and observer.time_ops
     caller_inputs = {name: v[0] for name, v in env.items()}
+    instructions = program.instructions
+    # before ``commit`` nothing the caller holds is changed, so a failure there can be undone
+    commit = program.commit_index if donate else len(instructions)
+    vote = getattr(comm, "world_size", 1) > 1
+    i = -1
     with torch.no_grad():
-        for ins, op in zip(program.instructions, program.prepared):
-            if op is not None:                       # a Compute: the hot path, kept flat
-                vals = []
-                for node, index, layout in op.reads:
-                    v = env[node][index]
-                    if layout is not None:
-                        c = copies.get(node)
-                        if c is not None:
-                            v = c.get((index, layout), v)
-                    vals.append(v)
-                t0 = time.perf_counter() if timed else 0.0
-                env[op.name] = op(vals) if op.stream is None else op(
-                    vals, op_seed(rng, op.stream))   # type: ignore[arg-type]
-                if timed:
-                    observer.compute(ins.node, t0, time.perf_counter() - t0)
-            elif isinstance(ins, Free):
-                for name in ins.names:
-                    env.pop(name, None)
-                    copies.pop(name, None)
-            elif isinstance(ins, Reshard):
-                v = env[ins.ref.node][ins.ref.index]
-                first = len(comm.records)
-                copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
-                    v, ins.steps, comm, program.coords)
-                if observer is not None:
-                    observer.reshard(ins, first, len(comm.records))
-            elif isinstance(ins, BucketStart):       # pending until its Bucket (the wait)
-                values = [env[m.ref.node][m.ref.index] for m in ins.bucket.members]
-                env[pending_name(ins.bucket)] = (start_bucket(ins.bucket, values, comm),)
-            elif isinstance(ins, Bucket):            # records its all-reduce when it returns
-                first = len(comm.records)
-                pending = env.pop(pending_name(ins), None)
-                if pending is None:                  # never started: run it here, blocking
-                    values = [env[m.ref.node][m.ref.index] for m in ins.members]
-                    pieces = run_bucket(ins, values, comm)
+        try:
+            for i, (ins, op) in enumerate(zip(instructions, program.prepared)):
+                if i == commit and vote:
+                    _vote(comm, program, None, observer)
+                if op is not None:                       # a Compute: the hot path, kept flat
+                    vals = []
+                    for node, index, layout in op.reads:
+                        v = env[node][index]
+                        if layout is not None:
+                            c = copies.get(node)
+                            if c is not None:
+                                v = c.get((index, layout), v)
+                        vals.append(v)
+                    t0 = time.perf_counter() if timed else 0.0
+                    env[op.name] = op(vals) if op.stream is None else op(
+                        vals, op_seed(rng, op.stream))   # type: ignore[arg-type]
+                    if timed:
+                        observer.compute(ins.node, t0, time.perf_counter() - t0)
+                elif isinstance(ins, Free):
+                    for name in ins.names:
+                        env.pop(name, None)
+                        copies.pop(name, None)
+                elif isinstance(ins, Reshard):
+                    v = env[ins.ref.node][ins.ref.index]
+                    first = len(comm.records)
+                    copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
+                        v, ins.steps, comm, program.coords)
+                    if observer is not None:
+                        observer.reshard(ins, first, len(comm.records))
+                elif isinstance(ins, BucketStart):       # pending until its Bucket (the wait)
+                    values = [env[m.ref.node][m.ref.index] for m in ins.bucket.members]
+                    env[pending_name(ins.bucket)] = (start_bucket(ins.bucket, values, comm),)
+                elif isinstance(ins, Bucket):            # records its all-reduce when it returns
+                    first = len(comm.records)
+                    pending = env.pop(pending_name(ins), None)
+                    if pending is None:                  # never started: run it here, blocking
+                        values = [env[m.ref.node][m.ref.index] for m in ins.members]
+                        pieces = run_bucket(ins, values, comm)
+                    else:
+                        pieces = pending[0].wait()
+                    for m, v in zip(ins.members, pieces):
+                        copies.setdefault(m.ref.node, {})[(m.ref.index, m.dst)] = v
+                    if observer is not None:
+                        observer.reshard(ins, first, len(comm.records))
+                elif isinstance(ins, KernelCall):
+                    t0 = time.perf_counter()
+                    run_kernel(ins, read, env, caller_inputs, donate)
+                    if timed:
+                        observer.compute(ins, t0, time.perf_counter() - t0)
                 else:
-                    pieces = pending[0].wait()
-                for m, v in zip(ins.members, pieces):
-                    copies.setdefault(m.ref.node, {})[(m.ref.index, m.dst)] = v
-                if observer is not None:
-                    observer.reshard(ins, first, len(comm.records))
-            elif isinstance(ins, KernelCall):
-                t0 = time.perf_counter()
-                run_kernel(ins, read, env, caller_inputs, donate)
-                if timed:
-                    observer.compute(ins, t0, time.perf_counter() - t0)
-            else:
-                raise LoweringError(f"rank {program.rank}: unknown instruction {ins!r}")
+                    raise LoweringError(f"rank {program.rank}: unknown instruction {ins!r}")
+            if commit >= len(instructions) and vote:
+                i = commit                               # a failed vote cannot be undone
+                _vote(comm, program, None, observer)
+        except StepAborted:
+            _settle(env)
+            raise
+        except Exception as exc:
+            if i >= commit or not isinstance(instructions[i], (Compute, KernelCall, Free)):
+                raise                # a collective failed, or state may have changed in place
+            _drain(program, i + 1, commit, env, copies, comm)
+            try:
+                if vote:             # the same collectives as the others, in the same order
+                    _vote(comm, program, exc, observer)
+            finally:
+                _settle(env)
+            exc.meshplan_intact = True                   # type: ignore[attr-defined]
+            raise
     results = [read(r, tuple(Replicate() for _ in program.sizes)) for r in program.results]
     new_state = {name: read(ref, layout) for name, (ref, layout) in program.state_out.items()}
     return results, new_state
+
+
+class StepAborted(RuntimeFailure):
+    """This rank did not apply the step because another rank failed in it (``run``); its state
+    is as before the step. ``failed``: the lowest rank that failed."""
+
+    meshplan_intact = True
+
+    def __init__(self, message: str, failed: int) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+def _vote(comm: Any, program: Program, exc: BaseException | None,
+          observer: RunObserver | None) -> None:
+    """Every rank says whether it failed (one all-reduce, max, over the world); returns when
+    none did, else raises: ``exc`` on a failed rank, ``StepAborted`` on the others."""
+    world, first = comm.world_size, len(comm.records)
+    flag = torch.tensor([world - program.rank if exc is not None else 0], dtype=torch.int64,
+                        device=getattr(comm, "device", None) or program.device)
+    got = int(comm.all_reduce(flag, tuple(range(world)), "max").reshape(-1)[0])
+    if observer is not None:
+        observer.vote(first, len(comm.records))
+    if got == 0:
+        return
+    if exc is not None:
+        exc.meshplan_intact = True                       # type: ignore[attr-defined]
+        raise exc
+    raise StepAborted(f"rank {world - got} failed in this step; rank {program.rank} did not "
+                      "apply it (its state is as before the step)", world - got)
+
+
+def _settle(env: dict[str, tuple]) -> None:
+    """Wait for the bucket all-reduces still in flight when a step is abandoned (started before
+    the vote, waited after it): every rank started them, so they finish, and no transport is
+    left holding requests nobody completes."""
+    for v in list(env.values()):
+        if len(v) == 1 and isinstance(v[0], PendingBucket):
+            v[0].wait()
+
+
+def _drain(program: Program, start: int, stop: int, env: dict[str, tuple],
+           copies: dict[str, dict[tuple[int, Layout], Tensor]], comm: Any) -> None:
+    """After an op failed on this rank: run the collectives of instructions ``start:stop`` so
+    the other ranks are not left waiting, on zeros where a value was never made; skip every
+    op. The results are thrown away: nobody applies this step."""
+
+    def value(ref: Ref) -> Tensor:
+        have = env.get(ref.node)
+        v = have[ref.index] if have is not None and ref.index < len(have) else None
+        if isinstance(v, Tensor):
+            return v
+        shape, dtype = program.placeholders[(ref.node, ref.index)]
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=program.device)
+
+    for ins in program.instructions[start:stop]:
+        if isinstance(ins, Free):
+            for name in ins.names:
+                env.pop(name, None)
+                copies.pop(name, None)
+        elif isinstance(ins, Reshard):
+            copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
+                value(ins.ref), ins.steps, comm, program.coords)
+        elif isinstance(ins, BucketStart):
+            env[pending_name(ins.bucket)] = (start_bucket(
+                ins.bucket, [value(m.ref) for m in ins.bucket.members], comm),)
+        elif isinstance(ins, Bucket):
+            pending = env.pop(pending_name(ins), None)
+            if pending is None:
+                run_bucket(ins, [value(m.ref) for m in ins.members], comm)
+            else:
+                pending[0].wait()
 
 
 class _Op:
@@ -504,4 +642,4 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
 
 
 __all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "Reshard", "RunObserver", "Step",
-           "StepRNG", "lower", "plan_steps", "reshard", "run", "split_inputs"]
+           "StepAborted", "StepRNG", "lower", "plan_steps", "reshard", "run", "split_inputs"]

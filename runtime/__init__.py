@@ -10,7 +10,7 @@ from typing import Any
 
 from ._channel import ControllerChannel, Message, Secret, WorkerChannel
 from ._files import FILES_PLUGIN, PushResult, RankStatus, push_files
-from ._launch import LocalLauncher, WorkerFailure, Workers
+from ._launch import LocalLauncher, StepFailed, WorkerFailure, Workers
 
 __all__ = [
     "ControllerChannel",
@@ -20,6 +20,7 @@ __all__ = [
     "PushResult",
     "RankStatus",
     "Secret",
+    "StepFailed",
     "WorkerChannel",
     "WorkerFailure",
     "WorkerState",

@@ -29,6 +29,10 @@ id, the sender and receiver, and that the sequence number grows (a replayed mess
 A bad message is dropped, counted in ``rejected`` and logged (the first few, then at most one
 line per ``_LOG_EVERY_S`` with the count since); it is never parsed further and nothing is ever
 unpickled. Bulk data belongs on the communicators, not on this channel.
+
+No frame may exceed ``max_message_bytes`` (``MESHPLAN_MAX_MESSAGE_BYTES``, default 2 GiB): the
+sender refuses a larger tensor with an error that names it, and ZeroMQ's ``MAXMSGSIZE`` makes
+the receiver drop a peer that sends one anyway before it holds the bytes.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ _POLL_SLICE_S = 0.5              # recv(None) wakes this often; it never returns
 HANDSHAKE_S = 5.0                # a TCP peer that has not authenticated by then is dropped
 _LOG_FIRST, _LOG_EVERY_S = 5, 10.0   # rejection lines: the first few, then one per interval
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ENV_MAX_MESSAGE = "MESHPLAN_MAX_MESSAGE_BYTES"
+DEFAULT_MAX_MESSAGE = 2 << 30    # a frame's limit: a batch slice or a state piece fits easily
 
 # The contract between launchers and workers: built-in message kinds and the environment a
 # launcher sets for each worker (the secret is not among them: it comes on the worker's stdin).
@@ -188,12 +194,33 @@ def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
     return mac.digest()
 
 
+def max_message_bytes(value: int | None = None) -> int:
+    """``value``, else ``MESHPLAN_MAX_MESSAGE_BYTES``, else the default; checked."""
+    where, given = "max_message_bytes", value
+    if value is None:
+        given = os.environ.get(ENV_MAX_MESSAGE)
+        if given is None:
+            return DEFAULT_MAX_MESSAGE
+        where = ENV_MAX_MESSAGE
+        value = int(given) if given.strip().isdigit() else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+        raise RuntimeFailure(f"{where}={given!r}: expected a whole number of bytes >= 4096")
+    return value
+
+
 def _encode(secret: Secret, envelope: dict[str, Any], header: dict[str, Any] | None,
-            tensors: Sequence[torch.Tensor]) -> list[Any]:
-    """Frames ``[header_json, *buffers, mac]`` for one message (``envelope``: run/seq/src/dst/kind)."""
+            tensors: Sequence[torch.Tensor], limit: int = DEFAULT_MAX_MESSAGE) -> list[Any]:
+    """Frames ``[header_json, *buffers, mac]`` for one message (``envelope``: run/seq/src/dst/kind);
+    RuntimeFailure when a frame would exceed ``limit`` bytes."""
     specs, buffers = [], []
-    for t in tensors:
+    for i, t in enumerate(tensors):
         spec, buf = _tensor_buffer(t)
+        if buf.nbytes > limit:
+            raise RuntimeFailure(
+                f"control channel: tensor {i} of {envelope.get('kind')!r} ({spec[0]} "
+                f"{tuple(spec[1])}, {buf.nbytes} bytes) exceeds the {limit}-byte limit on one "
+                f"message; set {ENV_MAX_MESSAGE} higher (the same for controller and ranks), or "
+                "move bulk state through a checkpoint file (save_checkpoint / load_checkpoint)")
         specs.append(spec)
         buffers.append(buf)
     if header is None:
@@ -205,6 +232,9 @@ def _encode(secret: Secret, envelope: dict[str, Any], header: dict[str, Any] | N
         head = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
     except (TypeError, ValueError) as exc:
         raise TypeError(f"message header for {envelope.get('kind')!r} is not JSON-able: {exc}") from exc
+    if len(head) > limit:
+        raise RuntimeFailure(f"control channel: the header of {envelope.get('kind')!r} "
+                             f"({len(head)} bytes) exceeds the {limit}-byte limit on one message")
     frames: list[Any] = [head, *buffers]
     frames.append(_mac(secret.key, frames))
     return frames
@@ -278,12 +308,14 @@ def _send(socket: zmq.Socket, frames: list[Any]) -> None:
 class _Endpoint:
     """What both ends share: the secret, the run id, sequence numbers and the receive checks."""
 
-    def __init__(self, secret: Secret, run_id: str, me: int) -> None:
+    def __init__(self, secret: Secret, run_id: str, me: int,
+                 max_message: int | None = None) -> None:
         if not isinstance(secret, Secret):
             raise TypeError("secret must be a meshplan.runtime.Secret")
         if not isinstance(run_id, str) or not run_id:
             raise ValueError("run_id must be a non-empty string")
         self.secret, self.run_id, self.me = secret, run_id, me
+        self.max_message = max_message_bytes(max_message)
         # Start at the clock so a restarted sender with the same id keeps growing (replay check).
         self._seq = time.time_ns()
         self._last_seq: dict[int, int] = {}
@@ -298,7 +330,7 @@ class _Endpoint:
             raise ValueError("a message kind is a non-empty string")
         self._seq += 1
         envelope = {"run": self.run_id, "seq": self._seq, "src": self.me, "dst": dst, "kind": kind}
-        return _encode(self.secret, envelope, header, tensors)
+        return _encode(self.secret, envelope, header, tensors, self.max_message)
 
     def _accept(self, frames: Sequence[zmq.Frame], src: int) -> tuple[int, Message] | None:
         """The (sender, message) of ``frames``, or None after counting and logging a rejection."""
@@ -361,14 +393,15 @@ class ControllerChannel(_Endpoint):
     """
 
     def __init__(self, secret: Secret, run_id: str, host: str = "127.0.0.1",
-                 transport: str | None = None) -> None:
-        super().__init__(secret, run_id, CONTROLLER)
+                 transport: str | None = None, max_message_bytes: int | None = None) -> None:
+        super().__init__(secret, run_id, CONTROLLER, max_message_bytes)
         transport = transport or ("ipc" if host in _LOOPBACK else "tcp")
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown rank raises, not drops
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message)
         self._dir: str | None = None
         self._auth: Any = None
         if transport == "ipc":
@@ -437,14 +470,16 @@ class WorkerChannel(_Endpoint):
     """A worker's end: a DEALER with the rank's identity (``identity``) connected to the
     controller; over TCP it authenticates with the run's CURVE client key."""
 
-    def __init__(self, address: str, secret: Secret, run_id: str, rank: int) -> None:
+    def __init__(self, address: str, secret: Secret, run_id: str, rank: int,
+                 max_message_bytes: int | None = None) -> None:
         if not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-        super().__init__(secret, run_id, rank)
+        super().__init__(secret, run_id, rank, max_message_bytes)
         self.rank = rank
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, identity(secret, rank))
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message)
         if address.startswith("tcp://"):
             public, private = _curve_keys(secret, "client")
             self._socket.setsockopt(zmq.CURVE_SERVERKEY, _curve_keys(secret, "server")[0])

@@ -32,7 +32,7 @@ from ..ir import RANDOM_SEMANTICS, Role
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig
 from ._files import FILES_PLUGIN
-from ._launch import LocalLauncher, WorkerFailure, Workers
+from ._launch import LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
 from ._telemetry import ControllerTelemetry, QueryResult, ingest, merge_answers, steps_timer
 from ._checks import check_indices
@@ -579,7 +579,7 @@ class DistributedStep:
     def _recording_failures(self):
         try:
             yield
-        except WorkerFailure as exc:
+        except (WorkerFailure, StepFailed) as exc:
             if self._tel is not None:
                 self._tel.failure(exc, self._step_no)
             raise

@@ -12,6 +12,7 @@ import torch
 
 from ..backends import (
     MPICommunicator,
+    StepAborted,
     StepRNG,
     TorchCommunicator,
     Transfer,
@@ -127,7 +128,7 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
         results, new_state = run(program, ns.comm, ns.state, data, observer=tel,
                                  donate=True, rng=rng)
     except Exception as exc:
-        if tel is not None:
+        if tel is not None and not isinstance(exc, StepAborted):   # the failing rank records it
             tel.failure(exc, traceback.format_exc())
         raise
     dur_us = int((time.perf_counter() - perf0) * 1e6)

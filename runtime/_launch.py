@@ -29,7 +29,7 @@ from .._errors import RuntimeFailure
 from . import _channel as P  # the protocol: message kinds, environment names
 from ._channel import ControllerChannel, Message, Secret
 
-__all__ = ["LocalLauncher", "WorkerFailure", "Workers"]
+__all__ = ["LocalLauncher", "StepFailed", "WorkerFailure", "Workers"]
 
 _POLL_S = 0.05          # how often a waiting controller looks at its worker processes
 STOPPED_S = 10.0        # a rank stopped (SIGSTOP, state T) this long while awaited fails the call
@@ -56,6 +56,20 @@ class WorkerFailure(RuntimeFailure):
         self.rank = self.ranks[0] if len(self.ranks) == 1 else None
         self.remote_type, self.remote_traceback, self.where = remote_type, remote_traceback, where
         self.exit_code = exit_code
+
+
+class StepFailed(RuntimeFailure):
+    """A rank failed inside a step and no rank applied it: every rank's state is as before the
+    call and the workers are running, ready for the next one (``backends.run``). ``ranks``: the
+    ranks that failed; ``remote_type``, ``remote_traceback`` and ``where`` are the first's."""
+
+    def __init__(self, message: str, *, ranks: Sequence[int], kind: str,
+                 remote_type: str | None = None, remote_traceback: str | None = None,
+                 where: str | None = None) -> None:
+        super().__init__(message)
+        self.reason, self.ranks, self.kind = "not_applied", tuple(ranks), kind
+        self.rank = self.ranks[0]
+        self.remote_type, self.remote_traceback, self.where = remote_type, remote_traceback, where
 
 
 class _Group:
@@ -253,7 +267,9 @@ class Workers:
         """One ``kind_expected`` reply per rank, ordered by rank.
 
         Raises WorkerFailure (after stopping all workers) when a rank replies ``error``, a worker
-        process exits, or ``timeout_s`` passes (None: no limit; exits are still noticed).
+        process exits, or ``timeout_s`` passes (None: no limit; exits are still noticed); and
+        StepFailed, with the workers left running, when every rank replies an ``error`` that
+        says its state is intact (a step no rank applied, ``backends.run``).
         """
         self._check_open()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -271,6 +287,9 @@ class Workers:
             self._check_stopped(kind_expected, got)
             if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
                 self._timeout(kind_expected, timeout_s, got)
+        failed = {r: m.header for r, m in got.items() if m.kind == P.ERROR}
+        if failed:
+            raise self._not_applied(failed, kind_expected)
         return [got[rank] for rank in range(self.n)]
 
     def gather_some(self, kind_expected: str, timeout_s: float
@@ -342,9 +361,18 @@ class Workers:
         raise failure
 
     def _take(self, rank: int, message: Message, kind: str, got: dict[int, Message]) -> None:
+        intact = message.kind == P.ERROR and message.header.get("intact") is True \
+            and message.header.get("kind") == kind
+        if intact and rank not in got and 0 <= rank < self.n:
+            if any(m.kind != P.ERROR for m in got.values()):
+                self._fail(self._split(kind))
+            got[rank] = message
+            return
         if message.kind == P.ERROR:
             self._fail(self._dead_first(rank, kind, message.header)
                        or self._error(rank, message.header, kind))
+        if any(m.kind == P.ERROR for m in got.values()):
+            self._fail(self._split(kind))
         if message.kind != kind or rank in got or not 0 <= rank < self.n:
             what = "a second reply" if rank in got else f"{message.kind!r}"
             self._fail(WorkerFailure(
@@ -386,6 +414,29 @@ class Workers:
         lines.append(f"  all {self.n} workers were stopped")
         return WorkerFailure("\n".join(lines), reason="error", ranks=[rank], kind=kind,
                              remote_type=remote_type, remote_traceback=tb, where=where)
+
+    def _not_applied(self, failed: dict[int, dict[str, Any]], kind: str) -> StepFailed:
+        """Every rank answered ``kind`` with an intact error: name the ranks whose own op
+        failed (the others only followed the vote) and say that nothing was applied."""
+        causes = {r: h for r, h in failed.items() if h.get("type") != "StepAborted"} or failed
+        rank = min(causes)
+        header = causes[rank]
+        remote_type, text = header.get("type", "Exception"), header.get("message", "")
+        where, tb = header.get("where"), header.get("traceback", "")
+        lines = [f"{_ranks(sorted(causes))} failed in {kind!r}; rank {rank}: {remote_type}: {text}"]
+        if where:
+            lines.append(f"  at {where}")
+        if tb:
+            lines += [f"  remote traceback (rank {rank}):", _indent(tb)]
+        lines.append(f"  no rank applied this {kind}: every rank's state is as before the call, "
+                     f"and all {self.n} workers are running, ready for the next call")
+        return StepFailed("\n".join(lines), ranks=sorted(causes), kind=kind,
+                          remote_type=remote_type, remote_traceback=tb, where=where)
+
+    def _split(self, kind: str) -> WorkerFailure:
+        return WorkerFailure(
+            f"the ranks disagree on {kind!r}: some applied it, others report it applied nowhere"
+            f"\n  all {self.n} workers were stopped", reason="protocol", ranks=[], kind=kind)
 
     def _check_exits(self, kind: str) -> None:
         exited = [r for r, p in enumerate(self._group.procs) if p.poll() is not None]

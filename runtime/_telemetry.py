@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -34,6 +35,8 @@ from ..telemetry import Level, Recorder, TelemetryConfig, now_us
 logger = logging.getLogger(__name__)
 
 BUCKET = "<bucket>"      # the value of a bucketed all-reduce's row (it serves many values)
+VOTE, COMMIT = "<vote>", "<commit>"   # the step's all-or-nothing vote (backends/_lower.py)
+VOTE_BYTES = 8
 
 
 # ---- the controller ----------------------------------------------------------------------------
@@ -97,6 +100,13 @@ def plan_collective_rows(plan: Plan) -> list[tuple]:
             n = mesh.sizes[a]
             est = collective_time(Collective(kind), nbytes, n, mesh.link(a)) * 1e6
             rows.append((r.value, r.consumer, seq, kind, axis, n, int(nbytes), est))
+    world = math.prod(mesh.sizes)
+    if world > 1:           # the step's vote (backends/_lower.py), priced on the slowest axis
+        axes = [a for a, n in enumerate(mesh.sizes) if n > 1]
+        est = max(collective_time(Collective.ALL_REDUCE, VOTE_BYTES, world, mesh.link(a))
+                  for a in axes) * 1e6
+        rows.append((VOTE, COMMIT, 0, Collective.ALL_REDUCE.value,
+                     "+".join(mesh.names[a] for a in axes), world, VOTE_BYTES, est))
     return rows
 
 
@@ -133,6 +143,10 @@ class WorkerTelemetry:
             self._reshards.append((first, last, m.ref.label, m.consumer))
         else:
             self._reshards.append((first, last, ins.ref.label, ins.consumer))
+
+    def vote(self, first: int, last: int) -> None:
+        if last > first:
+            self._reshards.append((first, last, VOTE, COMMIT))
 
     def compute(self, node: Node, start_s: float, dur_s: float) -> None:
         self._ops.append((node.name, node.target, start_s, dur_s))

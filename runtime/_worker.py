@@ -122,6 +122,8 @@ def error_reply(exc: BaseException, kind: str) -> dict[str, Any]:
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
         "where": None if where is None else str(where),
+        # the step was applied on no rank: this rank's state is as before it (backends.run)
+        "intact": bool(getattr(exc, "meshplan_intact", False)),
     }
 
 

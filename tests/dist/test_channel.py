@@ -316,3 +316,37 @@ def test_rejections_are_counted_and_their_lines_rate_limited(pair, raw, caplog) 
     assert ctrl.rejected == 40
     lines = [r for r in caplog.records if "dropped a message" in r.getMessage()]
     assert len(lines) == _channel._LOG_FIRST, len(lines)
+
+
+@pytest.mark.timeout(60)
+def test_no_frame_exceeds_the_message_limit(monkeypatch) -> None:
+    """Issue 19, point 1: the sender refuses a tensor past the limit, naming it and the knob;
+    a peer that sends such a frame anyway is dropped by ZeroMQ before the receiver holds it,
+    and the channel goes on."""
+    monkeypatch.setenv(_channel.ENV_MAX_MESSAGE, str(1 << 20))
+    secret = Secret.new()
+    with ControllerChannel(secret, RUN) as ctrl, \
+            WorkerChannel(ctrl.address, secret, RUN, rank=0) as worker:
+        worker.send("hello", tensors=[torch.zeros(1 << 18)])        # 1 MiB: at the limit
+        assert ctrl.recv(5)[1].tensors[0].numel() == 1 << 18
+        with pytest.raises(RuntimeFailure, match=r"tensor 0 of 'big' \(float32 \(262145,\), "
+                           r"1048580 bytes\) exceeds the 1048576-byte.*MESHPLAN_MAX_MESSAGE"):
+            worker.send("big", tensors=[torch.zeros((1 << 18) + 1)])
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.DEALER)      # holds the run's identity tag, skips the check
+        rogue.setsockopt(zmq.IDENTITY, _channel.identity(secret, 1))
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(ctrl.address)
+        try:
+            frames = _frames(secret, time.time_ns(), tensors=[torch.zeros(1 << 19)])
+            rogue.send_multipart(frames)
+            with pytest.raises(TimeoutError):
+                ctrl.recv(0.5)
+        finally:
+            rogue.close()
+            ctx.term()
+        worker.send("after")
+        assert ctrl.recv(5)[1].kind == "after"
+    with pytest.raises(RuntimeFailure, match="MESHPLAN_MAX_MESSAGE_BYTES='lots'"):
+        monkeypatch.setenv(_channel.ENV_MAX_MESSAGE, "lots")
+        ControllerChannel(secret, RUN)

@@ -199,7 +199,7 @@ def _inputs(traced, ex) -> list[torch.Tensor]:
 def test_collectives_move_the_bytes_the_plan_predicted(name, axes, strategy) -> None:
     """Every rank issues exactly the plan's collectives (a value needed in one layout by
     several consumers is moved once, so the plan's list is taken once per value and layout),
-    each with the bytes the cost model priced."""
+    each with the bytes the cost model priced, and the step's 8-byte vote."""
     ex, traced = _example(name)
     graph = traced.graph
     plan = plan_graph(graph, axes, topology="h100", strategy=strategy)
@@ -225,6 +225,7 @@ def test_collectives_move_the_bytes_the_plan_predicted(name, axes, strategy) -> 
             continue
         seen.add(key)
         want += [(kind, nbytes) for kind, _, nbytes in red.collectives]
+    want.append(("all_reduce", 8))    # and the step's vote: applied on every rank or on none
     for r in range(world):
         assert got[r] == sorted(want), r
 
