@@ -89,6 +89,8 @@ def _guarded(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 def cmd_compile(args: argparse.Namespace) -> int:
     import meshplan
 
+    from ._compile import cuda_regions
+    from .frontend._autocast import autocast_for
     from .planner import parse_mesh, plan_graph
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
@@ -108,10 +110,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
             mesh = dict(fn.mesh)
         opts = _decorator_options(fn)
         stage("tracing")
-        traced = meshplan.trace(step, *example)
+        topology = args.topology or opts["topology"]
+        with autocast_for(cuda_regions(topology)):      # a GPU plan traced without a GPU
+            traced = meshplan.trace(step, *example)
+            graph = traced.graph
         stage(f"planning on mesh {_mesh_str(mesh)} (rules, solve)")
         with _quiet_stdout():                         # HiGHS prints its banner on fd 1
-            plan = plan_graph(traced.graph, mesh, topology=args.topology or opts["topology"],
+            plan = plan_graph(graph, mesh, topology=topology,
                               strategy=args.strategy or opts["strategy"],
                               memory_limit_bytes=limit or opts["memory_limit_bytes"],
                               compare_sharded=True)

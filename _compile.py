@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from .frontend import trace
-from .planner import Mesh, Plan, Topology, plan_graph
+from .frontend._autocast import autocast_for
+from .planner import PRESETS, Mesh, Plan, Topology, get_topology, plan_graph
 
 
 def compile(  # noqa: A001 - the public name users call
@@ -18,7 +19,22 @@ def compile(  # noqa: A001 - the public name users call
     memory_limit_bytes: int | None = None,
     pins: Mapping[str, Any] | None = None,
 ) -> Plan:
-    """Trace ``step_fn`` on ``example_args`` and plan it on ``mesh`` (see ``plan_graph``)."""
-    graph = trace(step_fn, *example_args).graph
+    """Trace ``step_fn`` on ``example_args`` and plan it on ``mesh`` (see ``plan_graph``).
+    For a GPU topology, ``torch.autocast("cuda", ...)`` regions are traced as a GPU would run
+    them even where this process has no CUDA (``frontend/_autocast.py``)."""
+    with autocast_for(cuda_regions(topology)):
+        graph = trace(step_fn, *example_args).graph
     return plan_graph(graph, mesh, topology=topology or "cpu", strategy=strategy,
                       memory_limit_bytes=memory_limit_bytes, pins=pins, compare_sharded=True)
+
+
+def cuda_regions(topology: str | Topology | None) -> str | None:
+    """``"cuda"`` when ``topology`` (a preset name, optionally with options, or a Topology)
+    describes GPUs: its ``torch.autocast("cuda")`` regions are then traced as a GPU runs them
+    (``frontend/_autocast.py``). None for the CPU preset and for calibrated files."""
+    try:
+        topo = get_topology(topology)
+    except Exception:  # noqa: BLE001 - a bad topology fails where it is planned, with its error
+        return None
+    base = topo.name.partition(":")[0]
+    return "cuda" if base in PRESETS and base != "cpu" else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 from typing import Any, Callable
@@ -40,6 +41,8 @@ from ._capture import (
     opt_state_name,
     trace_stage_one,
 )
+from ._autocast import honoured as honoured_autocast
+from ._autocast import target as autocast_target
 from ._convert import convert
 from ._discover import Inventory, discover, step_location
 from ._guards import Guard, branch
@@ -74,6 +77,15 @@ def trace(step_fn: Callable[..., Any], *example_args: Any) -> TracedStep:
     traced = TracedStep(step_fn)
     traced._prepare(example_args)
     return traced
+
+
+def _honouring_autocast(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Trace with the step's autocast regions run as its target device would."""
+    @functools.wraps(method)
+    def wrapper(self: TracedStep, *args: Any, **kwargs: Any) -> Any:
+        with honoured_autocast(self._autocast):
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +167,8 @@ class TracedStep:
             raise TraceError(f"meshplan.trace expects a function, got {type(step_fn).__name__}")
         self.step_fn = step_fn
         self.inventory: Inventory = discover(step_fn)
+        # the device whose torch.autocast regions tracing honours (``_autocast.py``)
+        self._autocast = autocast_target()
         # graphs by what they are specialised on (``_key``), each with the guards of the values
         # it read from the arguments (``_guards``): the first whose guards hold is the call's
         self._graphs: dict[tuple, list[tuple[tuple[Guard, ...], Graph]]] = {}
@@ -277,6 +291,7 @@ class TracedStep:
             graph = self._store(key, r)
         return graph
 
+    @_honouring_autocast
     def _prepare(self, example_args: tuple) -> None:
         a = _Args.of(example_args)
         spec0 = current_spec(self.inventory)
@@ -316,6 +331,7 @@ class TracedStep:
             logger.debug("meshplan: tracing from predicted state failed: %s", e)
             return None
 
+    @_honouring_autocast
     def _trace(self, spec: StateSpec, a: _Args) -> _Result:
         """One graph for entry state ``spec``: through the block template when possible."""
         part, rep = self._part, self._repeat

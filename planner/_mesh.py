@@ -9,6 +9,7 @@ nodes gets the slower link.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -106,16 +107,80 @@ PRESETS: dict[str, Topology] = {
         inter_node=Link(bandwidth=1.0 * GB, latency=50e-6),
         compute_efficiency=0.5, kernel_floor_s=10e-6, comm_overlap=0.0,
     ),
-    # H100 SXM: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM, 80 GB; NVLink 450 GB/s per direction
-    # inside a node of 8; 400 Gb/s NIC per GPU between nodes (~48 GB/s achieved).
-    "h100": Topology(
-        name="h100", flops={"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
-        memory_bandwidth=3.35e12, memory_bytes=80 * 10**9, devices_per_node=8,
-        intra_node=Link(bandwidth=450 * GB, latency=3e-6),
-        inter_node=Link(bandwidth=48 * GB, latency=10e-6),
-        compute_efficiency=0.7, kernel_floor_s=7e-6,
-    ),
 }
+
+
+def _gpu(name: str, *, bf16_tflops: float, tf32_tflops: float, fp8_tflops: float | None,
+         hbm_gb: float, hbm_tbps: float, nvlink_gbps: float, fabric_gbps: float) -> Topology:
+    """A GPU node of 8 from its datasheet numbers: dense (not sparse) tensor FLOP/s, HBM in GB
+    and TB/s, NVLink GB/s per GPU counting both directions (as NVIDIA states it) and the fabric
+    in Gb/s per GPU. ``float32`` is priced at the TF32 tensor rate: matmuls run there once
+    ``torch.set_float32_matmul_precision("high")`` is set, as large-model training does
+    (PyTorch's default, "highest", keeps them at the plain FP32 rate, 5-15x slower)."""
+    flops = {"bfloat16": bf16_tflops * 1e12, "float16": bf16_tflops * 1e12,
+             "float32": tf32_tflops * 1e12}
+    if fp8_tflops is not None:
+        flops["float8_e4m3fn"] = flops["float8_e5m2"] = fp8_tflops * 1e12
+    return Topology(
+        name=name, flops=flops, memory_bandwidth=hbm_tbps * 1e12, memory_bytes=int(hbm_gb * 1e9),
+        devices_per_node=8,
+        intra_node=Link(bandwidth=nvlink_gbps / 2 * GB, latency=3e-6),       # one direction
+        # a collective moves ~95 % of the NIC's line rate (Gb/s -> bytes/s: / 8)
+        inter_node=Link(bandwidth=0.95 * fabric_gbps / 8 * GB, latency=10e-6),
+        compute_efficiency=0.7, kernel_floor_s=7e-6,
+    )
+
+
+# The fabric between nodes: 400 Gb/s per GPU (one ConnectX-7 NIC per GPU, InfiniBand NDR or
+# RoCE, as DGX H100/H200/B200 ship; DGX A100 shipped 200 Gb/s HDR). ``get_topology("a100:
+# fabric=200")`` sets another rate, ``gpus_per_node=N`` another node size.
+FABRIC_GBPS = 400.0
+
+PRESETS.update({
+    # A100 80GB SXM (NVIDIA A100 datasheet, 2021): BF16/FP16 tensor 312 TFLOPS dense, TF32 156,
+    # no FP8; HBM2e 80 GB at 2,039 GB/s; NVLink 3 600 GB/s per GPU (both directions).
+    "a100": _gpu("a100", bf16_tflops=312, tf32_tflops=156, fp8_tflops=None, hbm_gb=80,
+                 hbm_tbps=2.039, nvlink_gbps=600, fabric_gbps=FABRIC_GBPS),
+    # H100 SXM5 (NVIDIA H100 datasheet): BF16/FP16 989 TFLOPS dense, TF32 494, FP8 1,979;
+    # HBM3 80 GB at 3.35 TB/s; NVLink 4 900 GB/s per GPU.
+    "h100": _gpu("h100", bf16_tflops=989, tf32_tflops=494, fp8_tflops=1979, hbm_gb=80,
+                 hbm_tbps=3.35, nvlink_gbps=900, fabric_gbps=FABRIC_GBPS),
+    # H200 SXM (NVIDIA H200 datasheet): the H100's tensor cores (989 / 494 / 1,979 dense);
+    # HBM3e 141 GB at 4.8 TB/s; NVLink 4 900 GB/s per GPU.
+    "h200": _gpu("h200", bf16_tflops=989, tf32_tflops=494, fp8_tflops=1979, hbm_gb=141,
+                 hbm_tbps=4.8, nvlink_gbps=900, fabric_gbps=FABRIC_GBPS),
+    # B200 (NVIDIA DGX/HGX B200 datasheet, per GPU = system / 8, dense = sparse / 2): BF16/FP16
+    # 2,250 TFLOPS, TF32 1,100, FP8 4,500; HBM3e 180 GB at 8 TB/s; NVLink 5 1.8 TB/s per GPU.
+    "b200": _gpu("b200", bf16_tflops=2250, tf32_tflops=1100, fp8_tflops=4500, hbm_gb=180,
+                 hbm_tbps=8.0, nvlink_gbps=1800, fabric_gbps=FABRIC_GBPS),
+})
+
+
+def _variant(spec: str) -> Topology:
+    """``"h100:fabric=200,gpus_per_node=4"``: a preset with another fabric rate (Gb/s per GPU)
+    or node size."""
+    name, _, options = spec.partition(":")
+    base = PRESETS.get(name.strip())
+    if base is None:
+        raise PlanError(f"unknown topology {name.strip()!r} in {spec!r}; use one of "
+                        f"{sorted(PRESETS)}")
+    changes: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in options.split(","))):
+        key, eq, value = (x.strip() for x in part.partition("="))
+        try:
+            number = float(value) if eq else float("nan")
+        except ValueError:
+            number = float("nan")
+        if key == "fabric" and number > 0:
+            changes["inter_node"] = Link(bandwidth=0.95 * number / 8 * GB,
+                                         latency=base.inter_node.latency)
+        elif key == "gpus_per_node" and number >= 1 and number == int(number):
+            changes["devices_per_node"] = int(number)
+        else:
+            raise PlanError(f"topology {spec!r}: cannot read {part!r}; options are "
+                            "fabric=GBITS_PER_S (per device, > 0) and gpus_per_node=N")
+    return dataclasses.replace(base, name=spec.strip(), **changes)
+
 
 
 def get_topology(topology: str | Topology | None) -> Topology:
@@ -125,13 +190,16 @@ def get_topology(topology: str | Topology | None) -> Topology:
     name = topology or "cpu"
     if name in PRESETS:
         return PRESETS[name]
+    if ":" in name and name.partition(":")[0].strip() in PRESETS:
+        return _variant(name)
     if os.path.isfile(name):
         try:
             with open(name, encoding="utf-8") as f:
                 return Topology.from_dict(json.load(f))
         except json.JSONDecodeError as e:
             raise PlanError(f"topology file {name!r} is not JSON ({e})") from None
-    raise PlanError(f"unknown topology {name!r}; use one of {sorted(PRESETS)} or the path of a "
+    raise PlanError(f"unknown topology {name!r}; use one of {sorted(PRESETS)} (optionally "
+                    "with options, e.g. 'h100:fabric=200,gpus_per_node=4') or the path of a "
                     "file written by `meshplan calibrate`")
 
 

@@ -143,7 +143,9 @@ class Plan:
                                 "compile FILE.py:STEP -o PLAN`")
         if mesh is not None:
             axes = mesh.axes if isinstance(mesh, Mesh) else tuple(dict(mesh).items())
-            if tuple(axes) != self.mesh.axes:
+            # the same axes in another order: the planner reordered them (``axis_order``), and
+            # the plan's order is the one ranks are laid out in
+            if dict(axes) != dict(self.mesh.axes) or len(axes) != len(self.mesh.axes):
                 raise PlanError(f"plan is for mesh {_axes_str(self.mesh.axes)}; you asked for "
                                 f"{_axes_str(axes)}: pass --mesh {_axes_str(self.mesh.axes)} "
                                 "or recompile for the new mesh")

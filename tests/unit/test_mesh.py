@@ -192,8 +192,41 @@ def test_get_topology_accepts_names_objects_and_none() -> None:
 
 
 def test_unknown_topology_lists_presets_and_calibrate() -> None:
-    with pytest.raises(PlanError, match=r"unknown topology 'a100'.*\['cpu', 'h100'\].*calibrate"):
-        get_topology("a100")
+    with pytest.raises(PlanError, match=r"unknown topology 'v100'.*\['a100', 'b200', 'cpu', "
+                       r"'h100', 'h200'\].*h100:fabric=200.*calibrate"):
+        get_topology("v100")
+
+
+# (name, dense bf16 TFLOP/s, TF32, FP8 or None, HBM GB, HBM TB/s, NVLink GB/s both ways), as the
+# presets' comments cite them from NVIDIA's datasheets
+_DATASHEETS = [("a100", 312, 156, None, 80, 2.039, 600), ("h100", 989, 494, 1979, 80, 3.35, 900),
+               ("h200", 989, 494, 1979, 141, 4.8, 900), ("b200", 2250, 1100, 4500, 180, 8.0, 1800)]
+
+
+@pytest.mark.parametrize(("name", "bf16", "tf32", "fp8", "hbm", "hbm_tbps", "nvlink"), _DATASHEETS)
+def test_gpu_presets_hold_their_datasheet_numbers(name, bf16, tf32, fp8, hbm, hbm_tbps,
+                                                  nvlink) -> None:
+    t = PRESETS[name]
+    assert t.flops_for("bfloat16") == t.flops_for("float16") == bf16 * 1e12
+    assert t.flops_for("float32") == tf32 * 1e12
+    assert t.flops_for("float8_e4m3fn") == (fp8 * 1e12 if fp8 else tf32 * 1e12)   # no FP8: slowest
+    assert t.memory_bytes == hbm * 10**9 and t.memory_bandwidth == pytest.approx(hbm_tbps * 1e12)
+    assert t.devices_per_node == 8
+    assert t.intra_node.bandwidth == pytest.approx(nvlink / 2 * 1e9)     # one direction
+    assert t.inter_node.bandwidth == pytest.approx(0.95 * 400 / 8 * 1e9)  # 400 Gb/s NIC per GPU
+
+
+def test_topology_options_set_the_fabric_and_the_node_size() -> None:
+    t = get_topology("a100:fabric=200, gpus_per_node=4")
+    assert t.name == "a100:fabric=200, gpus_per_node=4" and t.devices_per_node == 4
+    assert t.inter_node.bandwidth == pytest.approx(0.95 * 200 / 8 * 1e9)
+    assert t.flops == PRESETS["a100"].flops and t.intra_node == PRESETS["a100"].intra_node
+    # an axis of 8 spans two nodes of 4: it runs on the slower fabric
+    assert Mesh({"dp": 8}, t).link(0) == t.inter_node
+    assert Mesh({"dp": 8}, "a100").link(0) == PRESETS["a100"].intra_node
+    for bad in ("h100:fabric=fast", "h100:fabric=-1", "h100:gpus_per_node=2.5", "h100:nics=2"):
+        with pytest.raises(PlanError, match=r"cannot read.*fabric=GBITS_PER_S"):
+            get_topology(bad)
 
 
 @pytest.mark.parametrize(("content", "match"), [

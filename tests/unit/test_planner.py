@@ -20,6 +20,8 @@ from meshplan.planner import (
     Shard,
     plan_graph,
 )
+from meshplan.planner._planning import axis_traffic
+from meshplan.planner._summary import render_summary
 
 
 @lru_cache(maxsize=None)
@@ -179,7 +181,8 @@ def test_pinned_batch_is_respected() -> None:
 def test_memory_limit_no_plan_meets_says_by_how_much() -> None:
     g = _graph("mlp")
     with pytest.raises(PlanError, match=r"fits 1.00 KiB .* best plan needs [\d.]+ KiB "
-                                        r"\(misses by [\d.]+ KiB\)"):
+                                        r"\(misses by [\d.]+ KiB\)\. Searched: .*sharding\); "
+                                        r"not searched yet: activation recompute"):
         plan_graph(g, {"dp": 2}, topology="h100", memory_limit_bytes=1024)
 
 
@@ -283,3 +286,28 @@ def test_plans_carry_their_bucket_size_and_lower_with_it(tmp_path) -> None:  # n
     small = [i for i in lower(plan, 0, bucket_bytes=4096).instructions if isinstance(i, Bucket)]
     assert len(small) > len(buckets)
     assert plan_graph(g, {"dp": 2}, topology="cpu", strategy="fsdp").bucket_bytes is None
+
+
+def test_the_axis_with_less_traffic_goes_across_nodes() -> None:
+    """Issue 20, point 3: on nodes of 4, ``{"dp": 4, "tp": 4}`` lays tp inside a node and dp
+    across. The Megatron family all-reduces this wide MLP's gradients over dp and moves
+    nothing over tp, so the planner puts dp inside the nodes instead (the mesh comes back as
+    tp, dp) and says so; ``axis_order="given"`` keeps the order and pays the fabric. The
+    automatic plan already moves its traffic on the inner axis: it keeps the order."""
+    g = _wide_mlp_graph()
+    topo = "h100:gpus_per_node=4"
+    given = plan_graph(g, {"dp": 4, "tp": 4}, topology=topo, strategy="megatron_tp",
+                       axis_order="given")
+    plan = plan_graph(g, {"dp": 4, "tp": 4}, topology=topo, strategy="megatron_tp")
+    assert given.mesh.names == ("dp", "tp") and plan.mesh.names == ("tp", "dp")
+    moved = axis_traffic(plan)
+    assert moved.get("dp", 0) > moved.get("tp", 0)          # dp moves more: now inside a node
+    assert plan.mesh.link(plan.mesh.index("dp")) == plan.mesh.topology.intra_node
+    assert plan.mesh.link(plan.mesh.index("tp")) == plan.mesh.topology.inter_node
+    assert plan.estimated_step_time_s < given.estimated_step_time_s
+    assert "reordered dp,tp -> tp,dp" in render_summary(plan)
+    plan.check_compatible(mesh={"dp": 4, "tp": 4})          # the same axes: accepted
+    auto = plan_graph(g, {"dp": 4, "tp": 4}, topology=topo)
+    assert auto.mesh.names == ("dp", "tp") and "axis_order" not in auto.solver
+    with pytest.raises(PlanError, match="axis_order must be 'auto' or 'given'"):
+        plan_graph(g, {"dp": 4, "tp": 4}, topology=topo, axis_order="inner")

@@ -1,6 +1,9 @@
-"""Issue 3's acceptance at scale: LLaMA-3 8B (32 layers, d 4096, GQA 32/8, SwiGLU 14336,
-vocab 128256, AdamW, batch 8 x 2048) traced on the meta device and planned on 64 H100s
-({"dp": 8, "tp": 8}). How long it takes is measured in benchmarks/planner.py, not here."""
+"""Issue 3's acceptance on a scaled-down LLaMA-3 (2 layers, d 1024, GQA 16/4, SwiGLU 3584,
+vocab 8192, AdamW, batch 8 x 128; 44M parameters) traced on the meta device and planned on 64
+H100s ({"dp": 8, "tp": 8}) under a 512 MiB limit per device, where, as for LLaMA-3 8B in
+80 GB, replicated fp32 weights, gradients and AdamW moments do not fit. The 8B model itself,
+and how long its planning takes, are in benchmarks/planner.py (``--with-8b``; results in
+benchmarks/README.md): the suite keeps one fast stand-in (issue 20)."""
 
 from __future__ import annotations
 
@@ -10,24 +13,27 @@ from meshplan.ir import Role
 from meshplan.planner import plan_graph
 
 MESH = {"dp": 8, "tp": 8}
+CONFIG = llama.LlamaConfig(vocab_size=8192, seq_len=128, n_layer=2, d_model=1024, n_head=16,
+                           n_kv_head=4, hidden=3584, batch_size=8, rope_theta=500000.0)
+LIMIT = 512 << 20
 
 
-def test_llama3_8b_pure_dp_does_not_fit_and_the_automatic_plan_does() -> None:
-    ex = llama.build(config="llama3_8b", device="meta")
+def test_llama_pure_dp_does_not_fit_and_the_automatic_plan_does() -> None:
+    ex = llama.build(config=CONFIG, device="meta")
     graph = meshplan.trace(ex.step, *ex.batch(0)).graph
     params = sum(n.meta.numel for n in graph.inputs_with_role(Role.PARAM))
-    assert 8.0e9 < params < 8.1e9
+    assert 44e6 < params < 45e6
 
-    dp = plan_graph(graph, MESH, topology="h100", strategy="dp")
-    # fp32 weights, grads and two AdamW moments alone are 16 bytes x 8.03e9 = 120 GiB
+    dp = plan_graph(graph, MESH, topology="h100", strategy="dp", memory_limit_bytes=LIMIT)
+    # fp32 weights, grads and two AdamW moments alone are 16 bytes x 44M = 672 MiB
     assert not dp.fits and dp.peak_memory_bytes > 16 * params
 
-    auto = plan_graph(graph, MESH, topology="h100")
+    auto = plan_graph(graph, MESH, topology="h100", memory_limit_bytes=LIMIT)
     assert auto.fits
     assert auto.solver["mip_gap"] <= 0.01
-    assert auto.solver["groups"] < 500            # 32 layers share one set of decisions
-    megatron = plan_graph(graph, MESH, topology="h100", strategy="megatron_tp")
+    assert auto.solver["groups"] < 500             # the 2 layers share one set of decisions
+    megatron = plan_graph(graph, MESH, topology="h100", strategy="megatron_tp",
+                          memory_limit_bytes=LIMIT)
     assert auto.estimated_step_time_s <= megatron.estimated_step_time_s * (1 + 1e-9)
-    # weights end up split over the whole mesh: no rank holds a full matrix
-    wq = next(p for p in auto.placements if p.target == "model.layers.0.attention.wq.weight")
-    assert any(p != meshplan.planner.Replicate() for p in wq.outputs[0])
+    # the state is split over the mesh: a device's peak is below the replicated state alone
+    assert auto.peak_memory_bytes < 16 * params
