@@ -39,6 +39,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--topology", help="cpu, h100, or a file from `meshplan calibrate`")
     c.add_argument("--strategy", help="auto (default), dp, fsdp or megatron_tp")
     c.add_argument("--memory-limit", help="per-device memory, e.g. 70GB or 512MiB")
+    c.add_argument("--precision", help="fp32 (as written), bf16 or fp16: FSDP2-style mixed "
+                   "precision (16-bit compute copies, fp32 reductions); default: the decorator's")
     c.add_argument("--example", help="MOD:FN (or FILE.py:FN) returning the example inputs")
     c.add_argument("--out", "-o", required=True, help="where to write the plan (atomically)")
     c.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -48,6 +50,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="run FILE.py:STEP with a saved plan on local processes")
     r.add_argument("target", help="FILE.py:NAME of the step the plan was compiled from")
     r.add_argument("--plan", required=True, help="a plan written by `meshplan compile`")
+    r.add_argument("--precision", help="the --precision the plan was compiled with "
+                   "(default: the decorator's)")
     r.add_argument("--steps", type=int, default=1, help="how many steps to run")
     r.add_argument("--mesh", help="the mesh to run on (checked against the plan's)")
     r.add_argument("--launcher", default="local",
@@ -91,6 +95,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     from ._compile import cuda_regions
     from .frontend._autocast import autocast_for
+    from .frontend._precision import precision as mixed_precision
     from .planner import parse_mesh, plan_graph
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
@@ -111,8 +116,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         opts = _decorator_options(fn)
         stage("tracing")
         topology = args.topology or opts["topology"]
-        with autocast_for(cuda_regions(topology)):      # a GPU plan traced without a GPU
-            traced = meshplan.trace(step, *example)
+        with autocast_for(cuda_regions(topology)), \
+                mixed_precision(args.precision or opts["precision"]):
+            traced = meshplan.trace(step, *example)     # (autocast: a GPU plan without a GPU)
             graph = traced.graph
         stage(f"planning on mesh {_mesh_str(mesh)} (rules, solve)")
         with _quiet_stdout():                         # HiGHS prints its banner on fd 1
@@ -173,10 +179,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan.check_compatible(mesh=mesh)                  # before tracing: the cheap checks first
     data = _data(module, args.target, args.data)
     example = example_inputs(module, fn, name, None)
+    opts = _decorator_options(fn)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
-                               launcher=args.launcher,
-                               timeout_s=_decorator_options(fn)["timeout_s"],
-                               telemetry=_telemetry(args), checkpoint=args.checkpoint)
+                               launcher=args.launcher, timeout_s=opts["timeout_s"],
+                               telemetry=_telemetry(args), checkpoint=args.checkpoint,
+                               precision=args.precision or opts["precision"])
     table = None if args.json else _LossTable(name, plan)
     done = 0
     with step:
@@ -342,8 +349,10 @@ def _decorator_options(fn: Any) -> dict[str, Any]:
 
     if isinstance(fn, meshplan.DistributedStep):
         return {"topology": fn.topology, "strategy": fn.strategy,
-                "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s}
-    return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0}
+                "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s,
+                "precision": fn.precision}
+    return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0,
+            "precision": None}
 
 
 # ---- output ----------------------------------------------------------------------------------

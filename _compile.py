@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from .frontend import trace
 from .frontend._autocast import autocast_for
+from .frontend._precision import precision as mixed_precision
 from .planner import PRESETS, Mesh, Plan, Topology, get_topology, plan_graph
 
 
@@ -18,11 +19,14 @@ def compile(  # noqa: A001 - the public name users call
     strategy: str = "auto",
     memory_limit_bytes: int | None = None,
     pins: Mapping[str, Any] | None = None,
+    precision: str | None = None,
 ) -> Plan:
     """Trace ``step_fn`` on ``example_args`` and plan it on ``mesh`` (see ``plan_graph``).
     For a GPU topology, ``torch.autocast("cuda", ...)`` regions are traced as a GPU would run
-    them even where this process has no CUDA (``frontend/_autocast.py``)."""
-    with autocast_for(cuda_regions(topology)):
+    them even where this process has no CUDA (``frontend/_autocast.py``). ``precision``:
+    ``"bf16"``/``"fp16"`` plans the step under FSDP2-style mixed precision
+    (``frontend/_precision.py``)."""
+    with autocast_for(cuda_regions(topology)), mixed_precision(precision):
         graph = trace(step_fn, *example_args).graph
     return plan_graph(graph, mesh, topology=topology or "cpu", strategy=strategy,
                       memory_limit_bytes=memory_limit_bytes, pins=pins, compare_sharded=True)

@@ -30,6 +30,8 @@ from ._discover import Inventory
 from ._decomp import DECOMPOSITIONS
 from ._guards import READS, Guard, Guarding, Unguardable, make_static
 from ._hyper import HyperSlot, bind_symbols, check_unchanged, hyper_entries
+from ._precision import compute_copies, inputs_cast
+from ._precision import policy as precision_policy
 from ._source import is_user_file, user_frame
 
 
@@ -184,14 +186,17 @@ class _Annotator(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _swapped(inv: Inventory, params: list[torch.Tensor], buffers: list[torch.Tensor],
-             opt_state: dict[tuple[int, int], dict[str, Any]]) -> Iterator[list[dict]]:
-    """Point the modules and optimizers at stand-in tensors; restore everything afterwards."""
+             opt_state: dict[tuple[int, int], dict[str, Any]],
+             module_params: list[torch.Tensor] | None = None) -> Iterator[list[dict]]:
+    """Point the modules and optimizers at stand-in tensors; restore everything afterwards.
+    ``module_params``: what the modules use instead of ``params`` (a precision policy's
+    compute copies); the optimizers always get ``params``."""
     saved_attrs: list[tuple[dict, str, Any]] = []
     saved_groups: list[tuple[dict, list, dict]] = []
     saved_state: list[tuple[torch.optim.Optimizer, Any]] = []
     temp_states: list[dict] = []
     try:
-        for slot, new in zip(inv.params, params):
+        for slot, new in zip(inv.params, module_params if module_params is not None else params):
             for mod, attr in slot.homes:
                 saved_attrs.append((mod._parameters, attr, mod._parameters[attr]))
                 mod._parameters[attr] = new
@@ -301,10 +306,12 @@ def trace_stage_one(
         hooks += [opt.register_step_pre_hook(lambda o, *_, i=i: pre_step(i, o))
                   for i, (_, opt) in enumerate(inv.optimizers)]
         try:
-            with _swapped(inv, params, buffers, opt_state) as temp_states:
+            dtype = precision_policy()
+            copies = compute_copies(params, dtype) if dtype is not None else None
+            with _swapped(inv, params, buffers, opt_state, copies) as temp_states:
                 bind_symbols(inv, hyper, hyper_flat)
                 bound = hyper_entries(inv)
-                with annot, annot.module_hooks():
+                with annot, annot.module_hooks(), inputs_cast(inv.roots, dtype):
                     result = step(*args, **kwargs)
                 check_unchanged(inv, bound)
                 new_buffers = [slot.homes[0][0]._buffers[slot.homes[0][1]]

@@ -44,6 +44,8 @@ from ._capture import (
 from ._autocast import honoured as honoured_autocast
 from ._autocast import target as autocast_target
 from ._convert import convert
+from ._precision import applied as applied_precision
+from ._precision import policy as precision_policy
 from ._discover import Inventory, discover, step_location
 from ._guards import Guard, branch
 from ._hyper import HyperChanged, hyper_key, hyper_slots, hyper_values, keep_schedulers
@@ -80,10 +82,11 @@ def trace(step_fn: Callable[..., Any], *example_args: Any) -> TracedStep:
 
 
 def _honouring_autocast(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Trace with the step's autocast regions run as its target device would."""
+    """Trace with the step's autocast regions run as its target device would, and with its
+    mixed-precision policy."""
     @functools.wraps(method)
     def wrapper(self: TracedStep, *args: Any, **kwargs: Any) -> Any:
-        with honoured_autocast(self._autocast):
+        with honoured_autocast(self._autocast), applied_precision(self._precision):
             return method(self, *args, **kwargs)
     return wrapper
 
@@ -167,8 +170,10 @@ class TracedStep:
             raise TraceError(f"meshplan.trace expects a function, got {type(step_fn).__name__}")
         self.step_fn = step_fn
         self.inventory: Inventory = discover(step_fn)
-        # the device whose torch.autocast regions tracing honours (``_autocast.py``)
+        # the device whose torch.autocast regions tracing honours (``_autocast.py``) and the
+        # mixed-precision policy it applies (``_precision.py``), whenever it traces
         self._autocast = autocast_target()
+        self._precision = precision_policy()
         # graphs by what they are specialised on (``_key``), each with the guards of the values
         # it read from the arguments (``_guards``): the first whose guards hold is the call's
         self._graphs: dict[tuple, list[tuple[tuple[Guard, ...], Graph]]] = {}

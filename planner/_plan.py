@@ -154,8 +154,9 @@ class Plan:
 
             if graph_hash(_prepare(graph)) != self.graph_hash:
                 raise PlanError(f"the step {graph.info.name!r} changed since the plan was "
-                                "compiled (its graph hash differs): recompile with `meshplan "
-                                "compile FILE.py:STEP -o PLAN`")
+                                "compiled (its graph hash differs; or it was compiled with "
+                                "another --precision): recompile with `meshplan compile "
+                                "FILE.py:STEP -o PLAN`")
 
     @functools.cached_property
     def input_layouts(self) -> dict[str, Layout]:

@@ -15,6 +15,7 @@ from .._errors import PlanError
 from ..ir import (
     Graph, Node, NodeKind, OutputKind, Phase, Ref, Role, TensorMeta, node_bytes, node_flops,
 )
+from ..ir._types import DTYPE_BYTES
 from ._comm import Collective, collective_time, transition
 from ._mesh import Mesh
 from ._placement import (
@@ -206,6 +207,50 @@ def reshard_steps(meta: TensorMeta, src: Layout, dst: Layout,
             steps.append((kind, axis, nbytes, t))
         cur[axis] = b
     return steps
+
+
+_LOW_FLOATS = ("bfloat16", "float16")
+# ops that only lay their input out anew: a partial sum passes them unchanged
+_SAME_VALUES = frozenset({
+    "aten.t.default", "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.permute.default", "aten.transpose.int", "aten.clone.default", "aten.alias.default",
+    "aten.contiguous.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.unsqueeze.default",
+    "aten.detach.default",
+})
+
+
+def reduce_wide(graph: Graph) -> frozenset[tuple[str, int]]:
+    """The 16-bit float values (node, output) that reach a cast to a wider float through ops
+    that only lay them out anew: a gradient under autocast (a bf16 matmul's weight gradient,
+    transposed, cast to the fp32 parameter's). A partial sum on them must pass the cast and be
+    reduced in the wider dtype, as one process accumulates it and as DDP reduces fp32
+    ``.grad``; reducing the 16-bit terms would round every partial sum to 8 (bf16) or 11
+    (fp16) significant bits (the solver forbids it: ``reduces``)."""
+    producers = {n.name: n for n in graph.nodes}
+    out: set[tuple[str, int]] = set()
+    for node in graph.nodes:
+        ref = next(iter(node.refs()), None)
+        if node.target != "aten._to_copy.default" or ref is None:
+            continue
+        dst = node.outputs[0]
+        while True:
+            src = graph.meta(ref)
+            if not (isinstance(src, TensorMeta) and isinstance(dst, TensorMeta)
+                    and src.dtype in _LOW_FLOATS and dst.dtype.startswith("float")
+                    and DTYPE_BYTES[dst.dtype] > DTYPE_BYTES[src.dtype]):
+                break
+            out.add((ref.node, ref.index))
+            prev = producers.get(ref.node)
+            up = next(iter(prev.refs()), None) if prev is not None else None
+            if up is None or prev.target not in _SAME_VALUES:
+                break
+            ref = up
+    return frozenset(out)
+
+
+def reduces(src: Layout, dst: Layout) -> bool:
+    """Does changing ``src`` into ``dst`` sum partial values (on some axis)?"""
+    return any(isinstance(a, Partial) and not isinstance(b, Partial) for a, b in zip(src, dst))
 
 
 def reshard_time(meta: TensorMeta, src: Layout, dst: Layout, mesh: Mesh) -> float:

@@ -24,7 +24,8 @@ from .._errors import PlanError
 from ..ir import Ref, TensorMeta
 from ._placement import Layout, Partial, R, Shard, layout_fraction
 from ._summary import format_bytes
-from ._problem import INF, STATE_POS, Edge, Problem, reshard_steps, reshard_time, result_refs
+from ._problem import (INF, STATE_POS, Edge, Problem, reduce_wide, reduces, reshard_steps,
+                       reshard_time, result_refs)
 
 # what the solver adds for a collective outside a hand-written family's own (Problem.collectives):
 # far above any step time it compares, so only a plan that cannot do without pays it (the
@@ -377,6 +378,7 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
             cache[key] = t
         return cache[key]
 
+    wide_values = reduce_wide(graph)
     edge_count: dict[tuple[int, ...], int] = defaultdict(int)
     sample: dict[tuple[int, ...], Edge] = {}
     at: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -393,11 +395,12 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         e = sample[key]
         gs, gd, k, pos = key[0], key[3], e.index, e.pos
         meta = graph.meta(Ref(e.src, e.index))
+        wide = (e.src, e.index) in wide_values   # the same producer op across the group
         if gs == gd:       # both ends read one decision: the change is fixed by the choice
             for i, (cs, cd) in enumerate(zip(dec[e.src].choices, dec[e.dst].choices)):
                 l, r = cs.outputs[k], cd.required(pos)
                 if l != r:
-                    t = cost(meta.nbytes, l, r)
+                    t = INF if wide and reduces(l, r) else cost(meta.nbytes, l, r)
                     if t == INF:
                         model.ub[xvar[gs][i]] = 0.0
                         continue
@@ -415,7 +418,7 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         ys: dict[tuple[Layout, Layout], int] = {}
         follower = problem.is_follower(e.dst)
         for l, r in candidate_pairs(tuple(by_out), tuple(by_in), follower):
-            t = cost(meta.nbytes, l, r)
+            t = INF if wide and reduces(l, r) else cost(meta.nbytes, l, r)
             if t < INF:
                 # keeping, slicing and gathering are in from the start; reduce-scatters
                 # and all-to-alls are priced in when they pay

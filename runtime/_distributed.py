@@ -28,6 +28,8 @@ import torch
 from .._errors import RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..frontend import trace
+from ..frontend._precision import check as check_precision
+from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, Role
 from ..planner import Plan, plan_graph
 from ..telemetry import TelemetryConfig
@@ -51,7 +53,8 @@ class DistributedStep:
                  topology: Any, strategy: str, plan: str | Plan | None,
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
                  telemetry: Any = None, kernels: bool | None = None,
-                 checkpoint: str | os.PathLike | None = None, seed: int | None = None) -> None:
+                 checkpoint: str | os.PathLike | None = None, seed: int | None = None,
+                 precision: str | None = None) -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
@@ -61,6 +64,8 @@ class DistributedStep:
         self.mesh = dict(mesh)
         self.topology = topology or "cpu"
         self.strategy = strategy
+        check_precision(precision)
+        self.precision = precision
         self.example_inputs = example_inputs
         self.memory_limit_bytes = memory_limit_bytes
         self.timeout_s = timeout_s
@@ -292,7 +297,8 @@ class DistributedStep:
     # ---- internals ---------------------------------------------------------------------------
 
     def _prepare(self, args: tuple, kwargs: Mapping[str, Any] | None = None) -> None:
-        self._traced = trace(self.fn, *args, **dict(kwargs or {}))
+        with precision_policy(self.precision):
+            self._traced = trace(self.fn, *args, **dict(kwargs or {}))
         self._primary_key = self._traced.call_key(*args, **dict(kwargs or {}))
         if isinstance(self._plan_arg, Plan):
             self._plan = self._plan_arg
@@ -609,7 +615,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                plan: str | Plan | None = None, example_inputs: Any = None,
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                telemetry: Any = None, kernels: bool | None = None,
-               checkpoint: str | os.PathLike | None = None, seed: int | None = None) -> Any:
+               checkpoint: str | os.PathLike | None = None, seed: int | None = None,
+               precision: str | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -627,14 +634,17 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``seed``: the seed of random ops such as dropout, which on the mesh do not match one process
     bit for bit (README, "Random ops on a mesh"); None (the default) draws it from torch's CPU
     generator at the first call that needs it, so ``torch.manual_seed(s)`` before the run
-    reproduces it. The same seed, mesh and plan give the same results.
+    reproduces it. The same seed, mesh and plan give the same results. ``precision``:
+    ``"bf16"`` (or ``"fp16"``) runs the step as FSDP2's mixed precision does (16-bit compute
+    copies of fp32 parameters, fp32 gradient reductions; ``frontend/_precision.py``); None or
+    ``"fp32"``: as written.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
-                               seed=seed)
+                               seed=seed, precision=precision)
 
     return wrap(fn) if fn is not None else wrap
 

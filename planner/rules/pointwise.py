@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from ...ir import Ref
+from ...ir._types import DTYPE_BYTES
 from .._placement import P_AVG, Partial, R, Shard
 from ._registry import OpInfo, OpStrategy
 from ._util import PARTIALS, arg, is_float, literal_rule, out0, ref_slots
@@ -132,8 +133,8 @@ def partial_strategies(info: OpInfo, groups: list[Group]) -> Iterator[OpStrategy
             continue
         if len(names) > 1 and not all(_is_tensor_arg(info, n) for n in names):
             kinds = tuple(k for k in kinds if k == P_AVG)  # a constant term: affine only
-        if info.node.target == "aten._to_copy.default" and not _float_to_float(info):
-            continue
+        if info.node.target == "aten._to_copy.default" and not _widening_float_cast(info):
+            continue      # a narrowing cast reduces first, in the wider dtype (_problem.reduce_wide)
         for p in kinds:
             ins = tuple(None if m is None else (p if i in members else R)
                         for i, m in enumerate(info.inputs))
@@ -146,8 +147,10 @@ def _is_tensor_arg(info: OpInfo, name: str) -> bool:
         n == name and m is not None for (n, _), m in zip(ref_slots(info.node), info.inputs))
 
 
-def _float_to_float(info: OpInfo) -> bool:
-    return is_float(info.inputs[0]) and is_float(info.outputs[0])
+def _widening_float_cast(info: OpInfo) -> bool:
+    """A cast between float dtypes to as many bytes or more: partial sums may pass it."""
+    a, b = info.inputs[0], info.outputs[0]
+    return is_float(a) and is_float(b) and DTYPE_BYTES[b.dtype] >= DTYPE_BYTES[a.dtype]
 
 
 @literal_rule(*LINEAR)

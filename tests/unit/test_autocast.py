@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-
 
 
 def _program(device_type: str | None, dtype: torch.dtype | None, meta: bool = False,
-             width: int = 64):
-    """The step, with its forward under ``torch.autocast(device_type, dtype)`` (None: none)."""
+             width: int = 64, forward=None):
+    """The step, with its forward (``forward(model, x)``, default ``model(x)``) under
+    ``torch.autocast(device_type, dtype)`` (None: none)."""
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
@@ -35,7 +36,7 @@ def _program(device_type: str | None, dtype: torch.dtype | None, meta: bool = Fa
     def step(x, y):
         with (torch.autocast(device_type, dtype=dtype) if device_type
               else contextlib.nullcontext()):
-            out = model(x)
+            out = model(x) if forward is None else forward(model, x)
         loss = F.mse_loss(out.float(), y)
         loss.backward()
         opt.step()
@@ -77,10 +78,11 @@ def test_a_cuda_region_replays_as_autocast_does(dtype) -> None:
 
 def test_a_gpu_plan_prices_the_region_in_bf16() -> None:
     """On the meta device (a model too big for this machine), for h100: the autocast step's
-    matmuls are bf16, so its plan is faster and holds less than the same step in fp32;
+    matmuls are bf16, so its plan is faster and, with 32k tokens of activations, holds less
+    than the same step in fp32 (fp32 master weights and a bf16 copy of each: more state);
     without a dtype, CUDA's default (float16). A CPU topology follows torch (the region is
     off)."""
-    x = torch.empty(8192, 4096, device="meta")     # 8192 tokens through a 4096-wide MLP
+    x = torch.empty(32768, 4096, device="meta")    # 32k tokens through a 4096-wide MLP
 
     def plan(device_type, dtype, topology="h100"):
         with warnings.catch_warnings():
@@ -96,3 +98,20 @@ def test_a_gpu_plan_prices_the_region_in_bf16() -> None:
     assert _matmul_dtypes(plan("cuda", None).graph) == {"float16"}
     assert _matmul_dtypes(plan("cuda", torch.bfloat16, "cpu").graph) == {"float32"}
     assert cuda_regions("h100:fabric=200") == "cuda" and cuda_regions("cpu") is None
+
+
+def test_gradients_under_autocast_are_reduced_in_fp32() -> None:
+    """A bf16 matmul's weight gradient is cast to the fp32 parameter's dtype; on a
+    data-parallel plan its partial sums pass the cast and are all-reduced in fp32, as one
+    process accumulates them and as DDP reduces ``.grad``, never as 16-bit sums."""
+    from meshplan.planner._problem import reduce_wide
+
+    x = torch.randn(512, 64)
+    plan = meshplan.compile(_program("cpu", torch.bfloat16)[1], x, x, mesh={"dp": 2},
+                            strategy="dp")
+    wide = {name for name, _ in reduce_wide(plan.graph)}
+    reduced = {r.value.split("[")[0]: plan.graph.node(r.value.split("[")[0]).meta.dtype
+               for r in plan.redistributions if any(c[0] == "all_reduce" for c in r.collectives)}
+    assert wide and not wide & set(reduced), reduced
+    grads = [n for n, dtype in reduced.items() if dtype == "float32" and n.startswith("to_copy")]
+    assert len(grads) >= 3, reduced          # both weights' and a bias's gradient, in fp32
