@@ -7,8 +7,9 @@ the step with:
 * every floating-point parameter used through a 16-bit copy made at the start of the step
   (``p.to(bfloat16)``): the forward and backward compute in 16 bits, while the parameters, their
   gradients and the optimizer state stay fp32 (master weights);
-* the floating-point tensor arguments of the step's modules (the ones the step calls, as
-  ``fully_shard``'s ``cast_forward_inputs`` does for the root) cast to 16 bits on the way in;
+* the floating-point tensor arguments of the step's modules (the ones the step names and that
+  hold parameters, as ``fully_shard``'s ``cast_forward_inputs`` does for the root; not a loss
+  module's) cast to 16 bits on the way in;
   outputs are left as the model makes them (FSDP2's ``output_dtype=None``);
 * gradients reduced in fp32: a 16-bit gradient is cast back to the fp32 parameter's dtype, and
   the planner sums partial gradients only after that cast (``planner/_problem.reduce_wide``).
@@ -94,8 +95,10 @@ def inputs_cast(roots: Sequence[tuple[str, nn.Module]], dtype: torch.dtype | Non
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return pytree.tree_map(cast, args), pytree.tree_map(cast, kwargs)
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-               for _, m in roots if isinstance(m, nn.Module)]
+    # modules with parameters only: a loss module (``nn.MSELoss()``) gets its target as written
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in roots
+               if isinstance(m, nn.Module)
+               and any(p.is_floating_point() for p in m.parameters())]
     try:
         yield
     finally:

@@ -81,7 +81,7 @@ def trace(step_fn: Callable[..., Any], *example_args: Any) -> TracedStep:
     return traced
 
 
-def _honouring_autocast(method: Callable[..., Any]) -> Callable[..., Any]:
+def _with_trace_options(method: Callable[..., Any]) -> Callable[..., Any]:
     """Trace with the step's autocast regions run as its target device would, and with its
     mixed-precision policy."""
     @functools.wraps(method)
@@ -296,7 +296,7 @@ class TracedStep:
             graph = self._store(key, r)
         return graph
 
-    @_honouring_autocast
+    @_with_trace_options
     def _prepare(self, example_args: tuple) -> None:
         a = _Args.of(example_args)
         spec0 = current_spec(self.inventory)
@@ -336,7 +336,7 @@ class TracedStep:
             logger.debug("meshplan: tracing from predicted state failed: %s", e)
             return None
 
-    @_honouring_autocast
+    @_with_trace_options
     def _trace(self, spec: StateSpec, a: _Args) -> _Result:
         """One graph for entry state ``spec``: through the block template when possible."""
         part, rep = self._part, self._repeat

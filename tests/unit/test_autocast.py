@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-
 
 
 def _program(device_type: str | None, dtype: torch.dtype | None, meta: bool = False,
-             width: int = 64, forward=None):
+             width: int = 64, forward=None, loss_fn=F.mse_loss):
     """The step, with its forward (``forward(model, x)``, default ``model(x)``) under
-    ``torch.autocast(device_type, dtype)`` (None: none)."""
+    ``torch.autocast(device_type, dtype)`` (None: none), then ``loss_fn(out.float(), y)``."""
     torch.manual_seed(0)
     with torch.device("meta" if meta else "cpu"):
         model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
@@ -37,7 +37,7 @@ def _program(device_type: str | None, dtype: torch.dtype | None, meta: bool = Fa
         with (torch.autocast(device_type, dtype=dtype) if device_type
               else contextlib.nullcontext()):
             out = model(x) if forward is None else forward(model, x)
-        loss = F.mse_loss(out.float(), y)
+        loss = loss_fn(out.float(), y)
         loss.backward()
         opt.step()
         opt.zero_grad()

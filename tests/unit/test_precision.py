@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_autocast import _program  # noqa: E402
 
 
-def _user():
+def _user(loss_fn=None):
     """The step as written: fp32 throughout (a 64-256-64 GELU MLP, AdamW)."""
-    return _program(None, None)
+    return _program(None, None) if loss_fn is None else _program(None, None, loss_fn=loss_fn)
 
 
 def _by_hand(dtype: torch.dtype):
@@ -45,11 +45,14 @@ def _batches(n: int = 3, rows: int = 32):
             for _ in range(n)]
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_the_policy_replays_equal_to_it_written_by_hand(name, dtype) -> None:
+@pytest.mark.parametrize(("name", "dtype", "loss_fn"), [
+    ("bf16", torch.bfloat16, None), ("fp16", torch.float16, None),
+    ("bf16", torch.bfloat16, nn.MSELoss()),        # a loss module: its target is not cast
+], ids=["bf16", "fp16", "bf16-loss-module"])
+def test_the_policy_replays_equal_to_it_written_by_hand(name, dtype, loss_fn) -> None:
     batches = _batches()
     m1, hand = _by_hand(dtype)
-    m2, step = _user()
+    m2, step = _user(loss_fn)
     with precision(name):
         traced = meshplan.trace(step, *batches[0])
     for x, y in batches:                  # the first call traces its graph after the context
