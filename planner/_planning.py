@@ -76,7 +76,7 @@ def plan_graph(
             or mesh.size <= mesh.topology.devices_per_node:
         return plan
     traffic = axis_traffic(plan)
-    order = sorted(mesh.names, key=lambda a: (traffic.get(a, 0.0), -mesh.names.index(a)))
+    order = sorted(mesh.names, key=lambda a: (traffic.get(a, 0.0), mesh.names.index(a)))
     other = Mesh(tuple((a, mesh.sizes[mesh.index(a)]) for a in order), mesh.topology)
     if order == list(mesh.names) or _fabric_bytes(other, traffic) >= _fabric_bytes(mesh, traffic):
         return plan

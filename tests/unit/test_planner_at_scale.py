@@ -1,7 +1,8 @@
 """Issue 3's acceptance on a scaled-down LLaMA-3 (2 layers, d 1024, GQA 16/4, SwiGLU 3584,
 vocab 8192, AdamW, batch 8 x 128; 44M parameters) traced on the meta device and planned on 64
 H100s ({"dp": 8, "tp": 8}) under a 512 MiB limit per device, where, as for LLaMA-3 8B in
-80 GB, replicated fp32 weights, gradients and AdamW moments do not fit. The 8B model itself,
+80 GB, replicated fp32 weights, gradients and AdamW moments do not fit. (That the automatic
+plan is no worse than a hand family is checked on small models in test_planner.py.) The 8B model itself,
 and how long its planning takes, are in benchmarks/planner.py (``--with-8b``; results in
 benchmarks/README.md): the suite keeps one fast stand-in (issue 20)."""
 
@@ -32,8 +33,5 @@ def test_llama_pure_dp_does_not_fit_and_the_automatic_plan_does() -> None:
     assert auto.fits
     assert auto.solver["mip_gap"] <= 0.01
     assert auto.solver["groups"] < 500             # the 2 layers share one set of decisions
-    megatron = plan_graph(graph, MESH, topology="h100", strategy="megatron_tp",
-                          memory_limit_bytes=LIMIT)
-    assert auto.estimated_step_time_s <= megatron.estimated_step_time_s * (1 + 1e-9)
     # the state is split over the mesh: a device's peak is below the replicated state alone
     assert auto.peak_memory_bytes < 16 * params
