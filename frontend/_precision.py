@@ -49,14 +49,9 @@ def check(name: str | None) -> torch.dtype | None:
     return POLICIES[name]
 
 
-@contextlib.contextmanager
-def precision(name: str | None) -> Iterator[None]:
+def precision(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Steps traced inside (``meshplan.trace``) use policy ``name`` whenever they trace."""
-    token = _POLICY.set(check(name))
-    try:
-        yield
-    finally:
-        _POLICY.reset(token)
+    return applied(check(name))
 
 
 @contextlib.contextmanager

@@ -110,6 +110,12 @@ PRESETS: dict[str, Topology] = {
 }
 
 
+def _fabric(gbps: float, latency: float) -> Link:
+    """The link between nodes for a NIC of ``gbps`` Gb/s per device: a collective moves ~95 %
+    of the line rate (Gb/s -> bytes/s: / 8)."""
+    return Link(bandwidth=0.95 * gbps / 8 * GB, latency=latency)
+
+
 def _gpu(name: str, *, bf16_tflops: float, tf32_tflops: float, fp8_tflops: float | None,
          hbm_gb: float, hbm_tbps: float, nvlink_gbps: float, fabric_gbps: float) -> Topology:
     """A GPU node of 8 from its datasheet numbers: dense (not sparse) tensor FLOP/s, HBM in GB
@@ -125,8 +131,7 @@ def _gpu(name: str, *, bf16_tflops: float, tf32_tflops: float, fp8_tflops: float
         name=name, flops=flops, memory_bandwidth=hbm_tbps * 1e12, memory_bytes=int(hbm_gb * 1e9),
         devices_per_node=8,
         intra_node=Link(bandwidth=nvlink_gbps / 2 * GB, latency=3e-6),       # one direction
-        # a collective moves ~95 % of the NIC's line rate (Gb/s -> bytes/s: / 8)
-        inter_node=Link(bandwidth=0.95 * fabric_gbps / 8 * GB, latency=10e-6),
+        inter_node=_fabric(fabric_gbps, latency=10e-6),
         compute_efficiency=0.7, kernel_floor_s=7e-6,
     )
 
@@ -172,8 +177,7 @@ def _variant(spec: str) -> Topology:
         except ValueError:
             number = float("nan")
         if key == "fabric" and number > 0:
-            changes["inter_node"] = Link(bandwidth=0.95 * number / 8 * GB,
-                                         latency=base.inter_node.latency)
+            changes["inter_node"] = _fabric(number, base.inter_node.latency)
         elif key == "gpus_per_node" and number >= 1 and number == int(number):
             changes["devices_per_node"] = int(number)
         else:

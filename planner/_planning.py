@@ -78,18 +78,18 @@ def plan_graph(
     traffic = axis_traffic(plan)
     order = sorted(mesh.names, key=lambda a: (traffic.get(a, 0.0), mesh.names.index(a)))
     other = Mesh(tuple((a, mesh.sizes[mesh.index(a)]) for a in order), mesh.topology)
-    if order == list(mesh.names) or _fabric_bytes(other, traffic) >= _fabric_bytes(mesh, traffic):
+    given_bytes, other_bytes = _fabric_bytes(mesh, traffic), _fabric_bytes(other, traffic)
+    if order == list(mesh.names) or other_bytes >= given_bytes:
         return plan
     alt = _plan_on(graph, other, strategy, memory_limit_bytes,
                    _permuted_pins(pins, mesh.names, other.names), time_limit_s, compare_sharded)
-    note = (f"{'reordered' if alt.estimated_step_time_s < plan.estimated_step_time_s else 'kept'}"
-            f" {','.join(mesh.names)} -> {','.join(other.names)} was planned too "
-            f"({alt.estimated_step_time_s * 1e3:.3f} ms vs {plan.estimated_step_time_s * 1e3:.3f}"
-            f" ms as given): per step the given order moves "
-            f"{format_bytes(_fabric_bytes(mesh, traffic))} between nodes, the other "
-            f"{format_bytes(_fabric_bytes(other, traffic))}")
     best = alt if (alt.fits, -alt.estimated_step_time_s) > (plan.fits,
                                                               -plan.estimated_step_time_s) else plan
+    note = (f"{'reordered' if best is alt else 'kept'}"
+            f" {','.join(mesh.names)} -> {','.join(other.names)} was planned too "
+            f"({alt.estimated_step_time_s * 1e3:.3f} ms vs {plan.estimated_step_time_s * 1e3:.3f}"
+            f" ms as given): per step the given order moves {format_bytes(given_bytes)} between "
+            f"nodes, the other {format_bytes(other_bytes)}")
     best.solver["axis_order"] = note
     logger.info("planning %s: axis order: %s", graph.info.name, note)
     return best

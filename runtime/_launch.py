@@ -192,6 +192,19 @@ def _tail(path: Path | None) -> str:
     return "\n".join("    " + line for line in lines)
 
 
+def _remote_error(head: str, rank: int, header: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The lines that report rank ``rank``'s ``error`` reply (``head`` + type: message, where,
+    its traceback) and the failure's ``remote_type``, ``remote_traceback`` and ``where``."""
+    remote_type, text = header.get("type", "Exception"), header.get("message", "")
+    where, tb = header.get("where"), header.get("traceback", "")
+    lines = [f"{head}{remote_type}: {text}"]
+    if where:
+        lines.append(f"  at {where}")
+    if tb:
+        lines += [f"  remote traceback (rank {rank}):", _indent(tb)]
+    return lines, {"remote_type": remote_type, "remote_traceback": tb, "where": where}
+
+
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.rstrip().splitlines())
 
@@ -404,34 +417,21 @@ class Workers:
             reason="exit", ranks=[dead[0]], kind=kind, exit_code=code)
 
     def _error(self, rank: int, header: dict[str, Any], kind: str) -> WorkerFailure:
-        remote_type, text = header.get("type", "Exception"), header.get("message", "")
-        where, tb = header.get("where"), header.get("traceback", "")
-        lines = [f"rank {rank} failed in {header.get('kind', kind)!r}: {remote_type}: {text}"]
-        if where:
-            lines.append(f"  at {where}")
-        if tb:
-            lines += [f"  remote traceback (rank {rank}):", _indent(tb)]
+        lines, remote = _remote_error(f"rank {rank} failed in {header.get('kind', kind)!r}: ",
+                                      rank, header)
         lines.append(f"  all {self.n} workers were stopped")
-        return WorkerFailure("\n".join(lines), reason="error", ranks=[rank], kind=kind,
-                             remote_type=remote_type, remote_traceback=tb, where=where)
+        return WorkerFailure("\n".join(lines), reason="error", ranks=[rank], kind=kind, **remote)
 
     def _not_applied(self, failed: dict[int, dict[str, Any]], kind: str) -> StepFailed:
         """Every rank answered ``kind`` with an intact error: name the ranks whose own op
         failed (the others only followed the vote) and say that nothing was applied."""
         causes = {r: h for r, h in failed.items() if h.get("type") != "StepAborted"} or failed
         rank = min(causes)
-        header = causes[rank]
-        remote_type, text = header.get("type", "Exception"), header.get("message", "")
-        where, tb = header.get("where"), header.get("traceback", "")
-        lines = [f"{_ranks(sorted(causes))} failed in {kind!r}; rank {rank}: {remote_type}: {text}"]
-        if where:
-            lines.append(f"  at {where}")
-        if tb:
-            lines += [f"  remote traceback (rank {rank}):", _indent(tb)]
+        lines, remote = _remote_error(f"{_ranks(sorted(causes))} failed in {kind!r}; rank {rank}: ",
+                                      rank, causes[rank])
         lines.append(f"  no rank applied this {kind}: every rank's state is as before the call, "
                      f"and all {self.n} workers are running, ready for the next call")
-        return StepFailed("\n".join(lines), ranks=sorted(causes), kind=kind,
-                          remote_type=remote_type, remote_traceback=tb, where=where)
+        return StepFailed("\n".join(lines), ranks=sorted(causes), kind=kind, **remote)
 
     def _split(self, kind: str) -> WorkerFailure:
         return WorkerFailure(
