@@ -12,7 +12,9 @@ rank's identity before the rank connects. Who may connect at all:
 * **over TCP** (another interface, for ranks on other hosts): ZeroMQ's CURVE with keys derived
   from the run's secret, and a ZAP handler that admits only the run's client key, so a peer
   without the secret cannot finish the handshake, send a frame or take an identity; a peer that
-  does not finish its handshake within ``HANDSHAKE_S`` is dropped.
+  does not finish its handshake within ``HANDSHAKE_S`` is dropped, and a ``Gate`` bounds how
+  many connections may be authenticating at once (per address and in all), so a flood of
+  them cannot exhaust the controller's file descriptors.
 
 A message travels as the multipart frames ``[header_json, *tensor_buffers, mac]``:
 
@@ -56,6 +58,7 @@ import torch
 import zmq
 
 from .._errors import RuntimeFailure
+from ._gate import Gate
 
 __all__ = ["CONTROLLER", "ControllerChannel", "Message", "Secret", "WorkerChannel", "identity", "store_prefix"]
 
@@ -404,6 +407,7 @@ class ControllerChannel(_Endpoint):
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message)
         self._dir: str | None = None
         self._auth: Any = None
+        self._gate: Gate | None = None
         if transport == "ipc":
             try:
                 self._socket.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
@@ -423,6 +427,7 @@ class ControllerChannel(_Endpoint):
             self._socket.setsockopt(zmq.CURVE_SERVER, 1)
             self._socket.setsockopt(zmq.CURVE_SECRETKEY, private)
             self._socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+            self._gate = Gate(self._socket, run_id, grace_s=HANDSHAKE_S + 1.0)
             port = self._socket.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
 
@@ -453,6 +458,8 @@ class ControllerChannel(_Endpoint):
                 return got
 
     def close(self) -> None:
+        if self._gate is not None:
+            self._gate.stop()
         if self._auth is not None and not self._closed:
             self._auth.stop()
         self._close(self._socket, 0)

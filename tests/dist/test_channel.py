@@ -305,6 +305,44 @@ def test_over_tcp_only_holders_of_the_run_key_get_in(monkeypatch) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_flood_of_tcp_connections_is_bounded(monkeypatch) -> None:
+    """Over TCP, idle connections from one address beyond the gate's limit are shut down at
+    once (the controller does not hold their descriptors for the handshake deadline), and a
+    rank from another address still gets in and talks during the flood."""
+    import socket
+
+    from meshplan.runtime import _gate
+
+    monkeypatch.setattr(_gate, "PER_PEER", 4)
+    secret = Secret.new()
+    ctrl = ControllerChannel(secret, RUN, transport="tcp")
+    host, port = ctrl.address[len("tcp://"):].rsplit(":", 1)
+    flood = [socket.create_connection((host, int(port)), timeout=3, source_address=("127.0.0.2", 0))
+             for _ in range(12)]
+    worker = WorkerChannel(ctrl.address, secret, RUN, rank=0)
+    worker.send("hello")
+    assert ctrl.recv(5)[1].kind == "hello"          # the rank is not held back by the flood
+
+    time.sleep(1.0)                                 # well inside the 5 s handshake deadline
+
+    def closed(conn: socket.socket) -> bool:        # ZeroMQ's greeting, then EOF if refused
+        conn.setblocking(False)
+        try:
+            while conn.recv(64):
+                pass
+            return True
+        except BlockingIOError:
+            return False
+    closed = [closed(c) for c in flood]
+    assert closed.count(False) == 4 and closed[:4] == [False] * 4, closed
+    assert ctrl._gate.refused == 8
+    for conn in flood:
+        conn.close()
+    worker.close()
+    ctrl.close()
+
+
+@pytest.mark.timeout(60)
 def test_rejections_are_counted_and_their_lines_rate_limited(pair, raw, caplog) -> None:
     ctrl, _ = pair
     seq = time.time_ns()
