@@ -151,10 +151,15 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
     random_line = random_ops_line([r["target"] for r in rep.get("random_ops", ())])
     if random_line:
         con.print(f"  {random_line}", markup=False)
-    st = rep["solver"]
+    st = dict(rep["solver"])
+    notes = [(label, st.pop(key)) for key, label in (("axis_order", "axis order"),
+                                                      ("recompute", "activation recompute"))
+             if st.get(key)]
     if st:
         con.print("  solver: " + ", ".join(
             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))
+    for label, note in notes:
+        con.print(f"  {label}: {note}", markup=False)
 
 
 # ---- explain -------------------------------------------------------------------------------------
@@ -170,6 +175,8 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     con.print(f"[bold]{ex['node']}[/bold] ({ex['target']}, {ex['phase']}"
               f"{', ' + ex['module'] if ex['module'] else ''}) at {ex['source'] or '?'}")
     con.print(f"  {ex['why']}")
+    if ex.get("recompute"):
+        con.print(f"  {ex['recompute']}", markup=False)
     rows = [("*" if r["chosen"] else "", " ".join(r["inputs"]) or "-", " ".join(r["outputs"]),
              _ms(r["compute_s"] + r["folded_comm_s"]), _ms(r["input_reshard_s"]),
              _ms(r["output_reshard_s"]), _ms(r["total_s"]), r["output_bytes_per_rank"])

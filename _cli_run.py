@@ -41,6 +41,9 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--memory-limit", help="per-device memory, e.g. 70GB or 512MiB")
     c.add_argument("--precision", help="fp32 (as written), bf16 or fp16: FSDP2-style mixed "
                    "precision (16-bit compute copies, fp32 reductions); default: the decorator's")
+    c.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
+                   help="activation recompute of the repeated layers: auto (the planner decides "
+                   "when memory is short), none, selective or full; default: the decorator's")
     c.add_argument("--example", help="MOD:FN (or FILE.py:FN) returning the example inputs")
     c.add_argument("--out", "-o", required=True, help="where to write the plan (atomically)")
     c.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -125,7 +128,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
             plan = plan_graph(graph, mesh, topology=topology,
                               strategy=args.strategy or opts["strategy"],
                               memory_limit_bytes=limit or opts["memory_limit_bytes"],
-                              compare_sharded=True)
+                              compare_sharded=True,
+                              recompute=args.recompute or opts["recompute"])
         stage(f"writing {args.out}")
         plan.save(args.out)
     summary = {"path": os.path.abspath(args.out), "mesh": dict(plan.mesh.axes),
@@ -350,9 +354,9 @@ def _decorator_options(fn: Any) -> dict[str, Any]:
     if isinstance(fn, meshplan.DistributedStep):
         return {"topology": fn.topology, "strategy": fn.strategy,
                 "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s,
-                "precision": fn.precision}
+                "precision": fn.precision, "recompute": fn.recompute}
     return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0,
-            "precision": None}
+            "precision": None, "recompute": "auto"}
 
 
 # ---- output ----------------------------------------------------------------------------------

@@ -20,16 +20,18 @@ def compile(  # noqa: A001 - the public name users call
     memory_limit_bytes: int | None = None,
     pins: Mapping[str, Any] | None = None,
     precision: str | None = None,
+    recompute: Any = "auto",
 ) -> Plan:
     """Trace ``step_fn`` on ``example_args`` and plan it on ``mesh`` (see ``plan_graph``).
     For a GPU topology, ``torch.autocast("cuda", ...)`` regions are traced as a GPU would run
     them even where this process has no CUDA (``frontend/_autocast.py``). ``precision``:
     ``"bf16"``/``"fp16"`` plans the step under FSDP2-style mixed precision
-    (``frontend/_precision.py``)."""
+    (``frontend/_precision.py``). ``recompute``: activation recompute (``plan_graph``)."""
     with autocast_for(cuda_regions(topology)), mixed_precision(precision):
         graph = trace(step_fn, *example_args).graph
     return plan_graph(graph, mesh, topology=topology or "cpu", strategy=strategy,
-                      memory_limit_bytes=memory_limit_bytes, pins=pins, compare_sharded=True)
+                      memory_limit_bytes=memory_limit_bytes, pins=pins, compare_sharded=True,
+                      recompute=recompute)
 
 
 def cuda_regions(topology: str | Topology | None) -> str | None:

@@ -17,6 +17,9 @@ from ._passes import (
     run_passes,
     substitute,
 )
+from ._recompute import POLICIES as RECOMPUTE_POLICIES
+from ._recompute import layers as repeated_layers
+from ._recompute import recompute
 from ._random import RANDOM_SEMANTICS, is_random, random_nodes, takes_generator
 from ._serialize import FORMAT, VERSION, atomic_write_text
 from ._summary import GraphSummary, summarize
@@ -35,6 +38,7 @@ from ._verify import verify
 __all__ = [
     "FORMAT",
     "RANDOM_SEMANTICS",
+    "RECOMPUTE_POLICIES",
     "VERSION",
     "ConstantValue",
     "Graph",
@@ -62,7 +66,9 @@ __all__ = [
     "node_flops",
     "op_name",
     "random_nodes",
+    "recompute",
     "remove_identity_ops",
+    "repeated_layers",
     "resolve_op",
     "run_passes",
     "split_foreach",

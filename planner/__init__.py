@@ -13,7 +13,7 @@ from ._hand import HAND_STRATEGIES
 from ._mesh import PRESETS, Link, Mesh, Topology, get_topology, parse_mesh
 from ._placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
 from ._plan import NodePlacement, Plan, Redistribution
-from ._planning import plan_graph
+from ._planning import check_recompute, plan_graph, recompute_cost
 from ._report import diff, explain, plan_report, render_html
 
 __all__ = [
@@ -39,7 +39,9 @@ __all__ = [
     "explain",
     "get_topology",
     "parse_mesh",
+    "check_recompute",
     "plan_graph",
+    "recompute_cost",
     "plan_report",
     "render_html",
 ]

@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from .._errors import IRError, PlanError
-from ..ir import Graph, Role, atomic_write_text
+from ..ir import Graph, Role, atomic_write_text, recompute
 from ..ir._serialize import graph_from_dict, graph_to_dict, read_text
 from ._mesh import Mesh, Topology
 from ._placement import Layout, Replicate, format_layout, parse_placement
@@ -119,6 +119,9 @@ class Plan:
     # a fully replicated ``auto`` plan's comparison with the sharded families; None: not
     # compared (not fully replicated, made with input pins, or saved before this was recorded)
     sharded_alternatives: ShardedAlternatives | None = None
+    # activation recompute: (policy, layers) the planner applied to the traced graph (``graph``
+    # holds the copies it made); None: nothing is recomputed
+    recompute: tuple[str, tuple[str, ...]] | None = None
 
     @cached_property
     def graph_hash(self) -> str:
@@ -152,11 +155,20 @@ class Plan:
         if graph is not None:
             from ._planning import _prepare
 
-            if graph_hash(_prepare(graph)) != self.graph_hash:
+            if graph_hash(self.applied(_prepare(graph))) != self.graph_hash:
                 raise PlanError(f"the step {graph.info.name!r} changed since the plan was "
                                 "compiled (its graph hash differs; or it was compiled with "
                                 "another --precision): recompile with `meshplan compile "
                                 "FILE.py:STEP -o PLAN`")
+
+    def applied(self, graph: Graph) -> Graph:
+        """``graph`` (as traced and prepared) with this plan's activation recompute."""
+        if self.recompute is None:
+            return graph
+        try:
+            return recompute(graph, self.recompute[0], self.recompute[1])
+        except IRError:      # another step: its layers differ; the hash check says so
+            return graph
 
     @functools.cached_property
     def input_layouts(self) -> dict[str, Layout]:
@@ -219,6 +231,8 @@ class Plan:
         }
         if self.sharded_alternatives is not None:   # absent otherwise: older plans hash alike
             body["sharded_alternatives"] = self.sharded_alternatives.to_dict()
+        if self.recompute is not None:
+            body["recompute"] = {"policy": self.recompute[0], "layers": list(self.recompute[1])}
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
         return {"format": FORMAT, "version": VERSION,
                 "sha256": hashlib.sha256(text.encode()).hexdigest(), "body": body}
@@ -303,6 +317,9 @@ def _plan_from_body(b: dict[str, Any]) -> Plan:
         meshplan_version=b.get("meshplan_version"),
         sharded_alternatives=(None if b.get("sharded_alternatives") is None
                               else ShardedAlternatives.from_dict(b["sharded_alternatives"])),
+        recompute=(None if b.get("recompute") is None
+                   else (str(b["recompute"]["policy"]),
+                         tuple(str(k) for k in b["recompute"]["layers"]))),
     )
 
 

@@ -233,10 +233,27 @@ def explain(plan: Plan, node: str) -> dict[str, Any]:
     rows.sort(key=lambda r: (r["total_s"] is None, r["total_s"] or 0.0, not r["chosen"]))
     n = graph.node(node)
     return {"node": node, "target": n.target, "phase": n.phase.value, "module": n.module_path,
+            "recompute": _recompute_role(plan, node),
             "source": f"{n.source.file}:{n.source.line}" if n.source else None,
             "chosen": next(r for r in rows if r["chosen"]),
             "alternatives": rows, "why": _why(rows),
             "note": "alternatives priced holding every other node at its chosen layout"}
+
+
+def _recompute_role(plan: Plan, node: str) -> str | None:
+    """What activation recompute does with ``node``: None when nothing."""
+    from ..ir._recompute import PREFIX
+
+    if plan.recompute is None:
+        return None
+    graph = plan.graph
+    if node.startswith(PREFIX) and node[len(PREFIX):] in graph:
+        return (f"recomputed: this is {node[len(PREFIX):]} computed again for the backward "
+                f"({plan.recompute[0]} recompute of {graph.node(node).module_path})")
+    if PREFIX + node in graph:
+        return (f"recomputed in the backward as {PREFIX + node}; this value is freed after its "
+                "last forward use")
+    return None
 
 
 def _price(plan: Plan, node: str, inputs: tuple, outputs: tuple, compute_s: float,

@@ -31,7 +31,7 @@ from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, Role
-from ..planner import Plan, plan_graph
+from ..planner import Plan, check_recompute, plan_graph
 from ..telemetry import TelemetryConfig
 from ._files import FILES_PLUGIN
 from ._launch import LocalLauncher, StepFailed, WorkerFailure, Workers
@@ -54,7 +54,7 @@ class DistributedStep:
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
                  telemetry: Any = None, kernels: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, recompute: Any = "auto") -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
@@ -66,6 +66,8 @@ class DistributedStep:
         self.strategy = strategy
         check_precision(precision)
         self.precision = precision
+        check_recompute(recompute)
+        self.recompute = recompute
         self.example_inputs = example_inputs
         self.memory_limit_bytes = memory_limit_bytes
         self.timeout_s = timeout_s
@@ -309,7 +311,8 @@ class DistributedStep:
         else:
             self._plan = plan_graph(self._traced.graph, self.mesh, topology=self.topology,
                                     strategy=self.strategy,
-                                    memory_limit_bytes=self.memory_limit_bytes)
+                                    memory_limit_bytes=self.memory_limit_bytes,
+                                    recompute=self.recompute)
 
     def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
         from ._checkpoint import check_matches, read_info, read_whole
@@ -524,7 +527,8 @@ class DistributedStep:
         pins = {n.target: base.input_layouts[n.target] for n in base.graph.inputs
                 if n.meta.role in _STATE_ROLES}
         plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
-                          memory_limit_bytes=self.memory_limit_bytes, pins=pins)
+                          memory_limit_bytes=self.memory_limit_bytes, pins=pins,
+                          recompute=self.recompute)
         variant = Variant.of(len(self._variants), plan, tuple(call_inputs(plan)))
         workers = self._workers
         assert workers is not None
@@ -616,7 +620,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                telemetry: Any = None, kernels: bool | None = None,
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
-               precision: str | None = None) -> Any:
+               precision: str | None = None, recompute: Any = "auto") -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -637,14 +641,16 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     reproduces it. The same seed, mesh and plan give the same results. ``precision``:
     ``"bf16"`` (or ``"fp16"``) runs the step as FSDP2's mixed precision does (16-bit compute
     copies of fp32 parameters, fp32 gradient reductions; ``frontend/_precision.py``); None or
-    ``"fp32"``: as written.
+    ``"fp32"``: as written. ``recompute``: activation recompute of the repeated layers,
+    ``"auto"`` (the planner decides when memory is short), ``"none"``, ``"selective"``,
+    ``"full"`` or ``(policy, layers)`` (``plan_graph``; README, "Activation recompute").
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
-                               seed=seed, precision=precision)
+                               seed=seed, precision=precision, recompute=recompute)
 
     return wrap(fn) if fn is not None else wrap
 

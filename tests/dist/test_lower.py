@@ -479,3 +479,28 @@ def test_random_ops_keep_replicas_equal_and_repeat_from_their_seed(monkeypatch) 
     monkeypatch.setattr(_rng, "sharded_axes", lambda outputs, sizes: tuple(range(len(sizes))))
     _, local3, programs3 = _run_steps(plan, traced, ex, rng_seed=5)
     assert _replicas_differ(local3, programs3, plan.mesh.sizes)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("axes", "strategy", "policy"),
+                         [({"dp": 2}, "fsdp", "full"), ({"dp": 2, "tp": 2}, "megatron_tp", "full"),
+                          ({"tp": 2}, "megatron_tp", "selective")],
+                         ids=["dp2-fsdp-full", "dp2tp2-megatron-full", "tp2-megatron-selective"])
+def test_recompute_changes_no_bit_of_the_step(axes, strategy, policy) -> None:
+    """Issue 20, point 2: the same family's plan with activation recompute forced on runs on
+    the thread mesh to exactly the losses and state of the plan without it (the copies run the
+    same ops on the same pieces; the collectives are the same), with the registry's kernels
+    on; the plan without recompute matches one process in test_lowered_steps_equal_...;
+    processes: tests/dist/test_user_programs.py."""
+    ex, traced = _example("gpt-b16")
+    runs = []
+    for rc in ("none", policy):
+        plan = plan_graph(traced.graph, axes, topology="h100", strategy=strategy, recompute=rc)
+        runs.append(_run_steps(plan, traced, ex, rng_seed=0, steps=3))
+    assert plan.recompute is not None and plan.recompute[0] == policy
+    (l0, s0, _), (l1, s1, programs) = runs
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(s0[r][k], s1[r][k]) for r in range(len(s0)) for k in s0[r])
+    copies = {i.node.name for i in programs[0].instructions if hasattr(i, "node")
+              and i.node.name.startswith("rc_")}
+    assert copies, "the program runs no recomputed copy"

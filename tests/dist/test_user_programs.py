@@ -326,3 +326,21 @@ def test_mixed_precision_runs_on_a_data_parallel_mesh() -> None:
             assert got == pytest.approx(want, rel=1e-4), i
     with pytest.raises(meshplan.MeshplanError, match="precision='int8'"):
         meshplan.distribute(step, mesh={"dp": 2}, precision="int8")
+
+
+def test_activation_recompute_runs_on_processes() -> None:
+    """Issue 20, point 2: ``distribute(recompute="full")`` (every GPT block recomputed in the
+    backward) with FSDP on dp=2 processes against one eager process: tolerances as above (the
+    recompute itself changes no bit: tests/dist/test_lower.py)."""
+    from meshplan.examples import gpt
+
+    mine, eager = gpt.build(optimizer="adamw"), gpt.build(optimizer="adamw")
+    with meshplan.distribute(mine.step, mesh={"dp": 2}, strategy="fsdp", recompute="full",
+                             telemetry=False) as dist:
+        for i in range(3):
+            got, want = float(dist(*mine.batch(i))), float(eager.step(*eager.batch(i)))
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), i
+        assert dist.plan.recompute is not None and dist.plan.recompute[0] == "full"
+        dist.sync()
+    # AdamW's near-zero gradients: atol 1e-5 as in tests/dist/test_lower.py
+    _close_params(eager.model, mine.model, atol=1e-5)
