@@ -94,7 +94,9 @@ def _rope_tables(cfg: LlamaConfig) -> tuple[Tensor, Tensor]:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding on ``(batch, heads, seq, head_dim)`` with the half-split convention."""
+    """Rotary embedding on ``(batch, heads, seq, head_dim)`` with the half-split convention, in
+    ``x``'s dtype (the tables are fp32 buffers; under bf16 mixed precision q and k stay bf16)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

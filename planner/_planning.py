@@ -18,7 +18,7 @@ from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, layout_fraction, parse_placement
 from ._plan import NodePlacement, Plan, PlanEstimate, Redistribution, ShardedAlternatives
 from ._problem import (
-    STATE_POS, Problem, build_problem, is_follower, reshard_steps, result_refs,
+    STATE_POS, Problem, build_problem, is_follower, persistent, reshard_steps, result_refs,
 )
 from ._solve import Solution, min_peak_memory, solve
 from ._summary import TIMED_OUT, format_bytes
@@ -236,7 +236,8 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
         return _raise_no_fit(graph, mesh, got, layers, tried=()) if isinstance(got, _NoFit) \
             else got
     base = attempt(None)
-    if not layers or (isinstance(base, Plan) and base.fits):
+    if not layers or (isinstance(base, Plan) and (base.fits or _state_bytes(base)
+                                                  >= base.memory_limit_bytes)):
         return _raise_no_fit(graph, mesh, base, layers, tried=()) if isinstance(base, _NoFit) \
             else base
     plans = [base] if isinstance(base, Plan) else []
@@ -265,6 +266,14 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
                    else f"no plan fits {format_bytes(base.limit)}")
         best.solver["recompute"] += f"; without recompute: {without}"
     return best
+
+
+def _state_bytes(plan: Plan) -> int:
+    """Bytes per device of the state ``plan`` holds through the step (parameters, buffers,
+    gradients, optimizer state): what no recompute can free."""
+    placed = {p.node: p for p in plan.placements}
+    return int(sum(n.meta.nbytes / layout_fraction(placed[n.name].outputs[0], plan.mesh.sizes)
+                   for n in plan.graph.inputs if persistent(n) and n.name in placed))
 
 
 def _rank(plan: Plan) -> tuple[bool, float]:
@@ -407,10 +416,14 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
                                             c.compute_s))
     chosen = {p.node: p for p in placements}
     redistributions = []
+    done: set[tuple[str, int, Layout, Layout]] = set()
     for e in problem.all_edges() + problem.folded:
         src = chosen[e.src].outputs[e.index]
         dst = chosen[e.dst].outputs[0] if e.pos == STATE_POS else chosen[e.dst].inputs[e.pos]
-        if src != dst:
+        # one change per value and target layout serves all its consumers (the lowering
+        # keeps the changed value): listed, and paid, once
+        if src != dst and (e.src, e.index, src, dst) not in done:
+            done.add((e.src, e.index, src, dst))
             consumer = f"<state {graph.node(e.dst).target}>" if e.pos == STATE_POS else e.dst
             redistributions.append(_redistribution(problem, Ref(e.src, e.index), consumer,
                                                    src, dst))
