@@ -379,19 +379,29 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         return cache[key]
 
     wide_values = reduce_wide(graph)
-    edge_count: dict[tuple[int, ...], int] = defaultdict(int)
-    sample: dict[tuple[int, ...], Edge] = {}
-    at: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    # Edges are grouped by what they decide: the producer's group and output, the consumer's
+    # group and the layout each of its choices needs. Consumers of one value that need the
+    # same layouts (AdamW reads a gradient in three places) fall in one block, and the block
+    # counts each value once: a value changed to a layout serves all of them, as in the
+    # lowering. (Consumers in different groups still pay each.)
+    sources: dict[tuple, set[str]] = defaultdict(set)
+    sample: dict[tuple, Edge] = {}
+    at: dict[tuple, list[int]] = defaultdict(list)
     watched = set(points)
+    needs: dict[tuple[str, int], tuple] = {}
     for e in problem.all_edges():
         s, d = dec[e.src], dec[e.dst]
-        key = (s.group, s.cls, e.index, d.group, d.cls, e.pos)
-        edge_count[key] += 1
+        sig = needs.get((e.dst, e.pos))
+        if sig is None:
+            sig = needs[(e.dst, e.pos)] = tuple(c.required(e.pos) for c in d.choices)
+        key = (s.group, s.cls, e.index, d.group, problem.is_follower(e.dst), sig)
+        sources[key].add(e.src)
         sample.setdefault(key, e)
         when = _edge_time(problem, e)
         if when in watched:
             at[key].append(when)
-    for key, count in edge_count.items():
+    for key, srcs in sources.items():
+        count = len(srcs)
         e = sample[key]
         gs, gd, k, pos = key[0], key[3], e.index, e.pos
         meta = graph.meta(Ref(e.src, e.index))

@@ -60,8 +60,8 @@ TABLES: dict[str, pa.Schema] = {
 # Views every store defines over the tables (SQL; ``{t}`` placeholders are not used).
 VIEWS: dict[str, str] = {
     # The plan's estimate for every collective next to what the ranks measured (mean over ranks
-    # and steps). Rows the plan priced but no rank ran (a layout made once serves two
-    # consumers) have measured_calls = 0; that difference is the cost model's to learn from.
+    # and steps). Rows the plan priced but no rank ran have measured_calls = 0; that difference
+    # is the cost model's to learn from.
     "collectives_vs_plan": """
         SELECT p.run_id, p.value, p.node, p.seq, p.kind, p.axis, p.group_size,
                p.bytes AS predicted_bytes, p.est_us AS predicted_us,
