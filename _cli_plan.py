@@ -153,7 +153,8 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
         con.print(f"  {random_line}", markup=False)
     st = dict(rep["solver"])
     notes = [(label, st.pop(key)) for key, label in (("axis_order", "axis order"),
-                                                      ("recompute", "activation recompute"))
+                                                      ("recompute", "activation recompute"),
+                                                      ("families", "search vs families"))
              if st.get(key)]
     if st:
         con.print("  solver: " + ", ".join(

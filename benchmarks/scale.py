@@ -115,14 +115,19 @@ def layout_of(plan) -> str:  # noqa: ANN001
     layouts = plan.input_layouts
     sharded = {a for n in params for a, p in zip(names, layouts[n.target])
                if isinstance(p, Shard)}
-    # the batch's split: the token embedding's output (the ids themselves may stay whole)
-    emb = next(p for p in plan.placements if p.target == "aten.embedding.default")
-    batch = [a for a, p in zip(names, emb.outputs[0]) if isinstance(p, Shard) and p.dim == 0]
-    seq = [a for a, p in zip(names, emb.outputs[0]) if isinstance(p, Shard) and p.dim == 1]
+    # how the tokens are split: the activation operand of the forward matrix products
+    # (batch x sequence flattened to dim 0), as most of them have it
+    graph = plan.graph
+    votes: dict[tuple[str, ...], int] = {}
+    for p in plan.placements:
+        node = graph.node(p.node)
+        if p.target == "aten.mm.default" and node.phase.value == "forward" and p.inputs[0]:
+            axes = tuple(a for a, q in zip(names, p.inputs[0]) if isinstance(q, Shard)
+                         and q.dim == 0)
+            votes[axes] = votes.get(axes, 0) + 1
+    batch = list(max(votes, key=votes.get)) if votes else []
     parts = [f"params sharded over {','.join(sorted(sharded)) or 'nothing'}",
-             f"batch over {','.join(batch) or 'nothing'}"]
-    if seq:
-        parts.append(f"sequence over {','.join(seq)}")
+             f"tokens over {','.join(batch) or 'nothing'}"]
     if plan.recompute is not None:
         parts.append(f"{plan.recompute[0]} recompute on {len(plan.recompute[1])} layers")
     else:

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 from .._errors import PlanError
 from ..ir import RECOMPUTE_POLICIES, Graph, Phase, Ref, TensorMeta, repeated_layers, split_foreach
@@ -150,6 +151,7 @@ def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | 
     """``plan_graph`` on one axis order and one recompute choice (``_NoFit`` when the
     automatic search finds no plan under the limit)."""
     t0 = time.perf_counter()
+    traced = graph
     graph = _prepare(graph)
     if rc is not None:
         graph = recompute_graph(graph, *rc)
@@ -185,10 +187,45 @@ def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | 
     plan = _make_plan(problem, sol, strategy, limit)
     if rc is not None:
         plan = dataclasses.replace(plan, recompute=rc)
+    if strategy == "auto" and float(sol.solver.get("mip_gap", 0.0)) > FAMILY_FALLBACK_GAP:
+        plan = _best_with_families(traced, mesh, plan, memory_limit_bytes, pins, time_limit_s, rc)
     if compare_sharded and strategy == "auto" and not pins and plan.fully_replicated:
         plan = dataclasses.replace(plan, sharded_alternatives=sharded_families(
-            graph, mesh, limit, min(time_limit_s, COMPARE_TIME_LIMIT_S)))
+            traced, mesh, limit, min(time_limit_s, COMPARE_TIME_LIMIT_S)))
     return plan
+
+
+# An automatic plan whose solve stopped (time limit) further than this from its bound is
+# compared with the hand-written families, planned with the same recompute choice; a faster
+# family plan that fits is kept (the families are pins on the same problem, so the search
+# would have found it given the time).
+FAMILY_FALLBACK_GAP = 0.02
+
+
+def _best_with_families(traced: Graph, mesh: Mesh, plan: Plan, memory_limit_bytes: int | None,
+                        pins: Pins | None, time_limit_s: float,
+                        rc: tuple[str, tuple[str, ...]] | None) -> Plan:
+    best, gap = plan, float(plan.solver.get("mip_gap", 0.0))
+    tried = []
+    for family in HAND_STRATEGIES:
+        try:
+            alt = _plan_on(traced, mesh, family, memory_limit_bytes, pins, time_limit_s, False,
+                           rc)
+        except PlanError:
+            continue
+        tried.append(f"{family} {alt.estimated_step_time_s * 1e3:.3f} ms"
+                     f"{'' if alt.fits else ' (does not fit)'}")
+        if alt.fits and alt.estimated_step_time_s < best.estimated_step_time_s:
+            best = alt
+    note = (f"the search stopped {gap:.1%} from its bound at "
+            f"{plan.estimated_step_time_s * 1e3:.3f} ms; families: {', '.join(tried) or 'none'}"
+            f"; kept: {'the search' if best is plan else best.strategy}")
+    if best is not plan:
+        best = dataclasses.replace(best, strategy="auto", solver={**best.solver,
+                                                                  "searched_gap": gap})
+    best.solver["families"] = note
+    logger.info("planning %s: %s", traced.info.name, note)
+    return best
 
 
 # ---- activation recompute ---------------------------------------------------------------------
@@ -232,14 +269,19 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
     if recompute != "auto":
         policy, which = ((recompute, layers) if isinstance(recompute, str)
                          else (recompute[0], tuple(recompute[1])))
-        got = attempt(None if policy == "none" or not which else (policy, tuple(which)))
-        return _raise_no_fit(graph, mesh, got, layers, tried=()) if isinstance(got, _NoFit) \
-            else got
+        if policy != "none" and not which:
+            raise PlanError(f"recompute={recompute!r}: {graph.info.name} has no repeated layers "
+                            "to recompute (modules numbered like layers.0, layers.1)")
+        got = attempt(None if policy == "none" else (policy, tuple(which)))
+        if isinstance(got, _NoFit):
+            _raise_no_fit(graph, mesh, got, layers, tried=() if policy == "none" else (policy,))
+        return got
     base = attempt(None)
     if not layers or (isinstance(base, Plan) and (base.fits or _state_bytes(base)
                                                   >= base.memory_limit_bytes)):
-        return _raise_no_fit(graph, mesh, base, layers, tried=()) if isinstance(base, _NoFit) \
-            else base
+        if isinstance(base, _NoFit):
+            _raise_no_fit(graph, mesh, base, layers, tried=())
+        return base
     plans = [base] if isinstance(base, Plan) else []
     last: Plan | _NoFit = base
     tried: list[str] = []
@@ -252,7 +294,7 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
                 break
     if not plans:
         assert isinstance(last, _NoFit)
-        return _raise_no_fit(graph, mesh, last, layers, tried=tuple(tried))
+        _raise_no_fit(graph, mesh, last, layers, tried=tuple(tried))
     best = min(plans, key=_rank)
     if best.recompute is not None and best.fits and len(layers) > 1:
         k = _layers_needed(base, best, len(layers))
@@ -333,11 +375,11 @@ def _layer_span(which: Sequence[str]) -> str:
 
 
 def _raise_no_fit(graph: Graph, mesh: Mesh, e: _NoFit, layers: Sequence[str],
-                  tried: Sequence[str]) -> Plan:
+                  tried: Sequence[str]) -> NoReturn:
     best = min_peak_memory(e.problem, time_limit=e.time_limit_s)
     if tried:
-        rc = (f"activation recompute ({' and '.join(tried)} on every one of the "
-              f"{len(layers)} layers; the best peak is with {tried[-1]})")
+        rc = (f"activation recompute ({' and '.join(tried)} of the {len(layers)} layers; "
+              f"the best peak is with {tried[-1]})")
         rest = "pipeline stages, offloading"
     elif layers:
         rc = None

@@ -106,6 +106,8 @@ def render_summary(plan: Plan, width: int = 100) -> str:
             con.print(f"  axis order: {st['axis_order']}", markup=False)
     if st.get("recompute"):
         con.print(f"  activation recompute: {st['recompute']}", markup=False)
+    if st.get("families"):
+        con.print(f"  search vs families: {st['families']}", markup=False)
     agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for r in plan.redistributions:
         for kind, axis, nbytes in r.collectives:

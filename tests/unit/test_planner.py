@@ -311,3 +311,20 @@ def test_the_axis_with_less_traffic_goes_across_nodes() -> None:
     assert auto.mesh.names == ("dp", "tp") and "axis_order" not in auto.solver
     with pytest.raises(PlanError, match="axis_order must be 'auto' or 'given'"):
         plan_graph(g, {"dp": 4, "tp": 4}, topology=topo, axis_order="inner")
+
+
+def test_an_automatic_plan_far_from_its_bound_is_compared_with_the_families(monkeypatch) -> None:
+    """When the search stops far from its bound (large models at the time limit), the families
+    are planned too and a faster one that fits is kept; forced here on a small model by
+    lowering the threshold below any gap."""
+    from meshplan.planner import _planning
+
+    monkeypatch.setattr(_planning, "FAMILY_FALLBACK_GAP", -1.0)
+    g = _graph("mlp")
+    plan = plan_graph(g, {"dp": 2}, topology="h100")
+    note = plan.solver["families"]
+    assert plan.strategy == "auto" and "families: dp " in note and "kept: " in note
+    families = [plan_graph(g, {"dp": 2}, topology="h100", strategy=f) for f in HAND_STRATEGIES
+                if f != "megatron_tp"]                       # needs a tp axis
+    assert plan.estimated_step_time_s <= min(p.estimated_step_time_s for p in families if p.fits)
+    assert "search vs families: " in plan.summary()
