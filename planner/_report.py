@@ -35,6 +35,9 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
   ``best_bucket_bytes``; null: nothing to bucket, or a plan saved before it was chosen);
 * ``fallbacks``: op targets without a sharding rule (run replicated); ``solver``: its stats
   (``*_s`` fields are wall times and vary between runs);
+* ``recompute``: null, or the activation recompute the plan runs: ``policy``, ``layers``,
+  ``recompute_s`` (estimated seconds of recomputed forward per step) and ``freed_bytes``
+  (activation bytes per device no longer held when the backward starts);
 * ``random_ops``: the nodes that draw random numbers (dropout's ``bernoulli``...; on a mesh they
   do not match one process bit for bit, ``backends/_rng.py``): ``name``, ``target``,
   ``source``, ``outputs`` (layouts: each rank draws its own values on the axes that shard
@@ -98,7 +101,18 @@ def plan_report(plan: Plan) -> dict[str, Any]:
         "fallbacks": list(plan.fallbacks),
         "random_ops": _random_ops(plan),
         "solver": dict(plan.solver),
+        "recompute": _recompute(plan),
     }
+
+
+def _recompute(plan: Plan) -> dict[str, Any] | None:
+    from ._planning import recompute_cost
+
+    if plan.recompute is None:
+        return None
+    seconds, freed = recompute_cost(plan)
+    return {"policy": plan.recompute[0], "layers": list(plan.recompute[1]),
+            "recompute_s": seconds, "freed_bytes": freed}
 
 
 def _random_ops(plan: Plan) -> list[dict[str, Any]]:

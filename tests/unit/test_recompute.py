@@ -117,6 +117,9 @@ def test_the_planner_recomputes_when_memory_is_short_and_says_so(tmp_path) -> No
     assert auto.fits and auto.recompute is not None, auto.solver
     assert "without recompute: peak" in auto.solver["recompute"]
     assert "activation recompute: " in auto.summary()
+    from meshplan.planner import plan_report
+    rep = plan_report(auto)["recompute"]
+    assert rep["policy"] == auto.recompute[0] and rep["freed_bytes"] > 0
     # auto with room: nothing is recomputed
     roomy = plan_graph(graph, {"dp": 2}, topology="h100", strategy="dp")
     assert roomy.recompute is None
