@@ -177,6 +177,11 @@ class _MPIGroup(_Group):
         self.forget_secret()
         proc = self.mpiexec
         if proc is not None and proc.poll() is None:
+            try:                            # ranks that were asked to exit finalize MPI
+                proc.wait(min(grace_s, 2.0))   # first: MPICH unlinks its /dev/shm file then
+            except subprocess.TimeoutExpired:
+                pass
+        if proc is not None and proc.poll() is None:
             proc.terminate()                # hydra forwards it to every rank and cleans up
             try:
                 proc.wait(grace_s)

@@ -279,8 +279,10 @@ def test_an_op_failing_on_some_ranks_applies_the_step_nowhere() -> None:
     m2, step = _lookup_run()
     dist = meshplan.distribute(step, mesh={"dp": 2}, strategy="fsdp", telemetry=False)
     g = torch.Generator().manual_seed(3)
-    # 256 rows: enough work that the plan splits the rows (and the lookup) over the ranks
-    good = [(torch.randint(0, 9, (256,), generator=g), torch.randn(256, 4, generator=g))
+    # 1024 rows: enough work that the plan splits the rows and the lookup over the ranks
+    # (at 256 the fsdp family looks the whole batch up on both ranks, each layout change
+    # priced once)
+    good = [(torch.randint(0, 9, (1024,), generator=g), torch.randn(1024, 4, generator=g))
             for _ in range(3)]
     with dist:
         for ids, y in good[:2]:
@@ -288,9 +290,11 @@ def test_an_op_failing_on_some_ranks_applies_the_step_nowhere() -> None:
         ids, y = good[2]
         pids, before = dist._workers.pids, dist.state_dict()
         assert dist.plan.input_layouts["ids"] == (Shard(0),)
-        for rows, ranks in (([200], "rank 1 failed"), ([1, 200], "ranks 0, 1 failed")):
+        lookup = next(p for p in dist.plan.placements if p.target == "aten.embedding.default")
+        assert lookup.inputs[1] == (Shard(0),), lookup      # each rank looks up its own rows
+        for rows, ranks in (([700], "rank 1 failed"), ([1, 700], "ranks 0, 1 failed")):
             bad = ids.clone()
-            bad[rows] = 9                       # rows 0-127 go to rank 0, rows 128-255 to rank 1
+            bad[rows] = 9                       # rows 0-511 go to rank 0, rows 512-1023 to rank 1
             with pytest.raises(meshplan.RuntimeFailure, match=(
                     "(?s)" + ranks + r" in .step..*index out of range.*test_user_programs.py:\d+"
                     r".*no rank applied this step.*ready for the next call")) as info:
