@@ -10,7 +10,9 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from .._errors import PlanError
-from ..ir import RECOMPUTE_POLICIES, Graph, Phase, Ref, TensorMeta, repeated_layers, split_foreach
+from ..ir import (
+    RECOMPUTE_POLICIES, Graph, Phase, Ref, Role, TensorMeta, repeated_layers, split_foreach,
+)
 from ..ir._recompute import PREFIX as RECOMPUTE_PREFIX
 from ..ir import recompute as recompute_graph
 from ._comm import Collective, best_bucket_bytes
@@ -312,10 +314,17 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
 
 def _state_bytes(plan: Plan) -> int:
     """Bytes per device of the state ``plan`` holds through the step (parameters, buffers,
-    gradients, optimizer state): what no recompute can free."""
+    gradients, optimizer state): what no recompute can free. A step that makes its gradients
+    (``zero_grad(set_to_none=True)``) holds one per parameter at the update: counted at the
+    parameter's layout."""
     placed = {p.node: p for p in plan.placements}
-    return int(sum(n.meta.nbytes / layout_fraction(placed[n.name].outputs[0], plan.mesh.sizes)
-                   for n in plan.graph.inputs if persistent(n) and n.name in placed))
+    inputs = [n for n in plan.graph.inputs if persistent(n) and n.name in placed]
+    made_grads = not any(n.meta.role is Role.GRAD for n in inputs)
+    total = 0.0
+    for n in inputs:
+        held = n.meta.nbytes / layout_fraction(placed[n.name].outputs[0], plan.mesh.sizes)
+        total += held * (2 if made_grads and n.meta.role is Role.PARAM else 1)
+    return int(total)
 
 
 def _rank(plan: Plan) -> tuple[bool, float]:
