@@ -152,10 +152,9 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
     if random_line:
         con.print(f"  {random_line}", markup=False)
     st = dict(rep["solver"])
-    notes = [(label, st.pop(key)) for key, label in (("axis_order", "axis order"),
-                                                      ("recompute", "activation recompute"),
-                                                      ("families", "search vs families"))
-             if st.get(key)]
+    from .planner._summary import SOLVER_NOTES
+
+    notes = [(label, st.pop(key)) for key, label in SOLVER_NOTES if st.get(key)]
     if st:
         con.print("  solver: " + ", ".join(
             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in st.items()))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -61,10 +62,7 @@ class Run:
 
     @property
     def gpus(self) -> int:
-        n = 1
-        for v in self.mesh.values():
-            n *= v
-        return n
+        return math.prod(self.mesh.values())
 
     @property
     def measured_step_s(self) -> float:

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from .._errors import PlanError
 from ..ir import (
-    RECOMPUTE_POLICIES, Graph, Phase, Ref, Role, TensorMeta, repeated_layers, split_foreach,
+    RECOMPUTE_POLICIES, Graph, Phase, Ref, TensorMeta, repeated_layers, split_foreach,
 )
 from ..ir._recompute import PREFIX as RECOMPUTE_PREFIX
 from ..ir import recompute as recompute_graph
@@ -21,7 +21,7 @@ from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, layout_fraction, parse_placement
 from ._plan import NodePlacement, Plan, PlanEstimate, Redistribution, ShardedAlternatives
 from ._problem import (
-    STATE_POS, Problem, build_problem, is_follower, persistent, reshard_steps, result_refs,
+    STATE_POS, Problem, build_problem, is_follower, reshard_steps, result_refs,
 )
 from ._solve import Solution, min_peak_memory, solve
 from ._summary import TIMED_OUT, format_bytes
@@ -317,14 +317,11 @@ def _state_bytes(plan: Plan) -> int:
     gradients, optimizer state): what no recompute can free. A step that makes its gradients
     (``zero_grad(set_to_none=True)``) holds one per parameter at the update: counted at the
     parameter's layout."""
-    placed = {p.node: p for p in plan.placements}
-    inputs = [n for n in plan.graph.inputs if persistent(n) and n.name in placed]
-    made_grads = not any(n.meta.role is Role.GRAD for n in inputs)
-    total = 0.0
-    for n in inputs:
-        held = n.meta.nbytes / layout_fraction(placed[n.name].outputs[0], plan.mesh.sizes)
-        total += held * (2 if made_grads and n.meta.role is Role.PARAM else 1)
-    return int(total)
+    from ._report import memory_breakdown
+
+    held = memory_breakdown(plan)
+    return (held["parameters_bytes"] + (held["gradients_bytes"] or held["parameters_bytes"])
+            + held["optimizer_state_bytes"] + held["buffers_bytes"])
 
 
 def _rank(plan: Plan) -> tuple[bool, float]:

@@ -82,6 +82,11 @@ def random_ops_line(targets: Sequence[str]) -> str | None:
     return f"{n} random op{'s' * (n != 1)} ({kinds}); {RANDOM_SEMANTICS}"
 
 
+# the planner's notes in ``Plan.solver`` (sentences, not stats) and how reports label them
+SOLVER_NOTES = (("axis_order", "axis order"), ("recompute", "activation recompute"),
+                ("families", "search vs families"))
+
+
 def render_summary(plan: Plan, width: int = 100) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -102,12 +107,9 @@ def render_summary(plan: Plan, width: int = 100) -> str:
                   f"{st.get('variables')} variables, {st.get('groups')} decisions for "
                   f"{st.get('decisions')} nodes, build {float(st.get('build_s', 0)):.2f} s, "
                   f"solve {float(st.get('solve_s', 0)):.2f} s")
-        if st.get("axis_order"):
-            con.print(f"  axis order: {st['axis_order']}", markup=False)
-    if st.get("recompute"):
-        con.print(f"  activation recompute: {st['recompute']}", markup=False)
-    if st.get("families"):
-        con.print(f"  search vs families: {st['families']}", markup=False)
+    for key, label in SOLVER_NOTES:
+        if st.get(key):
+            con.print(f"  {label}: {st[key]}", markup=False)
     agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for r in plan.redistributions:
         for kind, axis, nbytes in r.collectives:
