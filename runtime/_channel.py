@@ -59,6 +59,7 @@ import zmq
 
 from .._errors import RuntimeFailure
 from ._gate import Gate
+from ._throttle import Throttle
 
 __all__ = ["CONTROLLER", "ControllerChannel", "Message", "Secret", "WorkerChannel", "identity", "store_prefix"]
 
@@ -323,7 +324,7 @@ class _Endpoint:
         self._seq = time.time_ns()
         self._last_seq: dict[int, int] = {}
         self.rejected = 0
-        self._logged_at, self._logged_count = 0.0, 0
+        self._throttle = Throttle(_LOG_FIRST, _LOG_EVERY_S)
         self._ctx = zmq.Context()
         self._closed = False
 
@@ -357,13 +358,11 @@ class _Endpoint:
         return sender, message
 
     def _log_rejection(self, exc: _Rejected) -> None:
-        now = time.monotonic()
-        if self.rejected <= _LOG_FIRST or now - self._logged_at >= _LOG_EVERY_S:
-            more = self.rejected - self._logged_count - 1
+        more = self._throttle.due(self.rejected, time.monotonic())
+        if more is not None:
             since = f" ({more} more dropped since the last line)" if more > 0 else ""
             logger.warning("control channel (run %s): dropped a message: %s%s", self.run_id,
                            exc, since)
-            self._logged_at, self._logged_count = now, self.rejected
 
     def _poll(self, socket: zmq.Socket, deadline: float | None) -> bool:
         remaining = _POLL_SLICE_S if deadline is None else deadline - time.monotonic()

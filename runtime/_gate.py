@@ -24,6 +24,8 @@ from collections import Counter
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ._throttle import Throttle
+
 logger = logging.getLogger(__name__)
 
 PER_PEER, TOTAL = 16, 256           # still-authenticating connections: per address, in all
@@ -43,7 +45,7 @@ class Gate:
             raise ValueError(f"need 1 <= per_peer <= total, got {per_peer}, {total}")
         self.run_id, self.grace_s, self.per_peer, self.total = run_id, grace_s, per_peer, total
         self.refused = 0
-        self._logged_at, self._logged_count = 0.0, 0
+        self._throttle = Throttle(_LOG_FIRST, _LOG_EVERY_S)
         self._young: dict[int, tuple[str, float]] = {}    # fd -> (peer address, accepted at)
         self._monitor = socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._socket = socket
@@ -99,11 +101,10 @@ class Gate:
             except OSError:
                 return
         self.refused += 1
-        if self.refused <= _LOG_FIRST or now - self._logged_at >= _LOG_EVERY_S:
-            more = self.refused - self._logged_count - 1
+        more = self._throttle.due(self.refused, now)
+        if more is not None:
             since = f" ({more} more refused since the last line)" if more > 0 else ""
             logger.warning(
                 "control channel (run %s): refused a TCP connection from %s: %d connections "
                 "from it and %d in all are still authenticating (limits %d and %d)%s",
                 self.run_id, peer, from_peer, len(self._young), self.per_peer, self.total, since)
-            self._logged_at, self._logged_count = now, self.refused
