@@ -22,6 +22,13 @@ def _rewrite(a: Any, subst: dict[Ref, Ref]) -> Any:
     return a
 
 
+def rewrite_refs(node: Node, subst: dict[Ref, Ref], **changes: Any) -> Node:
+    """``node`` reading ``subst[r]`` wherever it read a key ``r`` (and with ``changes``)."""
+    return dataclasses.replace(node, args=_rewrite(node.args, subst),
+                               kwargs=tuple((k, _rewrite(v, subst)) for k, v in node.kwargs),
+                               **changes)
+
+
 def substitute(graph: Graph, subst: dict[Ref, Ref], drop: set[str]) -> Graph:
     """Replace every read of a key of ``subst`` by its value and drop the nodes in ``drop``."""
     nodes = []
@@ -29,11 +36,7 @@ def substitute(graph: Graph, subst: dict[Ref, Ref], drop: set[str]) -> Graph:
         if n.name in drop:
             continue
         if subst:
-            n = dataclasses.replace(
-                n,
-                args=_rewrite(n.args, subst),
-                kwargs=tuple((k, _rewrite(v, subst)) for k, v in n.kwargs),
-            )
+            n = rewrite_refs(n, subst)
         nodes.append(n)
     outputs = tuple(dataclasses.replace(o, ref=subst.get(o.ref, o.ref)) for o in graph.outputs)
     return Graph(tuple(nodes), outputs, graph.info)

@@ -25,12 +25,12 @@ device.
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from collections import Counter
 
 from .._errors import IRError
 from ._graph import Graph, Node
-from ._passes import _rewrite
+from ._passes import rewrite_refs
 from ._random import is_random
 from ._types import NodeKind, Phase, Ref
 
@@ -56,21 +56,27 @@ def _layer_key(path: str) -> str | None:
     return None
 
 
-def layers(graph: Graph) -> tuple[str, ...]:
-    """The repeated layers of ``graph`` in forward order: module paths up to a numbered child
-    of a module with at least two numbered children (``model.layers.0``, ``model.layers.1``)."""
-    keys: dict[str, None] = {}
+def _parent(key: str) -> str:
+    return key.rsplit(".", 1)[0] if "." in key else ""
+
+
+def _layer_of(graph: Graph) -> dict[str, str]:
+    """Forward op -> the numbered module it runs in (``model.layers.3``), in forward order."""
+    out: dict[str, str] = {}
     for n in graph.nodes:
         if n.kind is NodeKind.OP and n.phase is Phase.FORWARD and n.module_path:
             key = _layer_key(n.module_path)
             if key is not None:
-                keys.setdefault(key)
-    siblings: dict[str, int] = {}
-    for key in keys:
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
-        siblings[parent] = siblings.get(parent, 0) + 1
-    return tuple(k for k in keys
-                 if siblings[k.rsplit(".", 1)[0] if "." in k else ""] >= 2)
+                out[n.name] = key
+    return out
+
+
+def layers(graph: Graph) -> tuple[str, ...]:
+    """The repeated layers of ``graph`` in forward order: module paths up to a numbered child
+    of a module with at least two numbered children (``model.layers.0``, ``model.layers.1``)."""
+    keys = dict.fromkeys(_layer_of(graph).values())
+    siblings = Counter(_parent(k) for k in keys)
+    return tuple(k for k in keys if siblings[_parent(k)] >= 2)
 
 
 def recompute(graph: Graph, policy: str, which: tuple[str, ...] | None = None) -> Graph:
@@ -89,12 +95,7 @@ def recompute(graph: Graph, policy: str, which: tuple[str, ...] | None = None) -
         return graph
     chosen_set = set(chosen)
     names = {n.name for n in graph.nodes}
-    layer_of: dict[str, str] = {}
-    for n in graph.nodes:
-        if n.kind is NodeKind.OP and n.phase is Phase.FORWARD and n.module_path:
-            key = _layer_key(n.module_path)
-            if key in chosen_set:
-                layer_of[n.name] = key
+    layer_of = {name: key for name, key in _layer_of(graph).items() if key in chosen_set}
     # a value the forward reads outside its layer (or a result) is the layer's output: kept
     outputs = {o.ref.node for o in graph.outputs}
     escapes = set(outputs)
@@ -131,10 +132,8 @@ def recompute(graph: Graph, policy: str, which: tuple[str, ...] | None = None) -
     copies: dict[str, list[Node]] = {}
     for n in graph.nodes:                     # forward order: a copy's inputs come first
         if n.name in needed:
-            copies.setdefault(layer_of[n.name], []).append(dataclasses.replace(
-                n, name=copy_name[n.name], phase=Phase.BACKWARD,
-                args=_rewrite(n.args, subst),
-                kwargs=tuple((k, _rewrite(v, subst)) for k, v in n.kwargs)))
+            copies.setdefault(layer_of[n.name], []).append(rewrite_refs(
+                n, subst, name=copy_name[n.name], phase=Phase.BACKWARD))
     nodes: list[Node] = []
     placed: set[str] = set()
     for n in graph.nodes:
@@ -144,7 +143,6 @@ def recompute(graph: Graph, policy: str, which: tuple[str, ...] | None = None) -
                 if r.node in needed and key not in placed:
                     placed.add(key)
                     nodes.extend(copies[key])
-            n = dataclasses.replace(n, args=_rewrite(n.args, subst),
-                                    kwargs=tuple((k, _rewrite(v, subst)) for k, v in n.kwargs))
+            n = rewrite_refs(n, subst)
         nodes.append(n)
     return Graph(tuple(nodes), graph.outputs, graph.info)
