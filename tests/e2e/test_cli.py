@@ -8,11 +8,16 @@ count and FLOPs (and ``--json`` is machine-readable); a bad target or a corrupt 
 
 Every command costs a fresh interpreter and a torch import, so the independent commands are
 started together when the module's first test needs them (commands that read the traced graph
-start as soon as ``trace`` has finished); each test then waits only for its own command.
+start as soon as ``trace`` has finished); each test then waits only for its own command. Of the
+bad inputs, one per command (``trace``, ``ir show``) runs in a fresh process; the others go
+through ``cli.main`` in this process from the repository root (what it prints to stderr is what
+the command prints), which saves a torch import each.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -26,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshplan.cli import main
 from meshplan.ir import (
     Graph,
     GraphInfo,
@@ -46,6 +52,8 @@ BAD_TARGETS = {
     "examples/gpt.py:nosuch": r"has no function 'nosuch'",
     "examples/gpt.py": r"is not of the form FILE.py:NAME",
 }
+# the bad inputs run in a fresh process (the rest: in this process, see the module docstring)
+IN_A_PROCESS = {"bad:examples/gpt.py:nosuch", "corrupt:bogus-device"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,17 @@ def meshplan_cli(*args: str) -> Result:
     proc = subprocess.run([sys.executable, "-m", "meshplan", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
     return Result(tuple(args), proc.returncode, proc.stdout, proc.stderr)
+
+
+def in_process(*args: str) -> Future[Result]:
+    """``meshplan ARGS`` through ``cli.main`` in this process from the repository root, as a
+    finished future (the subprocesses' threads print nothing while it redirects stdout)."""
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.chdir(REPO), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main(list(args))
+    done: Future[Result] = Future()
+    done.set_result(Result(tuple(args), code, out.getvalue(), err.getvalue()))
+    return done
 
 
 @dataclass(frozen=True)
@@ -112,13 +131,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     futures["trace"] = pool.submit(meshplan_cli, "trace", "examples/gpt.py:train_step",
                                    "--out", out)
     futures["demo"] = pool.submit(meshplan_cli, "demo")
-    for target in BAD_TARGETS:
-        futures[f"bad:{target}"] = pool.submit(meshplan_cli, "trace", target, "--out",
-                                               str(folder / "never.json"))
-    for kind, path in corrupt.items():
-        futures[f"corrupt:{kind}"] = pool.submit(meshplan_cli, "ir", "show", str(path))
+    bad = {f"bad:{target}": ("trace", target, "--out", str(folder / "never.json"))
+           for target in BAD_TARGETS}
+    bad.update({f"corrupt:{kind}": ("ir", "show", str(path)) for kind, path in corrupt.items()})
+    for key, args in bad.items():
+        if key in IN_A_PROCESS:
+            futures[key] = pool.submit(meshplan_cli, *args)
     futures["show"] = pool.submit(after_trace, "ir", "show", str(graph))
     futures["show-json"] = pool.submit(after_trace, "ir", "show", "--json", str(graph))
+    for key, args in bad.items():
+        if key not in IN_A_PROCESS:
+            futures[key] = in_process(*args)
     try:
         yield Runs(graph, corrupt, futures)
     finally:

@@ -7,6 +7,9 @@ expected pattern is counted from the model's structure (2 layers: 5 LayerNorms, 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,11 +21,15 @@ from meshplan.examples import gpt
 from meshplan.ir import NodeKind, Ref, Role, split_foreach
 from meshplan.kernels import Backend, Device, KernelError, KernelSpec, Match
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _traced_examples import default_gpt  # noqa: E402  (one GPT trace for the unit tests)
+
 
 @pytest.fixture(scope="module")
 def gpt_graph():
-    ex = gpt.build()
-    return _traced(ex.step, ex.opt, *ex.batch(0))
+    ex, traced = default_gpt()             # gpt.build() at batch(0), shared with other files
+    _OPTIMIZERS[id(traced.graph)] = ex.opt
+    return traced.graph
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ yet; and tracing is deterministic.
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,9 @@ import meshplan
 from meshplan.examples import cnn, gpt, mlp
 from meshplan.ir import Graph, NodeKind, OutputKind, Phase, Role, TensorMeta, verify
 from meshplan.ir._ops import is_mutating_op
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _traced_examples import default_gpt  # noqa: E402  (one GPT trace for the unit tests)
 
 LINEAR_OPS = ("aten.mm.default", "aten.addmm.default")
 ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -44,8 +48,10 @@ def _trace(build: Callable[[], Any]) -> Traced:
 
 @pytest.fixture(scope="module")
 def gpt_traced() -> Traced:
-    """The default GPT (tied weights, AdamW in two param groups, gradient clipping)."""
-    return _trace(gpt.build)
+    """The default GPT (tied weights, AdamW in two param groups, gradient clipping), traced
+    once for the unit tests (read-only here)."""
+    ex, traced = default_gpt()
+    return Traced(traced, ex.model, ex)
 
 
 @pytest.fixture(scope="module")

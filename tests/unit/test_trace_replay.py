@@ -10,14 +10,21 @@ steps; copy B is traced once and the ``TracedStep`` is called ``STEPS`` times, w
 state back into B's model and optimizer. Also covered: tracing before the first step (no
 optimizer state yet) and after warm-up steps (state and step counters exist), meta-device
 models, that tracing has no side effects, dict and tuple results, and tied weights.
+
+Suite time: a GPT trace costs seconds, so each (case, warm-up) is traced once per module
+(``_traced_once``): the replay test replays that trace, and the side-effect and parameter-count
+checks read the snapshots taken around it and its graph. The default GPT traced for the other
+unit-test files (``_traced_examples``) is the meta test's real GPT.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,6 +35,9 @@ from torch import Tensor, nn
 import meshplan
 from meshplan.examples import cnn, gpt, mlp
 from meshplan.examples._common import Example
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _traced_examples import default_gpt  # noqa: E402  (one GPT trace for the unit tests)
 
 STEPS = 4
 WARMUP = 2
@@ -71,6 +81,11 @@ META_CASES: list[Case] = [
     Case("gpt-layernorm-adamw-clip", lambda: gpt.build("adamw", foreach=False, clip=1.0)),
     Case("cnn-sgd-momentum", lambda: cnn.build("sgd")),
 ]
+# The real model's graph of a meta case that is already traced elsewhere: gpt.build()'s defaults
+# are AdamW, per-tensor, clip 1.0, LayerNorm, and it is traced at batch(0) before any step.
+_SHARED_REAL_GRAPHS: dict[str, Callable[[], Any]] = {
+    "gpt-layernorm-adamw-clip": lambda: default_gpt()[1].graph,
+}
 
 
 def _pick(*ids: str) -> list[Case]:
@@ -137,20 +152,63 @@ def _param_ids(ex: Example) -> list[list[int]]:
     ]
 
 
+@dataclass(slots=True)
+class Traced:
+    """One copy of a case, warmed up by ``warmup`` eager steps and traced at ``batch(warmup)``,
+    with deep snapshots of its state when built, just before and just after tracing.
+
+    ``example`` and ``traced`` are handed to the one test that replays them (``_take``); the
+    other tests read only the snapshots, the parameter identities and the graph."""
+
+    example: Example
+    traced: meshplan.TracedStep
+    built: dict[str, Any]
+    before: dict[str, Any]
+    after: dict[str, Any]
+    ids_before: list[list[int]]
+    ids_after: list[list[int]]
+    opt_state_after: bool
+    taken: bool = False
+
+
+_TRACED: dict[tuple[str, int], Traced] = {}
+
+
+def _traced_once(case: Case, warmup: int) -> Traced:
+    """The module's trace of ``(case, warmup)``: made on first use."""
+    key = (case.id, warmup)
+    if key not in _TRACED:
+        ex = case.build()
+        built = _snapshot(ex)
+        _run_eager(ex, 0, warmup)
+        before, ids = _snapshot(ex), _param_ids(ex)
+        traced = meshplan.trace(ex.step, *ex.batch(warmup))
+        _TRACED[key] = Traced(ex, traced, built, before, _snapshot(ex), ids, _param_ids(ex),
+                              bool(ex.opt.state))
+    return _TRACED[key]
+
+
+def _take(case: Case, warmup: int) -> Traced:
+    """The module's trace of ``(case, warmup)`` to replay (replaying changes the copy's
+    state), or a new one if it was replayed already (a test run twice)."""
+    if _traced_once(case, warmup).taken:
+        del _TRACED[(case.id, warmup)]
+    t = _traced_once(case, warmup)
+    t.taken = True
+    return t
+
+
 @pytest.mark.parametrize("warmup", [0, WARMUP], ids=["fresh", f"after-{WARMUP}-steps"])
 @pytest.mark.parametrize("case", _params(CASES))
 def test_replay_is_bit_equal_to_eager(case: Case, warmup: int) -> None:
     """K traced calls equal K eager steps, whether traced before any step or after warm-up."""
-    eager, replayed = case.build(), case.build()
-    _assert_equal_tree(_snapshot(eager), _snapshot(replayed), "initial state")
-    for ex in (eager, replayed):
-        _run_eager(ex, 0, warmup)
-    ids = _param_ids(replayed)
+    eager, t = case.build(), _take(case, warmup)
+    replayed, traced, ids = t.example, t.traced, t.ids_before
+    _assert_equal_tree(_snapshot(eager), t.built, "initial state")
+    _run_eager(eager, 0, warmup)
 
     expected = _run_eager(eager, warmup, STEPS)
-    before = _snapshot(replayed)
-    traced = meshplan.trace(replayed.step, *replayed.batch(warmup))
-    _assert_equal_tree(before, _snapshot(replayed), f"{case.id}: state changed by tracing")
+    _assert_equal_tree(t.before, t.after, f"{case.id}: state changed by tracing")
     got = [traced(*replayed.batch(i)) for i in range(warmup, warmup + STEPS)]
 
     for i, (e, g) in enumerate(zip(expected, got, strict=True)):
@@ -168,7 +226,8 @@ def test_meta_model_traces_without_execution(case: Case) -> None:
     assert all(p.is_meta for p in meta.model.parameters())
     args = real.batch(0)
 
-    real_graph = meshplan.trace(real.step, *args).graph
+    shared = _SHARED_REAL_GRAPHS.get(case.id)
+    real_graph = shared() if shared else meshplan.trace(real.step, *args).graph
     meta_graph = meshplan.trace(meta.step, *(a.to("meta") for a in args)).graph
 
     assert len(meta_graph.nodes) == len(real_graph.nodes)
@@ -182,18 +241,14 @@ def test_trace_has_no_side_effects(case: Case, warmup: int) -> None:
     """Tracing leaves parameters, buffers, grads and optimizer state bitwise unchanged.
 
     In particular, tracing before the first step must not create optimizer state. (The replay
-    test checks the same for every case; this one names the property on its own.)
+    test checks the same for every case; this one names the property on its own. Both read the
+    snapshots taken around the module's one trace of the case.)
     """
-    ex = case.build()
-    _run_eager(ex, 0, warmup)
-    before, ids = _snapshot(ex), _param_ids(ex)
-
-    meshplan.trace(ex.step, *ex.batch(warmup))
-
-    _assert_equal_tree(before, _snapshot(ex), f"{case.id}: state after trace")
-    assert _param_ids(ex) == ids
+    t = _traced_once(case, warmup)
+    _assert_equal_tree(t.before, t.after, f"{case.id}: state after trace")
+    assert t.ids_after == t.ids_before
     if warmup == 0:
-        assert not ex.opt.state, "tracing created optimizer state"
+        assert not t.opt_state_after, "tracing created optimizer state"
 
 
 def _dict_step(ex: Example) -> Callable[[Tensor, Tensor], dict[str, Tensor]]:
@@ -242,9 +297,8 @@ def test_structured_results_replay(make_step: Callable[[Example], Callable[..., 
 @pytest.mark.parametrize("case", _params(FAMILY_CASES))
 def test_num_params_counts_each_parameter_once(case: Case) -> None:
     """``graph.num_params()`` counts elements of distinct parameters (a tied weight once)."""
-    ex = case.build()
-    traced = meshplan.trace(ex.step, *ex.batch(0))
-    assert traced.graph.num_params() == sum(p.numel() for p in ex.model.parameters())
+    t = _traced_once(case, 0)         # the replay test's copy: its parameters keep their shapes
+    assert t.traced.graph.num_params() == sum(p.numel() for p in t.example.model.parameters())
 
 
 def test_tied_weight_is_one_parameter_and_stays_tied() -> None:
