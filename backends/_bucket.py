@@ -103,6 +103,8 @@ def bucket(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
         if not isinstance(meta, TensorMeta) or not getattr(torch, meta.dtype).is_floating_point:
             return None
         s = ins.steps[0]
+        if s.src.op.value not in ("sum", "avg"):     # a 2-norm's pieces: squares summed
+            return None
         return (s.group, s.src.op.value, meta.dtype)
 
     def nbytes(ins: Reshard) -> int:

@@ -88,8 +88,8 @@ def local_part(full: Tensor, layout: Layout, sizes: tuple[int, ...],
 
 def holds_zeros(layout: Layout, coords: tuple[int, ...]) -> bool:
     """Whether the rank at ``coords`` holds zeros of a whole value under ``layout`` (it is not
-    coordinate 0 of a Partial(sum) axis)."""
-    return any(isinstance(p, Partial) and p.op is ReduceOp.SUM and c != 0
+    coordinate 0 of a Partial(sum) or Partial(norm2) axis)."""
+    return any(isinstance(p, Partial) and p.op is not ReduceOp.AVG and c != 0
                for p, c in zip(layout, coords))
 
 

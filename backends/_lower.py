@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .._errors import LoweringError, RuntimeFailure
-from ..ir import Graph, Node, NodeKind, OutputKind, Ref, TensorMeta, is_random, last_uses
+from ..ir import Graph, Node, NodeKind, OutputKind, Phase, Ref, TensorMeta, is_random, last_uses
 from ..ir._graph import _iter_refs
 from ..ir._interpret import constant_tensor
 from ..ir._ops import resolve
@@ -47,6 +47,7 @@ from ..planner._placement import local_shape
 from ..planner.rules import rule_for
 from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, PendingBucket, bucket,
                       pending_name, run_bucket, start_bucket)
+from ._early import Drop, drop, free_copies, reduce_early
 from ._kernels import KernelCall, run_kernel, substitute
 from ._portable import DEVICE_TWINS
 from ._layout import axis_group, local_part, plain_layout, rank_coords
@@ -91,7 +92,7 @@ class Free:
     names: tuple[str, ...]
 
 
-Instruction = Reshard | Compute | Free | Bucket | KernelCall
+Instruction = Reshard | Compute | Free | Drop | Bucket | KernelCall
 
 
 @dataclass(frozen=True)
@@ -132,14 +133,20 @@ class Program:
 
 
 def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
-          device: str = "cpu", kernels: bool = True, check_available: bool = True) -> Program:
+          device: str = "cpu", kernels: bool = True, check_available: bool = True,
+          free_early: bool = True) -> Program:
     """The program of ``rank`` (row-major over the plan's mesh axes). All-reduces of values
     that exist together are merged into buckets of up to ``bucket_bytes`` (``_bucket.py``;
     None: the plan's ``bucket_bytes``, which the cost model chose, else DDP's 25 MiB; 0 turns
     bucketing off and every collective is then exactly the plan's). Where a registered
     kernel for ``device`` can replace a chain of ops on this rank's pieces, one ``KernelCall``
     does (``_kernels.py``; ``kernels=False`` or ``MESHPLAN_KERNELS=off``: none;
-    ``check_available=False``: also kernels this process could not run, for reports)."""
+    ``check_available=False``: also kernels this process could not run, for reports). A
+    partial sum read only reduce-scattered is reduced where it is made and its original
+    dropped, and a value's copy in another layout is freed after its last reader
+    (``_early.py``; FSDP2 does both with gradients and gathered parameters). ``free_early=
+    False``: changes at their first reader, originals and copies kept until the value's
+    last reader (for comparison)."""
     graph, sizes = plan.graph, plan.mesh.sizes
     world = math.prod(sizes)
     if not 0 <= rank < world:
@@ -149,16 +156,20 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
     out_layout = {name: p.outputs for name, p in placed.items()}
     instrs: list[Instruction] = []
     inputs: dict[str, Layout] = {}
-    available: dict[tuple[str, int], set[Layout]] = {}
+    available: dict[tuple[str, int], set[tuple[Layout, bool]]] = {}
     last = last_uses(graph)
 
-    def need(ref: Ref, layout: Layout, consumer: str) -> None:
+    def need(ref: Ref, layout: Layout, consumer: str, forward: bool = False) -> None:
+        # a copy serves the forward's readers, or the later ones (FSDP's reshard after
+        # forward: a parameter gathered for the forward is gathered again for the backward
+        # rather than held in between); each copy is freed after its last reader (_early.py)
         have = out_layout[ref.node][ref.index]
-        if layout == have or layout in available.setdefault((ref.node, ref.index), set()):
+        side = available.setdefault((ref.node, ref.index), set())
+        if layout == have or (layout, forward) in side:
             return
         steps, exact = plan_steps(have, layout, sizes, coords)
         instrs.append(Reshard(ref, have, layout, steps, exact, consumer))
-        available[(ref.node, ref.index)].add(layout)
+        side.add((layout, forward))
 
     for i, node in enumerate(graph.nodes):
         if node.kind is NodeKind.INPUT:
@@ -167,7 +178,7 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
             p = placed[node.name]
             for ref, layout in zip(node.refs(), p.inputs):
                 if layout is not None and isinstance(graph.meta(ref), TensorMeta):
-                    need(ref, layout, node.name)
+                    need(ref, layout, node.name, node.phase is Phase.FORWARD)
             ins = _compute(graph, node, p.inputs, p.outputs, sizes)
             if is_random(node):
                 ins = replace(ins, stream=stream(node, p.outputs, coords, sizes))
@@ -197,6 +208,9 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
         instrs = substitute(instrs, graph, out_layout, sizes, device,
                             tail_reads=[*(r for r, _ in state_out.values()), *results],
                             check_available=check_available)
+    tail = [*((r, layout) for r, layout in state_out.values()), *((r, rep) for r in results)]
+    if free_early:
+        instrs = free_copies(reduce_early(instrs, graph, sizes, tail_reads=tail), tail)
     commit = next((i for i, ins in enumerate(instrs)
                    if isinstance(ins, KernelCall) and ins.mutates), None)
     program = Program(rank, coords, sizes, tuple(instrs), inputs,
@@ -253,9 +267,9 @@ def _kind(a: Any, b: Any) -> str | None:
             "all_to_all" if isinstance(b, Shard) else None)
     if isinstance(b, Replicate):
         return "all_reduce"
-    if isinstance(b, Shard):
+    if isinstance(b, Shard) and a.op is not ReduceOp.NORM2:
         return "reduce_scatter"
-    return None                     # P(sum) <-> P(avg)
+    return None                     # P(sum) <-> P(avg); a 2-norm's pieces only all-reduce
 
 
 def _innermost(cur: list, axis: int, dims: set[int]) -> bool:
@@ -315,6 +329,8 @@ def reshard(t: Tensor, steps: Sequence[Step], comm: Any, coords: tuple[int, ...]
                 t = torch.zeros_like(t)
         elif s.kind == "all_gather":
             t = comm.all_gather(t, s.group, s.src.dim)
+        elif s.kind == "all_reduce" and s.src.op is ReduceOp.NORM2:
+            t = comm.all_reduce(t * t, s.group, "sum").sqrt()   # the norm of the pieces' norms
         elif s.kind == "all_reduce":
             t = comm.all_reduce(t, s.group, s.src.op.value)
         elif s.kind == "reduce_scatter":
@@ -371,8 +387,8 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
             raise LoweringError(f"rank {program.rank}: no value for input {target!r}") from None
 
     def read(ref: Ref, layout: Layout | None) -> Any:
-        v = env[ref.node][ref.index]
-        if layout is None or not isinstance(v, Tensor):
+        v = env[ref.node][ref.index]            # None where a Drop released the original
+        if layout is None:
             return v
         c = copies.get(ref.node)
         return v if c is None else c.get((ref.index, layout), v)
@@ -407,6 +423,8 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                     for name in ins.names:
                         env.pop(name, None)
                         copies.pop(name, None)
+                elif isinstance(ins, Drop):
+                    drop(env, copies, ins.items)
                 elif isinstance(ins, Reshard):
                     v = env[ins.ref.node][ins.ref.index]
                     first = len(comm.records)
@@ -443,7 +461,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
             _settle(env)
             raise
         except Exception as exc:
-            if i >= commit or not isinstance(instructions[i], (Compute, KernelCall, Free)):
+            if i >= commit or not isinstance(instructions[i], (Compute, KernelCall, Free, Drop)):
                 raise                # a collective failed, or state may have changed in place
             _drain(program, i + 1, commit, env, copies, comm)
             try:
@@ -516,6 +534,8 @@ def _drain(program: Program, start: int, stop: int, env: dict[str, tuple],
             for name in ins.names:
                 env.pop(name, None)
                 copies.pop(name, None)
+        elif isinstance(ins, Drop):
+            drop(env, copies, ins.items)
         elif isinstance(ins, Reshard):
             copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
                 value(ins.ref), ins.steps, comm, program.coords)

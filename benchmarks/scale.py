@@ -196,7 +196,8 @@ def markdown(rows: list[dict[str, object]]) -> str:
             auto = (a["layout"], f"{a['step_s']:.3f}", f"{a['step_s'] / measured:.2f}",
                     f"{overlapped:.3f}", f"{overlapped / measured:.2f}",
                     f"{a['peak_gib']:.1f}{'' if a['fits'] else ' (no fit)'}")
-        pub = "-" if "error" in p else f"{p['step_s']:.3f}"
+        pub = "-" if "error" in p else f"{p['step_s']:.3f}" + (
+            "" if p["fits"] else f" (does not fit: {p['peak_gib']:.0f} GiB)")
         out.append(f"| {run.name} {run.topology} | {run.gpus} | {run.layout} | {measured:.3f} | "
                    f"{auto[0]} | {auto[1]} | {auto[2]} | {auto[3]} | {auto[4]} | {pub} | "
                    f"{auto[5]} | {a['plan_s']:.1f} | {r['trace_s']:.1f} |")

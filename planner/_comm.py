@@ -12,7 +12,7 @@ import math
 
 from .._errors import PlanError
 from ._mesh import Link
-from ._placement import Partial, Placement, Replicate, Shard
+from ._placement import Partial, Placement, ReduceOp, Replicate, Shard
 
 
 class Collective(enum.Enum):
@@ -70,12 +70,18 @@ def best_bucket_bytes(total_bytes: float, n: int, link: Link, overlap: float) ->
                                             math.ceil(total_bytes / b), b))
 
 
+def _norm2(p: Placement) -> bool:
+    return isinstance(p, Partial) and p.op is ReduceOp.NORM2
+
+
 def transition(src: Placement, dst: Placement) -> Collective | None | bool:
     """The collective that turns ``src`` into ``dst`` along one axis: a Collective, None when
     it is free (a local slice, or keeping a value as one rank's partial), or False when the
     change is not allowed."""
     if src == dst:
         return None
+    if _norm2(src) or _norm2(dst):                # a 2-norm's pieces only become whole
+        return Collective.ALL_REDUCE if isinstance(dst, Replicate) else False
     if isinstance(src, Replicate):
         return None                               # R -> S: local slice; R -> P: keep on rank 0
     if isinstance(src, Shard):

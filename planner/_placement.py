@@ -17,8 +17,13 @@ from .._errors import PlanError
 
 
 class ReduceOp(enum.Enum):
+    """How the ranks' pieces of a partial value make the whole: their sum, their mean, or
+    (``NORM2``) the square root of the sum of their squares, which is what each rank's 2-norm
+    of its shard is of the whole's 2-norm (as DTensor's ``_NormPartial``)."""
+
     SUM = "sum"
     AVG = "avg"
+    NORM2 = "norm2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +58,12 @@ Layout = tuple[Placement, ...]                 # one placement per mesh axis
 R = Replicate()
 P_SUM = Partial(ReduceOp.SUM)
 P_AVG = Partial(ReduceOp.AVG)
+P_NORM2 = Partial(ReduceOp.NORM2)
 
 
 def parse_placement(text: str) -> Placement:
-    """``"R"``, ``"S(1)"``, ``"P(sum)"`` / ``"P(avg)"`` -> a placement (the ``str`` form)."""
+    """``"R"``, ``"S(1)"``, ``"P(sum)"`` / ``"P(avg)"`` / ``"P(norm2)"`` -> a placement (the
+    ``str`` form)."""
     t = text.strip()
     if t == "R":
         return R
@@ -67,7 +74,8 @@ def parse_placement(text: str) -> Placement:
             return Partial(ReduceOp(t[2:-1]))
         except ValueError:
             pass
-    raise PlanError(f"cannot parse placement {text!r}; expected R, S(dim), P(sum) or P(avg)")
+    raise PlanError(f"cannot parse placement {text!r}; expected R, S(dim), P(sum), P(avg) or "
+                    "P(norm2)")
 
 
 def format_layout(layout: Layout) -> str:

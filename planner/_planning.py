@@ -189,7 +189,8 @@ def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | 
     plan = _make_plan(problem, sol, strategy, limit)
     if rc is not None:
         plan = dataclasses.replace(plan, recompute=rc)
-    if strategy == "auto" and float(sol.solver.get("mip_gap", 0.0)) > FAMILY_FALLBACK_GAP:
+    if strategy == "auto" and (float(sol.solver.get("mip_gap", 0.0)) > FAMILY_FALLBACK_GAP
+                               or not plan.fits or rc is not None):
         plan = _best_with_families(traced, mesh, plan, memory_limit_bytes, pins, time_limit_s, rc)
     if compare_sharded and strategy == "auto" and not pins and plan.fully_replicated:
         plan = dataclasses.replace(plan, sharded_alternatives=sharded_families(
@@ -197,10 +198,14 @@ def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | 
     return plan
 
 
-# An automatic plan whose solve stopped (time limit) further than this from its bound is
-# compared with the hand-written families, planned with the same recompute choice; a faster
-# family plan that fits is kept (the families are pins on the same problem, so the search
-# would have found it given the time).
+# An automatic plan whose solve stopped (time limit) further than this from its bound, or whose
+# exact peak exceeds the limit (the solver's rounds ran out of time before its memory rows
+# caught the exact peak), or that needed recompute to fit (a model at the memory limit, where
+# the solver's memory rows, which count a copy read by consumers in several groups once per
+# group, can reject a plan whose exact peak fits), is compared with the hand-written families,
+# planned with the same recompute choice and checked by the exact peak; a family plan that
+# fits is kept when the search's does not, or when it is faster (the families are pins on the
+# same problem, so the search would have found it given the time and exact rows).
 FAMILY_FALLBACK_GAP = 0.02
 
 
@@ -217,10 +222,12 @@ def _best_with_families(traced: Graph, mesh: Mesh, plan: Plan, memory_limit_byte
             continue
         tried.append(f"{family} {alt.estimated_step_time_s * 1e3:.3f} ms"
                      f"{'' if alt.fits else ' (does not fit)'}")
-        if alt.fits and alt.estimated_step_time_s < best.estimated_step_time_s:
+        if alt.fits and (not best.fits or alt.estimated_step_time_s < best.estimated_step_time_s):
             best = alt
     note = (f"the search stopped {gap:.1%} from its bound at "
-            f"{plan.estimated_step_time_s * 1e3:.3f} ms; families: {', '.join(tried) or 'none'}"
+            f"{plan.estimated_step_time_s * 1e3:.3f} ms"
+            f"{'' if plan.fits else f' (peak {format_bytes(plan.peak_memory_bytes)}: no fit)'}"
+            f"; families: {', '.join(tried) or 'none'}"
             f"; kept: {'the search' if best is plan else best.strategy}")
     if best is not plan:
         best = dataclasses.replace(best, strategy="auto", solver={**best.solver,
@@ -464,14 +471,17 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
                                             c.compute_s))
     chosen = {p.node: p for p in placements}
     redistributions = []
-    done: set[tuple[str, int, Layout, Layout]] = set()
+    done: set[tuple[str, int, Layout, Layout, bool]] = set()
     for e in problem.all_edges() + problem.folded:
         src = chosen[e.src].outputs[e.index]
         dst = chosen[e.dst].outputs[0] if e.pos == STATE_POS else chosen[e.dst].inputs[e.pos]
-        # one change per value and target layout serves all its consumers (the lowering
-        # keeps the changed value): listed, and paid, once
-        if src != dst and (e.src, e.index, src, dst) not in done:
-            done.add((e.src, e.index, src, dst))
+        # one change per value and target layout serves all its consumers in the forward,
+        # and one all its later consumers (the lowering keeps a changed value for its
+        # readers in the forward, frees it after the last, and changes it again for the
+        # backward, as FSDP gathers parameters again): listed, and paid, once each
+        forward = e.pos != STATE_POS and graph.node(e.dst).phase is Phase.FORWARD
+        if src != dst and (e.src, e.index, src, dst, forward) not in done:
+            done.add((e.src, e.index, src, dst, forward))
             consumer = f"<state {graph.node(e.dst).target}>" if e.pos == STATE_POS else e.dst
             redistributions.append(_redistribution(problem, Ref(e.src, e.index), consumer,
                                                    src, dst))

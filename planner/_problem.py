@@ -111,6 +111,19 @@ class Problem:
                     out.append((i, last.get((n.name, k), i), n.name, k))
         return out
 
+    @functools.cached_property
+    def early_values(self) -> frozenset[tuple[str, int]]:
+        """(producer, output index) of the floating-point values the lowering may reduce where
+        they are made and drop (``backends/_early.py``): every one the step does not return
+        or write back as state (those are read in their own layout after the last op)."""
+        graph = self.graph
+        kept = {(o.ref.node, o.ref.index) for o in graph.outputs}
+        return frozenset(
+            (n.name, k) for n in graph.nodes if n.name in self.decisions
+            for k, m in enumerate(n.outputs)
+            if isinstance(m, TensorMeta) and (n.name, k) not in kept
+            and m.dtype.startswith(("float", "bfloat")))
+
     def is_follower(self, name: str) -> bool:
         return is_follower(self.graph, self.graph.node(name))
 
@@ -253,6 +266,17 @@ def reduces(src: Layout, dst: Layout) -> bool:
     return any(isinstance(a, Partial) and not isinstance(b, Partial) for a, b in zip(src, dst))
 
 
+def shrinks(src: Layout, dst: Layout, sizes: tuple[int, ...]) -> bool:
+    """Does changing ``src`` into ``dst`` sum a partial axis and leave each rank a smaller
+    piece (a reduce-scatter, not an all-reduce)? The lowering makes such a change where the
+    value is made (``backends/_early.py``)."""
+    return reduces(src, dst) and layout_fraction(dst, sizes) > layout_fraction(src, sizes)
+
+
+def has_partial(layout: Layout | None) -> bool:
+    return layout is not None and any(isinstance(p, Partial) for p in layout)
+
+
 def reshard_time(meta: TensorMeta, src: Layout, dst: Layout, mesh: Mesh) -> float:
     """Seconds to turn a value laid out ``src`` into ``dst``; INF if impossible."""
     if src == dst:
@@ -331,7 +355,9 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
 def _apply_reads(graph: Graph, decisions: dict[str, Decision],
                  reads: dict[str, Layout]) -> dict[str, Layout]:
     """Restrict forward/backward readers of the inputs named in ``reads`` to that layout.
-    Returns the followers (views) that must read it, which ``_fold_followers`` honours."""
+    Returns the followers (views) that must read it, which ``_fold_followers`` honours. A cast
+    of such an input to a narrower dtype (mixed precision's compute copy) is left free, and its
+    readers are restricted instead: FSDP2 casts the shard and gathers the 16-bit copy."""
     if not reads:
         return {}
     names = {n.name: reads[n.target] for n in graph.inputs if n.target in reads}
@@ -342,6 +368,9 @@ def _apply_reads(graph: Graph, decisions: dict[str, Decision],
         for pos, r in enumerate(node.refs()):
             want = names.get(r.node)
             if want is None:
+                continue
+            if node.target == "aten._to_copy.default" and _narrows(graph, node):
+                names[node.name] = want
                 continue
             if is_follower(graph, node):
                 forced[node.name] = want
@@ -356,6 +385,13 @@ def _apply_reads(graph: Graph, decisions: dict[str, Decision],
                                 f"{graph.node(r.node).target} as {format_layout(want)}")
             d.choices = kept
     return forced
+
+
+def _narrows(graph: Graph, node: Node) -> bool:
+    """A cast whose tensor output is narrower than its tensor input (fp32 -> bf16)."""
+    src, out = graph.meta(next(node.refs())), node.outputs[0]
+    return (isinstance(src, TensorMeta) and isinstance(out, TensorMeta)
+            and DTYPE_BYTES.get(out.dtype, 0) < DTYPE_BYTES.get(src.dtype, 0))
 
 
 def _apply_update_reads(graph: Graph, decisions: dict[str, Decision],

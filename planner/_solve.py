@@ -21,11 +21,11 @@ import highspy
 import numpy as np
 
 from .._errors import PlanError
-from ..ir import Ref, TensorMeta
+from ..ir import Phase, Ref, TensorMeta
 from ._placement import Layout, Partial, R, Shard, layout_fraction
 from ._summary import format_bytes
-from ._problem import (INF, STATE_POS, Edge, Problem, reduce_wide, reduces, reshard_steps,
-                       reshard_time, result_refs)
+from ._problem import (INF, STATE_POS, Edge, Problem, has_partial, reduce_wide, reduces,
+                       reshard_steps, reshard_time, result_refs, shrinks)
 
 # what the solver adds for a collective outside a hand-written family's own (Problem.collectives):
 # far above any step time it compares, so only a plan that cannot do without pays it (the
@@ -379,6 +379,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         return cache[key]
 
     wide_values = reduce_wide(graph)
+    early = problem.early_values
+    order = problem.order
     # Edges are grouped by what they decide: the producer's group and output, the consumer's
     # group and the layout each of its choices needs. Consumers of one value that need the
     # same layouts (AdamW reads a gradient in three places) fall in one block, and the block
@@ -386,8 +388,7 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     # lowering. (Consumers in different groups still pay each.)
     sources: dict[tuple, set[str]] = defaultdict(set)
     sample: dict[tuple, Edge] = {}
-    at: dict[tuple, list[int]] = defaultdict(list)
-    watched = set(points)
+    spans: dict[tuple, list[tuple[str, int, int]]] = defaultdict(list)
     needs: dict[tuple[str, int], tuple] = {}
     for e in problem.all_edges():
         s, d = dec[e.src], dec[e.dst]
@@ -397,15 +398,14 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         key = (s.group, s.cls, e.index, d.group, problem.is_follower(e.dst), sig)
         sources[key].add(e.src)
         sample.setdefault(key, e)
-        when = _edge_time(problem, e)
-        if when in watched:
-            at[key].append(when)
+        spans[key].append((e.src, order[e.src], _edge_time(problem, e)))
     for key, srcs in sources.items():
         count = len(srcs)
         e = sample[key]
         gs, gd, k, pos = key[0], key[3], e.index, e.pos
         meta = graph.meta(Ref(e.src, e.index))
         wide = (e.src, e.index) in wide_values   # the same producer op across the group
+        held = _Held(spans[key], points, {(n, k) for n in srcs} & early, k)
         if gs == gd:       # both ends read one decision: the change is fixed by the choice
             for i, (cs, cd) in enumerate(zip(dec[e.src].choices, dec[e.dst].choices)):
                 l, r = cs.outputs[k], cd.required(pos)
@@ -415,9 +415,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
                         model.ub[xvar[gs][i]] = 0.0
                         continue
                     model.cost[xvar[gs][i]] += count * t
-                    held = meta.nbytes / layout_fraction(r, mesh.sizes)
-                    for when in at[key]:
-                        transients[when][xvar[gs][i]] += held
+                for when, b in held.bytes(meta, l, r, mesh.sizes).items():
+                    transients[when][xvar[gs][i]] += b
             continue
         by_out: dict[Layout, list[int]] = defaultdict(list)
         for i, c in enumerate(dec[e.src].choices):
@@ -434,10 +433,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
                 # and all-to-alls are priced in when they pay
                 lazy = not (l == r or _gathered(l, r) or _gathered(r, l))
                 ys[(l, r)] = model.var(count * t, False, lazy)
-                if l != r:
-                    held = meta.nbytes / layout_fraction(r, mesh.sizes)
-                    for when in at[key]:
-                        transients[when][ys[(l, r)]] += held
+                for when, b in held.bytes(meta, l, r, mesh.sizes).items():
+                    transients[when][ys[(l, r)]] += b
         rows_out: dict[Layout, dict[int, float]] = {l: {} for l in by_out}
         rows_in: dict[Layout, dict[int, float]] = {r: {} for r in by_in}
         for (l, r), y in ys.items():
@@ -450,16 +447,82 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
                     terms[x] = terms.get(x, 0.0) - 1.0
                 model.row(0.0, 0.0, terms)
     for e in problem.folded:
-        when = _edge_time(problem, e)
-        if when not in watched:
-            continue
-        d = dec[e.dst]
+        d, s = dec[e.dst], dec[e.src]
         meta = graph.meta(Ref(e.src, e.index))
+        held = _Held([(e.src, order[e.src], _edge_time(problem, e))], points,
+                     {(e.src, e.index)} & early, e.index)
+        same = s.group == d.group
         for i, c in enumerate(d.choices):
-            if c.comm_s > 0:
-                held = meta.nbytes / layout_fraction(c.inputs[e.pos], mesh.sizes)
-                transients[when][xvar[d.group][i]] += held
+            r = c.inputs[e.pos]
+            l = s.choices[i].outputs[e.index] if same else None
+            if l is None:
+                if c.comm_s > 0 and _edge_time(problem, e) in held.points:
+                    transients[_edge_time(problem, e)][xvar[d.group][i]] += (
+                        meta.nbytes / layout_fraction(r, mesh.sizes))
+                continue
+            for when, b in held.bytes(meta, l, r, mesh.sizes).items():
+                transients[when][xvar[d.group][i]] += b
     return transients
+
+
+class _Held:
+    """The memory one block of edges (one value's readers in one consumer group, for every
+    value of a producer group) holds at the constrained liveness points beyond the producers'
+    own live ranges, for a given layout change ``l -> r``:
+
+    * a change's result (a copy) is held from its first reader in the block to its last (the
+      lowering frees a copy after its last reader, ``backends/_early.py``);
+    * where the lowering reduces early (``l`` has a partial axis, the change shrinks the
+      piece, the value is in ``Problem.early_values``), the reduced copy lives from where the
+      value is made to its last reader, and the producer's own live range counts the partial
+      original only where it is made (``_memory_terms``);
+    * so an early value whose reader keeps it partial (or changes it without shrinking it)
+      holds the original from where it is made to that reader.
+
+    ``spans``: (producer, where it is made, where the consumer runs) per edge."""
+
+    def __init__(self, spans: list[tuple[str, int, int]], points: list[int],
+                 early: set[tuple[str, int]], index: int) -> None:
+        self.points = set(points)
+        reads: dict[str, tuple[int, int, int]] = {}     # producer -> made, first, last reader
+        for n, start, end in spans:
+            _, a, b = reads.get(n, (start, end, end))
+            reads[n] = (start, min(a, end), max(b, end))
+        self.copy: dict[int, int] = defaultdict(int)    # point -> copies alive there
+        self.plain: dict[int, int] = defaultdict(int)   # the same, of values not reduced early
+        self.made: dict[int, int] = defaultdict(int)    # early values made by then, alive
+        self.after: dict[int, int] = defaultdict(int)   # the same, strictly after being made
+        for n, (start, first, last) in reads.items():
+            is_early = (n, index) in early
+            for t in self.points:
+                if first <= t <= last:
+                    self.copy[t] += 1
+                    if not is_early:
+                        self.plain[t] += 1
+                if is_early and start <= t <= last:
+                    self.made[t] += 1
+                    if t > start:
+                        self.after[t] += 1
+
+    def bytes(self, meta: TensorMeta, l: Layout, r: Layout | None,
+              sizes: tuple[int, ...]) -> dict[int, float]:
+        out: dict[int, float] = defaultdict(float)
+        if r is None:
+            return out
+        copy = meta.nbytes / layout_fraction(r, sizes)
+        if has_partial(l) and self.made:
+            if shrinks(l, r, sizes):
+                for held in (self.made, self.plain):
+                    for t, n in held.items():
+                        out[t] += n * copy
+                return out
+            whole = meta.nbytes / layout_fraction(l, sizes)
+            for t, n in self.after.items():
+                out[t] += n * whole
+        if l != r:
+            for t, n in self.copy.items():
+                out[t] += n * copy
+        return out
 
 
 def _edge_time(problem: Problem, e: Edge) -> int:
@@ -539,11 +602,15 @@ def _value_bytes(problem: Problem, name: str, idx: int, layout: Layout | None) -
     return meta.nbytes / layout_fraction(layout, problem.mesh.sizes)
 
 
-def _profile(problem: Problem, layout_of) -> list[float]:  # noqa: ANN001
+def _profile(problem: Problem, layout_of, cut=None) -> list[float]:  # noqa: ANN001
+    """Bytes live at each point, each value in ``layout_of``'s layout from where it is made to
+    its last reader (only where it is made when ``cut(name, idx)``)."""
     n = len(problem.graph.nodes) + 1
     delta = [0.0] * (n + 1)
     for start, end, name, idx in problem.live_ranges:
         b = _value_bytes(problem, name, idx, layout_of(name, idx))
+        if cut is not None and cut(name, idx):
+            end = start
         delta[start] += b
         delta[end + 1 if end + 1 <= n else n] -= b
     prof, acc = [], 0.0
@@ -557,6 +624,7 @@ def _memory_terms(problem: Problem, xvar: dict[int, list[int]], t: int,
                   live: list[tuple[int, int, str, int]],
                   transients: dict[int, dict[int, float]]) -> dict[int, float]:
     dec = problem.decisions
+    early = problem.early_values
     terms: dict[int, float] = defaultdict(float)
     for var, held in transients.get(t, {}).items():
         terms[var] += held
@@ -564,25 +632,59 @@ def _memory_terms(problem: Problem, xvar: dict[int, list[int]], t: int,
         if not start <= t <= end:
             continue
         d = dec[name]
-        for i, c in enumerate(d.choices):
-            terms[xvar[d.group][i]] += _value_bytes(problem, name, idx, c.outputs[idx])
+        cut = t > start and (name, idx) in early     # a partial original lives on only as
+        for i, c in enumerate(d.choices):            # its readers need it (_Held)
+            if not (cut and has_partial(c.outputs[idx])):
+                terms[xvar[d.group][i]] += _value_bytes(problem, name, idx, c.outputs[idx])
     return terms
 
 
 def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
-    """(peak bytes per rank, the liveness point where it happens) under ``choice``."""
+    """(peak bytes per rank, the liveness point where it happens) under ``choice``: each value
+    from where it is made to its last reader, in its producer's layout; each layout change's
+    result from its first reader to its last, once for the forward's readers and once for
+    the later ones (``backends/_lower.py``); where the lowering reduces a partial value early
+    (``backends/_early.py``), the original only until the last reader that needs it unreduced
+    and the reduced copy from where the value is made to its last reader."""
     dec = problem.decisions
+    mesh = problem.mesh
+    early = problem.early_values
 
     def layout_of(name: str, idx: int) -> Layout:
         return dec[name].choices[choice[name]].outputs[idx]
 
-    prof = _profile(problem, layout_of)
-    mesh = problem.mesh
+    def is_early(name: str, idx: int) -> bool:
+        return (name, idx) in early and has_partial(layout_of(name, idx))
+
+    prof = _profile(problem, layout_of, cut=is_early)
+    n = len(prof)
+    order = problem.order
+    graph = problem.graph
+    # a copy (value, layout, for the forward?) or an early original (layout None): held from
+    # .. to (a copy serves the forward's readers or the later ones: backends._lower)
+    spans: dict[tuple[str, int, Layout | None, bool], tuple[int, int]] = {}
     for e in problem.all_edges() + problem.folded:
-        src = dec[e.src].choices[choice[e.src]].outputs[e.index]
+        src = layout_of(e.src, e.index)
         dst = dec[e.dst].choices[choice[e.dst]].required(e.pos)
-        if src != dst and dst is not None:
-            meta = problem.graph.meta(Ref(e.src, e.index))
-            prof[_edge_time(problem, e)] += meta.nbytes / layout_fraction(dst, mesh.sizes)
+        if dst is None:
+            continue
+        when = _edge_time(problem, e)
+        forward = e.pos != STATE_POS and graph.node(e.dst).phase is Phase.FORWARD
+        held = []
+        if is_early(e.src, e.index) and shrinks(src, dst, mesh.sizes):
+            held.append(((e.src, e.index, dst, False), order[e.src]))   # reduced where made
+        else:
+            if is_early(e.src, e.index):        # the original, until this reader
+                held.append(((e.src, e.index, None, False), order[e.src] + 1))
+            if src != dst:
+                held.append(((e.src, e.index, dst, forward), when))
+        for key, start in held:
+            a, b = spans.get(key, (start, when))
+            spans[key] = (min(a, start), max(b, when))
+    for (name, idx, layout, _), (a, b) in spans.items():
+        size = _value_bytes(problem, name, idx, layout if layout is not None
+                            else layout_of(name, idx))
+        for t in range(a, min(b, n - 1) + 1):
+            prof[t] += size
     t = int(np.argmax(prof))
     return int(prof[t]), t

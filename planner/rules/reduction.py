@@ -4,8 +4,8 @@ logsumexp, cumulative sums, and ``_local_scalar_dense`` (``.item()``).
 A dim that is not reduced keeps its shard (renumbered when ``keepdim`` is false). Reducing over
 a sharded dim is exact only for linear reductions with equal shards: ``sum`` gives ``P(sum)``
 and ``mean`` gives ``P(avg)`` (each rank's mean is over the same number of elements). ``amax``,
-norms and variances over a sharded dim have no placement in our vocabulary (a norm would need
-the sum of squares), so they require that dim replicated. Linear reductions pass partial inputs
+norms and variances over a sharded dim have no placement in our vocabulary, so they require that dim
+replicated, except the 2-norm, which gives ``P(norm2)``. Linear reductions pass partial inputs
 through; nonlinear ones do not.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .._placement import P_AVG, P_SUM, Partial, Placement, Shard
+from .._placement import P_AVG, P_NORM2, P_SUM, Partial, Placement, Shard
 from ._registry import OpInfo, OpStrategy
 from ._util import PARTIALS, arg, is_float, literal_rule, norm_dims, outs, place, shardable
 
@@ -78,9 +78,16 @@ def arg_extremum(info: OpInfo) -> Iterator[OpStrategy]:
 
 @literal_rule("aten.linalg_vector_norm.default")
 def vector_norm(info: OpInfo) -> Iterator[OpStrategy]:
-    """A norm over a split dim is not a sum of local norms: only unreduced dims split."""
+    """Unreduced dims split. The 2-norm over a split dim is ``P(norm2)``: each rank's norm of
+    its shard, whose squares sum to the whole's square (gradient clipping on sharded
+    gradients, as FSDP2 computes it); and the 2-norm of a ``P(norm2)`` value is one too
+    (the norm of the per-gradient norms). Other orders need the dim whole."""
     dims = norm_dims(arg(info.node, "dim"), _ndim(info))
-    yield from reduce_strategies(info, dims, bool(arg(info.node, "keepdim")), None, False)
+    two = arg(info.node, "ord") == 2 and all(is_float(m) for m in info.outputs if m)
+    yield from reduce_strategies(info, dims, bool(arg(info.node, "keepdim")),
+                                 P_NORM2 if two else None, False)
+    if two:
+        yield _one(info, P_NORM2, P_NORM2)
 
 
 @literal_rule("aten.var.correction", "aten.std.correction", "aten.var_mean.correction")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .._placement import Placement, R, Shard
+from .._placement import P_NORM2, Placement, R, Shard
 from ._registry import OpInfo, OpStrategy, default_localize, sharding_rule
 from ._util import (
     PARTIALS,
@@ -211,12 +211,12 @@ def stack(info: OpInfo) -> Iterator[OpStrategy]:
     for d in shardable(first):
         yield OpStrategy(tuple(None if m is None else Shard(d) for m in info.inputs),
                          outs(info, Shard(d + (d >= at))))
-    yield from _all_partial(info)
+    yield from _all_partial(info, (*PARTIALS, P_NORM2))   # stacked norms' pieces stay pieces
 
 
-def _all_partial(info: OpInfo) -> Iterator[OpStrategy]:
+def _all_partial(info: OpInfo, partials: tuple = PARTIALS) -> Iterator[OpStrategy]:
     if all(m is None or is_float(m) for m in info.inputs):
-        for p in PARTIALS:
+        for p in partials:
             yield OpStrategy(tuple(None if m is None else p for m in info.inputs), outs(info, p))
 
 

@@ -272,6 +272,10 @@ def split(v: Any, p: Placement | None, n: int, gen: torch.Generator) -> list[Any
     assert isinstance(p, Partial)
     if not v.is_floating_point():
         raise AssertionError(f"a partial placement on a {v.dtype} tensor")
+    if p.op is ReduceOp.NORM2:                 # non-negative pieces whose squares sum to v's
+        share = torch.rand((n,), generator=gen, dtype=v.dtype) + 0.1
+        share = share / share.sum()
+        return [v * s.sqrt() for s in share]
     scale = float(v.abs().max()) or 1.0
     noise = [torch.randn(v.shape, generator=gen, dtype=v.dtype) * scale * (r + 1)
              for r in range(n - 1)]
@@ -291,7 +295,9 @@ def combine(parts: list[Any], p: Placement | None) -> tuple[Any, str]:
     if isinstance(p, Replicate):
         bad = any(not _close(x, parts[0]) for x in parts[1:])
         return parts[0], "replicated output differs across ranks" if bad else ""
-    total = torch.stack(parts).sum(0) if p.op is ReduceOp.SUM else torch.stack(parts).mean(0)
+    stacked = torch.stack(parts)
+    total = (stacked.sum(0) if p.op is ReduceOp.SUM else stacked.mean(0)
+             if p.op is ReduceOp.AVG else stacked.square().sum(0).sqrt())
     return total, ""
 
 
@@ -399,6 +405,8 @@ def check_graph(rec: Recorded, seen: set[str]) -> tuple[list[str], int]:
             failures.append(f"{node.target} [{node.name}] at {node.source}: {e}")
             continue
         for s in strategies[1:]:                # the first is the implied all-Replicate
+            if not _holds(rec, node, s):
+                continue
             for n in MESH_SIZES:
                 if not _fits(op_info(node, rec.graph), s, n):
                     continue
@@ -408,6 +416,19 @@ def check_graph(rec: Recorded, seen: set[str]) -> tuple[list[str], int]:
                     failures.append(f"{node.target} {s} on {n} ranks [{node.name}] at "
                                     f"{node.source}: {why}")
     return failures, checked
+
+
+def _holds(rec: Recorded, node: Node, s: OpStrategy) -> bool:
+    """Whether every input of ``node`` can be in its layout under ``s``: a ``P(norm2)`` value
+    is a 2-norm's pieces, never negative (only a norm makes one; the planner never changes
+    another layout into it), so a strategy reading one applies to non-negative values only
+    (a stack of per-gradient norms, not of signed tensors)."""
+    for r, p in zip(node.refs(), s.inputs):
+        v = rec.env[r.node][r.index]
+        if (isinstance(p, Partial) and p.op is ReduceOp.NORM2 and isinstance(v, Tensor)
+                and bool((v < 0).any())):
+            return False
+    return True
 
 
 def _attempt(rec: Recorded, node: Node, s: OpStrategy, n: int) -> str:
@@ -474,6 +495,9 @@ OP_CASES: dict[str, tuple[str, Callable[[], tuple]]] = {
     "var-mean": ("aten.var_mean.correction", lambda: (rn(6, 12), (0,))),
     "any": ("aten.any.dim", lambda: (rn(6, 12) > 0, 1)),
     "norm-dim": ("aten.linalg_vector_norm.default", lambda: (rn(6, 12), 2, (1,))),
+    # the 2-norm of a split tensor (gradient clipping on shards): P(norm2) out, and in
+    "norm-all": ("aten.linalg_vector_norm.default", lambda: (rn(6, 12),)),
+    "stack-norms": ("aten.stack.default", lambda: ((rn(6).abs(), rn(6).abs()),)),
     "new-zeros": ("aten.new_zeros.default", lambda: (rn(6, 4), (6, 12))),
     "zeros": ("aten.zeros.default", lambda: ((6, 12),)),
     "full": ("aten.full.default", lambda: ((6, 12), 2.5)),
@@ -577,7 +601,7 @@ def test_rules_of_single_ops_match_single_process() -> None:
 
 
 S0, S1, S2 = Shard(0), Shard(1), Shard(2)
-P_SUM, P_AVG = Partial(ReduceOp.SUM), Partial(ReduceOp.AVG)
+P_SUM, P_AVG, P_NORM2 = Partial(ReduceOp.SUM), Partial(ReduceOp.AVG), Partial(ReduceOp.NORM2)
 R = Replicate()
 # Plausible but wrong strategies: the validator must reject every one of them.
 WRONG: list[tuple[str, Callable[[], tuple], OpStrategy]] = [
@@ -587,6 +611,8 @@ WRONG: list[tuple[str, Callable[[], tuple], OpStrategy]] = [
     ("aten.add.Scalar", lambda: (rn(6, 4), 1.5), OpStrategy((P_SUM,), (P_SUM,))),
     ("aten.mean.dim", lambda: (rn(6, 12), (1,)), OpStrategy((S1,), (P_SUM,))),
     ("aten.linalg_vector_norm.default", lambda: (rn(6, 12),), OpStrategy((S0,), (P_SUM,))),
+    ("aten.linalg_vector_norm.default", lambda: (rn(6, 12), 1), OpStrategy((S0,), (P_NORM2,))),
+    ("aten.linalg_vector_norm.default", lambda: (rn(6, 12),), OpStrategy((P_SUM,), (P_NORM2,))),
     ("aten.amax.default", lambda: (rn(6, 12), (1,)), OpStrategy((S1,), (P_SUM,))),
     ("aten.view.default", lambda: (rn(6, 4, 12), (6, 48)), OpStrategy((S2,), (S1,))),
     ("aten.transpose.int", lambda: (rn(6, 12), 0, 1), OpStrategy((S0,), (S0,))),
