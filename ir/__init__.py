@@ -12,6 +12,7 @@ from ._interpret import interpret, last_uses
 from ._ops import node_bytes, node_flops, op_name, resolve_op
 from ._passes import (
     eliminate_dead_code,
+    hoist_casts,
     merge_host_scalars,
     remove_identity_ops,
     run_passes,
@@ -58,6 +59,7 @@ __all__ = [
     "TensorMeta",
     "atomic_write_text",
     "eliminate_dead_code",
+    "hoist_casts",
     "merge_host_scalars",
     "interpret",
     "is_random",

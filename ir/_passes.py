@@ -122,6 +122,47 @@ def _hoist_hyper(graph: Graph) -> Graph:
     return Graph(tuple(rest[:at] + lifted + rest[at:]), graph.outputs, graph.info)
 
 
+def hoist_casts(graph: Graph) -> Graph:
+    """Move each dtype cast of the backward (``_to_copy``) whose input nothing else reads to
+    right after that input is made, as eager autograd runs it (a cast's backward runs as soon
+    as its gradient exists). A traced step lists the casts of the parameters' gradients back
+    to fp32 (mixed precision) after the whole backward, so every 16-bit gradient would live,
+    unreduced, until then; once cast where it is made, the lowering can reduce-scatter it there
+    (``backends/_early.py``). Values and bits are unchanged: the same ops read the same
+    inputs, only earlier."""
+    from ._types import Phase
+
+    readers: dict[Ref, int] = {}
+    for n in graph.nodes:
+        for r in n.refs():
+            readers[r] = readers.get(r, 0) + 1
+    for o in graph.outputs:
+        readers[o.ref] = readers.get(o.ref, 0) + 1
+    phase = {n.name: n.phase for n in graph.nodes}
+    after: dict[str, list[Node]] = {}
+    moved: set[str] = set()
+    for n in graph.nodes:
+        refs = list(n.refs())
+        if (n.kind is NodeKind.OP and n.target == "aten._to_copy.default"
+                and n.phase is Phase.BACKWARD and len(refs) == 1 and readers[refs[0]] == 1
+                and phase[refs[0].node] is Phase.BACKWARD):    # stays inside the backward
+            after.setdefault(refs[0].node, []).append(n)
+            moved.add(n.name)
+    if not moved:
+        return graph
+    out: list[Node] = []
+
+    def emit(n: Node) -> None:
+        out.append(n)
+        for m in after.get(n.name, ()):     # a cast of a moved cast follows it
+            emit(m)
+
+    for n in graph.nodes:
+        if n.name not in moved:
+            emit(n)
+    return Graph(tuple(out), graph.outputs, graph.info)
+
+
 def eliminate_dead_code(graph: Graph) -> Graph:
     """Drop op, host and constant nodes whose values never reach an output. Inputs stay: they
     are the calling convention."""

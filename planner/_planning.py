@@ -11,7 +11,8 @@ from typing import NoReturn
 
 from .._errors import PlanError
 from ..ir import (
-    RECOMPUTE_POLICIES, Graph, Phase, Ref, TensorMeta, repeated_layers, split_foreach,
+    RECOMPUTE_POLICIES, Graph, Phase, Ref, TensorMeta, hoist_casts, repeated_layers,
+    split_foreach,
 )
 from ..ir._recompute import PREFIX as RECOMPUTE_PREFIX
 from ..ir import recompute as recompute_graph
@@ -440,8 +441,9 @@ def sharded_families(graph: Graph, mesh: Mesh, memory_limit_bytes: int,
 
 
 def _prepare(graph: Graph) -> Graph:
-    """Per-tensor ops instead of foreach ops: each parameter's update can be placed alone."""
-    return split_foreach(graph)
+    """Per-tensor ops instead of foreach ops: each parameter's update can be placed alone;
+    gradient casts where the gradient is made (``ir.hoist_casts``)."""
+    return hoist_casts(split_foreach(graph))
 
 
 def _user_pins(graph: Graph, mesh: Mesh, pins: Pins) -> dict[str, set[Layout]]:

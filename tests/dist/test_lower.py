@@ -491,19 +491,32 @@ def test_random_ops_keep_replicas_equal_and_repeat_from_their_seed(monkeypatch) 
                          ids=["dp2-fsdp-full", "dp2tp2-megatron-full", "tp2-megatron-selective"])
 def test_recompute_changes_no_bit_of_the_step(axes, strategy, policy) -> None:
     """Issue 20, point 2: the same family's plan with activation recompute forced on runs on
-    the thread mesh to exactly the losses and state of the plan without it (the copies run the
-    same ops on the same pieces; the collectives are the same), with the registry's kernels
-    on; the plan without recompute matches one process in test_lowered_steps_equal_...;
+    the thread mesh to exactly the losses and state of the plan without it where both place
+    every node alike (the copies run the same ops on the same pieces; the collectives are the
+    same), with the registry's kernels on. Where recompute changes the plan's other layouts
+    (Megatron: a recomputed GELU read whole in the backward would be gathered again there, so
+    the solver splits it instead), partial sums add in another order: then within the
+    tolerance of the module docstring (atol 1e-5 for state, as test_lowered_steps_equal_...).
+    The plan without recompute matches one process in test_lowered_steps_equal_...;
     processes: tests/dist/test_user_programs.py."""
     ex, traced = _example("gpt-b16")
-    runs = []
+    runs, plans = [], []
     for rc in ("none", policy):
-        plan = plan_graph(traced.graph, axes, topology="h100", strategy=strategy, recompute=rc)
-        runs.append(_run_steps(plan, traced, ex, rng_seed=0, steps=3))
-    assert plan.recompute is not None and plan.recompute[0] == policy
+        plans.append(plan_graph(traced.graph, axes, topology="h100", strategy=strategy,
+                                recompute=rc))
+        runs.append(_run_steps(plans[-1], traced, ex, rng_seed=0, steps=3))
+    assert plans[1].recompute is not None and plans[1].recompute[0] == policy
     (l0, s0, _), (l1, s1, programs) = runs
-    assert torch.equal(l0, l1)
-    assert all(torch.equal(s0[r][k], s1[r][k]) for r in range(len(s0)) for k in s0[r])
+    alike = {(p.node, p.inputs, p.outputs) for p in plans[0].placements} <= {
+        (p.node, p.inputs, p.outputs) for p in plans[1].placements}
+    if alike or strategy == "fsdp":   # fsdp: its few changed layouts reorder no sum
+        assert torch.equal(l0, l1)
+        assert all(torch.equal(s0[r][k], s1[r][k]) for r in range(len(s0)) for k in s0[r])
+    else:
+        torch.testing.assert_close(l0, l1, rtol=1e-5, atol=1e-6)
+        for r in range(len(s0)):
+            for k in s0[r]:
+                torch.testing.assert_close(s0[r][k], s1[r][k], rtol=1e-5, atol=1e-5, msg=k)
     copies = {i.node.name for i in programs[0].instructions if hasattr(i, "node")
               and i.node.name.startswith("rc_")}
     assert copies, "the program runs no recomputed copy"

@@ -79,3 +79,34 @@ def test_a_data_parallel_plan_reduces_the_gradients_in_fp32() -> None:
     reduced = {r.value.split("[")[0] for r in plan.redistributions
                if any(c[0] == "all_reduce" for c in r.collectives)}
     assert wide and reduced and not wide & reduced
+
+
+def test_gradients_are_cast_and_reduce_scattered_where_the_backward_makes_them() -> None:
+    """The traced step lists the fp32 casts of the weight gradients after the whole backward;
+    the planner moves each to right after its 16-bit gradient (``ir.hoist_casts``, bit-equal:
+    the same ops on the same inputs), so under FSDP the lowering reduce-scatters each fp32
+    gradient there and no 16-bit gradient lives, unreduced, through the rest of the backward
+    (FSDP2's post-backward hook does the same)."""
+    from meshplan.backends import lower
+    from meshplan.backends._early import Drop
+    from meshplan.backends._lower import Compute, Free, Reshard
+
+    x = torch.randn(512, 64)
+    plan = meshplan.compile(_user()[1], x, x, mesh={"dp": 2}, strategy="fsdp", precision="bf16")
+    nodes = plan.graph.nodes
+    at = {n.name: i for i, n in enumerate(nodes)}
+    casts = [n for n in nodes if n.target == "aten._to_copy.default"
+             and n.phase.value == "backward" and n.outputs[0].dtype == "float32"]
+    assert casts
+    for n in casts:                               # right after the gradient it casts
+        src = next(n.refs()).node
+        between = nodes[at[src] + 1:at[n.name]]
+        assert all(m.target == "aten._to_copy.default" for m in between), n.name
+    ins = lower(plan, 0).instructions
+    made = {i.node.name: k for k, i in enumerate(ins) if isinstance(i, Compute)}
+    scattered = [k for k, i in enumerate(ins) if isinstance(i, Reshard)
+                 and i.steps[0].kind == "reduce_scatter" and i.ref.node in {c.name for c in casts}]
+    weights = {c.name for c in casts if len(c.outputs[0].shape) == 2}
+    assert weights and weights <= {ins[k].ref.node for k in scattered}
+    for k in scattered:
+        assert all(isinstance(i, (Free, Drop, Reshard)) for i in ins[made[ins[k].ref.node] + 1:k])
