@@ -408,24 +408,29 @@ def test_an_op_that_fails_on_local_pieces_names_its_node_and_source_line() -> No
     ThreadMesh(2, timeout_s=30).run(lambda comm: one(comm, data))      # still runs
 
 
-def _run_steps(plan, traced, ex, rng_seed, steps: int = 2):
+def _run_steps(plan, traced, ex, rng_seed, steps: int = 2, *, free_early: bool = True,
+               observers=None, donate: bool = False):
     """``steps`` steps of ``plan``'s programs on a thread mesh from the traced inputs, random
     ops seeded with ``rng_seed`` and the step number: the losses (step x rank), every rank's
-    final state pieces and its program (for the layouts)."""
+    final state pieces and its program (for the layouts). ``free_early``: ``lower``'s;
+    ``observers``: one per rank, passed to ``run``; ``donate``: ``run``'s. Each rank's state
+    pieces have storage of their own (not views of the whole), as a worker's would."""
     from meshplan.backends import StepRNG
 
     graph = traced.graph
     world = int(torch.tensor(plan.mesh.sizes).prod())
-    programs = [lower(plan, r) for r in range(world)]
+    programs = [lower(plan, r, free_early=free_early) for r in range(world)]
     full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
     names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
-    local = [split_inputs(plan, r, {k: full[k] for k in names}) for r in range(world)]
+    local = [{k: v.clone() for k, v in split_inputs(plan, r, {k: full[k] for k in names}).items()}
+             for r in range(world)]
     data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
     mesh, losses = ThreadMesh(world, timeout_s=60), []
     for step in range(steps):
         batch = dict(zip(data, ex.batch(step + 2)))
         got = mesh.run(lambda comm, batch=batch, step=step: run(
             programs[comm.rank], comm, local[comm.rank], split_inputs(plan, comm.rank, batch),
+            None if observers is None else observers[comm.rank], donate=donate,
             rng=StepRNG(rng_seed, step)))
         for r in range(world):
             local[r] = {**local[r], **got[r][1]}
@@ -563,7 +568,6 @@ def test_gathered_copies_and_reduced_partials_are_freed_after_their_last_reader(
     two gathered weights (2 x 4 MiB, which the program without the frees holds until the
     optimizer), and within the planner's peak for the plan (its memory model is an upper
     bound here: it counts a view's bytes apart from its base's)."""
-    from meshplan.backends import StepRNG
     from meshplan.backends._early import Drop
     from meshplan.backends._lower import Compute, Free, Reshard
 
@@ -574,24 +578,12 @@ def test_gathered_copies_and_reduced_partials_are_freed_after_their_last_reader(
     graph = traced.graph
     plan = plan_graph(graph, {"dp": 2}, topology="cpu", strategy="fsdp")
     full = traced.input_values(*ex.batch(1))
-    names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
-    data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
     runs = []
     for free in (False, True):
-        programs = [lower(plan, r, free_early=free) for r in range(2)]
-        local = [{k: v.clone() for k, v in split_inputs(plan, r, {k: full[k] for k in names})
-                  .items()} for r in range(2)]          # own storage, not views of the whole
-        observers, losses = [_LiveStorage(), _LiveStorage()], []
-        for step in range(2):
-            batch = dict(zip(data, ex.batch(step + 2)))
-            got = ThreadMesh(2, timeout_s=60).run(lambda comm, batch=batch, step=step: run(
-                programs[comm.rank], comm, local[comm.rank],
-                split_inputs(plan, comm.rank, batch), observers[comm.rank], donate=True,
-                rng=StepRNG(0, step)))
-            for r in range(2):
-                local[r] = {**local[r], **got[r][1]}
-            losses.append(torch.stack([got[r][0][0] for r in range(2)]))
-        runs.append((torch.stack(losses), local, programs, max(o.peak for o in observers)))
+        observers = [_LiveStorage(), _LiveStorage()]
+        runs.append((*_run_steps(plan, traced, ex, rng_seed=0, free_early=free,
+                                 observers=observers, donate=True),
+                     max(o.peak for o in observers)))
     (l0, s0, _, held), (l1, s1, programs, freed) = runs
     assert torch.equal(l0, l1)
     assert all(torch.equal(s0[r][k], s1[r][k]) for r in range(2) for k in s0[r])
