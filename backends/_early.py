@@ -31,15 +31,13 @@ first reader to its last, once for the forward and once for the rest.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..ir import Graph, Ref, TensorMeta
-from ..planner import Partial
-from ..planner._placement import local_shape
+from ..planner._problem import shrinks
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,14 +46,6 @@ class Drop:
     stay; ``reduce_early``), ``(value, layout)`` its copy in that layout (``free_copies``)."""
 
     items: tuple[tuple[Ref, object], ...]
-
-
-def shrinks(src: Sequence, dst: Sequence, shape: Sequence[int], sizes: tuple[int, ...]) -> bool:
-    """Whether changing ``src`` into ``dst`` sums a partial axis and leaves this rank fewer
-    elements than it had (a reduce-scatter; not an all-reduce)."""
-    if not any(isinstance(a, Partial) and not isinstance(b, Partial) for a, b in zip(src, dst)):
-        return False
-    return math.prod(local_shape(shape, dst, sizes)) < math.prod(local_shape(shape, src, sizes))
 
 
 def reduce_early(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
@@ -83,7 +73,7 @@ def reduce_early(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
             continue
         meta = graph.meta(ins.ref)
         if (isinstance(meta, TensorMeta) and getattr(torch, meta.dtype).is_floating_point
-                and shrinks(ins.src, ins.dst, meta.shape, sizes)):
+                and shrinks(ins.src, ins.dst, sizes)):   # the planner's test: both agree
             moved.setdefault(made_at[ins.ref], []).append(i)
             moving.add(i)
     if not moving:
@@ -198,4 +188,4 @@ def drop(env: dict[str, tuple], copies: dict[str, dict], items: Iterable[tuple[R
             env[ref.node] = tuple(None if k == ref.index else v for k, v in enumerate(got))
 
 
-__all__ = ["Drop", "drop", "free_copies", "reduce_early", "shrinks"]
+__all__ = ["Drop", "drop", "free_copies", "reduce_early"]
