@@ -131,13 +131,43 @@ CASES = [(name, axes, strategy)
          if strategy != "megatron_tp" or "tp" in axes]
 
 
-def _plan(graph, axes, strategy):
+@lru_cache(maxsize=None)
+def _family_plan(name: str, axes: tuple[tuple[str, int], ...], strategy: str):
+    """``name``'s plan for a hand family on ``axes`` (the mesh's items), once per module: the
+    "dp" case and the auto-half case of a mesh both need the data-parallel plan (plans are
+    immutable)."""
+    return plan_graph(_example(name)[1].graph, dict(axes), topology="h100", strategy=strategy)
+
+
+def _plan(name, axes, strategy):
     if strategy != "auto-half":
-        return plan_graph(graph, axes, topology="h100", strategy=strategy)
-    dp = plan_graph(graph, axes, topology="h100", strategy="dp")
+        return _family_plan(name, tuple(axes.items()), strategy)
+    dp = _family_plan(name, tuple(axes.items()), "dp")
     squeeze = 0.7 if len(axes) > 1 or 4 in axes.values() else 0.75   # what 2 ranks can save
-    return plan_graph(graph, axes, topology="h100",
+    return plan_graph(_example(name)[1].graph, axes, topology="h100",
                       memory_limit_bytes=int(dp.peak_memory_bytes * squeeze))
+
+
+@lru_cache(maxsize=None)
+def _reference(name: str):
+    """The single-process reference interpreter on ``name``'s graph from its traced inputs, 3
+    steps on ``batch(2..4)``: each step's results and the state after the last step. Run once
+    per model and shared, read-only, by every mesh and plan case (it depends on neither)."""
+    ex, traced = _example(name)
+    graph = traced.graph
+    full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
+    state = {n.target: full[n.target].clone() for n in graph.inputs
+             if n.meta.role.value != "data"}
+    data_names = [n.target for n in graph.inputs if n.meta.role.value == "data"]
+    results = []
+    for step in range(3):
+        outs = interpret(graph, {**state, **dict(zip(data_names, ex.batch(step + 2)))})
+        results.append([o for o, spec in zip(outs, graph.outputs)
+                        if spec.kind.value == "result"])
+        for o, spec in zip(outs, graph.outputs):
+            if spec.kind.value == "state":
+                state[spec.name] = o
+    return results, state
 
 
 @pytest.mark.timeout(300)
@@ -147,22 +177,18 @@ def _plan(graph, axes, strategy):
 def test_lowered_steps_equal_the_reference_interpreter(name, axes, strategy) -> None:
     ex, traced = _example(name)
     graph = traced.graph
-    plan = _plan(graph, axes, strategy)
+    plan = _plan(name, axes, strategy)
     world = int(torch.tensor(plan.mesh.sizes).prod())
     programs = [lower(plan, r) for r in range(world)]
     full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
     state_names = [n.target for n in graph.inputs if n.meta.role.value != "data"]
-    ref_state = {k: full[k].clone() for k in state_names}
+    reference, ref_state = _reference(name)
     local = [split_inputs(plan, r, {k: full[k] for k in state_names}) for r in range(world)]
     mesh = ThreadMesh(world, timeout_s=60)
     for step in range(3):
         batch = dict(zip([n.target for n in graph.inputs if n.meta.role.value == "data"],
                          ex.batch(step + 2)))
-        outs = interpret(graph, {**ref_state, **batch})
-        want_results = [o for o, spec in zip(outs, graph.outputs) if spec.kind.value == "result"]
-        for o, spec in zip(outs, graph.outputs):
-            if spec.kind.value == "state":
-                ref_state[spec.name] = o
+        want_results = reference[step]
 
         def one(comm, batch=batch):
             r = comm.rank
@@ -204,7 +230,7 @@ def test_collectives_move_the_bytes_the_plan_predicted(name, axes, strategy) -> 
     8-byte vote."""
     ex, traced = _example(name)
     graph = traced.graph
-    plan = plan_graph(graph, axes, topology="h100", strategy=strategy)
+    plan = _family_plan(name, tuple(axes.items()), strategy)
     world = int(torch.tensor(plan.mesh.sizes).prod())
     programs = [lower(plan, r, bucket_bytes=0) for r in range(world)]   # unbucketed: the plan's
     full = {n.target: t.clone() for n, t in zip(graph.inputs, _inputs(traced, ex))}
