@@ -33,11 +33,19 @@ from meshplan.planner import Replicate, plan_graph
 CPU_OPTIMIZER_KERNELS = ("adamw_cpu", "adamw_foreach", "sgd_foreach")
 
 
-_BUILD = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
+# The GPTs with sequences of 4 tokens (the default's 16): the tests count which ops the
+# kernels replace (per layer and norm, independent of the sequence length) and compare steps
+# with the op-by-op programs; the Triton interpreter runs one program per row, so 4x fewer
+# rows make the interpreted-kernel tests ~4x cheaper. The batch stays 4 (2 rows of sequences
+# per rank on dp=2, no size-1 dims), the heads and widths as in the default.
+_SHORT = 4
+_BUILD = {"gpt": lambda: gpt.build(optimizer="adamw", clip=1.0,
+                                   config=gpt.GPTConfig(seq_len=_SHORT)),
           "gpt-rms": lambda: gpt.build(optimizer="adamw", clip=1.0,
-                                       config=gpt.GPTConfig(norm="rms")),
+                                       config=gpt.GPTConfig(norm="rms", seq_len=_SHORT)),
           "gpt-swiglu": lambda: gpt.build(optimizer="adamw", clip=1.0,
-                                          config=gpt.GPTConfig(activation="swiglu")),
+                                          config=gpt.GPTConfig(activation="swiglu",
+                                                               seq_len=_SHORT)),
           "mlp-sgd": lambda: mlp.build(optimizer="sgd", clip=1.0),
           "mlp": lambda: mlp.build(optimizer="adamw")}
 
@@ -69,11 +77,18 @@ class _only:
         assert set(CPU_OPTIMIZER_KERNELS) <= set(order)
 
 
+@lru_cache(maxsize=None)
+def _plan(name: str, axes: tuple[tuple[str, int], ...], strategy: str):
+    """The plan of ``name`` on ``axes`` (items of the mesh dict) under ``strategy``, once per
+    module: plans are immutable and the same inputs give the same plan."""
+    return plan_graph(_example(name)[1].graph, dict(axes), topology="h100", strategy=strategy)
+
+
 def _run_steps(name: str, axes: dict[str, int], strategy: str, *, use_kernels: bool,
                device: str = "cpu", steps: int = 3, keep: str | None = None):
     ex, traced = _example(name)
     graph = traced.graph
-    plan = plan_graph(graph, axes, topology="h100", strategy=strategy)
+    plan = _plan(name, tuple(axes.items()), strategy)
     world = int(torch.tensor(plan.mesh.sizes).prod())
     with _only(keep):
         programs = [lower(plan, r, device=device, kernels=use_kernels) for r in range(world)]
@@ -98,6 +113,15 @@ def _run_steps(name: str, axes: dict[str, int], strategy: str, *, use_kernels: b
     return programs, losses, state
 
 
+@lru_cache(maxsize=None)
+def _op_by_op(name: str, axes: tuple[tuple[str, int], ...], strategy: str, steps: int):
+    """``_run_steps`` without kernels on the CPU (the op-by-op programs the kernel tests compare
+    with): its losses and final state, run once per module for each case and read-only to the
+    tests that share it (the foreach, numba and interpreted-kernel tests of one case)."""
+    _, losses, state = _run_steps(name, dict(axes), strategy, use_kernels=False, steps=steps)
+    return losses, state
+
+
 CASES = [("gpt", {"dp": 2}, "dp"), ("gpt", {"dp": 2}, "fsdp"),
          ("gpt", {"dp": 2, "tp": 2}, "megatron_tp"), ("mlp-sgd", {"dp": 2}, "dp"),
          ("mlp-sgd", {"dp": 2, "tp": 2}, "fsdp")]
@@ -112,7 +136,7 @@ def test_foreach_kernels_give_the_programs_steps_bit_for_bit(name, axes, strateg
     change by a bit."""
     keep = "adamw_foreach" if name == "gpt" else "sgd_foreach"
     progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, keep=keep)
-    _, want_losses, want_state = _run_steps(name, axes, strategy, use_kernels=False)
+    want_losses, want_state = _op_by_op(name, tuple(axes.items()), strategy, 3)
     params = sum(n.meta.role.value == "param" for n in _example(name)[1].graph.inputs)
     for prog in progs:
         calls = [i for i in prog.instructions if isinstance(i, KernelCall)]
@@ -131,7 +155,7 @@ def test_foreach_kernels_give_the_programs_steps_bit_for_bit(name, axes, strateg
 def test_numba_adamw_matches_the_op_chain(name, axes, strategy) -> None:
     pytest.importorskip("numba")
     progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True, keep="adamw_cpu")
-    _, want_losses, want_state = _run_steps(name, axes, strategy, use_kernels=False)
+    want_losses, want_state = _op_by_op(name, tuple(axes.items()), strategy, 3)
     assert [k for k, *_ in kernel_summary(progs[0].instructions)] == ["adamw_cpu"]
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(state, want_state):
@@ -194,7 +218,7 @@ def _interpreted(name: str, axes: dict[str, int], strategy: str,
     with _on_cpu(*names):
         progs, losses, state = _run_steps(name, axes, strategy, use_kernels=True,
                                           keep="adamw_foreach", steps=2)
-    _, want_losses, want_state = _run_steps(name, axes, strategy, use_kernels=False, steps=2)
+    want_losses, want_state = _op_by_op(name, tuple(axes.items()), strategy, 2)
     torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
     for got, want in zip(state, want_state):
         for k in want:
@@ -265,8 +289,7 @@ def test_a_private_value_without_its_partner_keeps_both_ops() -> None:
     """Cross-entropy's forward leaves its log-sum-exp where the log-softmax was: with its
     backward kernel gone (or unable to take the backward ops), the forward keeps its ops too,
     since the backward's ops would read the wrong value there."""
-    ex, traced = _example("gpt")
-    plan = plan_graph(traced.graph, {"dp": 2}, topology="h100", strategy="dp")
+    plan = _plan("gpt", (("dp", 2),), "dp")
 
     def used() -> set[str]:
         prog = lower(plan, 0, device="cuda", check_available=False)
@@ -283,8 +306,7 @@ def test_a_private_value_without_its_partner_keeps_both_ops() -> None:
 
 
 def test_switched_off_kernels_leave_the_plans_ops() -> None:
-    ex, traced = _example("gpt")
-    plan = plan_graph(traced.graph, {"dp": 2}, topology="h100", strategy="dp")
+    plan = _plan("gpt", (("dp", 2),), "dp")
     assert kernel_summary(lower(plan, 0, kernels=False).instructions) == []
     with kernels.kernels_disabled():
         assert kernel_summary(lower(plan, 0).instructions) == []
