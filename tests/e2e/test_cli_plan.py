@@ -1,5 +1,6 @@
 """``meshplan plan show|explain|diff`` run as a user runs them: ``python -m meshplan ...`` in a
-fresh process from the repository root, on small MLP plans (dp=2 with "dp", dp=2,tp=2 with
+fresh process from the repository root (one run per command and one bad input; the other
+checks through ``cli.main`` in this process), on small MLP plans (dp=2 with "dp", dp=2,tp=2 with
 "megatron_tp", topology h100) made once per module.
 
 Pins down: the text summary names the mesh, the step time and a collective; ``--json`` follows
@@ -42,10 +43,24 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+# the commands that run in a fresh process: one per command (show, explain, diff) and one bad
+# input; the others go through ``cli.main`` in this process meanwhile (the same ``main``; each
+# fresh process costs a torch import)
+IN_A_PROCESS = {"show", "explain_json", "diff_json", "bad:content hash"}
+
+
+def _in_process(*args: str) -> Future[subprocess.CompletedProcess[str]]:
+    """``_main(ARGS)`` as a finished future of what ``_run`` returns."""
+    rc, out, err = _main(*args)
+    done: Future[subprocess.CompletedProcess[str]] = Future()
+    done.set_result(subprocess.CompletedProcess(list(args), rc, out, err))
+    return done
+
+
 @pytest.fixture(scope="module")
 def cli(plans: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
-    """Every command of this module started at once (each costs a fresh interpreter and a torch
-    import); a test waits only for its own."""
+    """Every command of this module started at once (``IN_A_PROCESS``: each a fresh interpreter
+    and a torch import; the rest in this process meanwhile); a test waits only for its own."""
     (a, _), (b, _) = plans["dp"], plans["tp"]
     html = tmp_path_factory.mktemp("html") / "plan.html"
     cmds: dict[str, tuple[str, ...]] = {
@@ -58,7 +73,10 @@ def cli(plans: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     bad = _bad_files(plans, tmp_path_factory.mktemp("bad"))
     cmds.update({f"bad:{pattern}": tuple(args) for pattern, args in bad.items()})
     with ThreadPoolExecutor(8) as pool:
-        futures = {k: pool.submit(_run, *args, check=False) for k, args in cmds.items()}
+        futures = {k: pool.submit(_run, *args, check=False) for k, args in cmds.items()
+                   if k in IN_A_PROCESS}
+        futures.update({k: _in_process(*args) for k, args in cmds.items()
+                        if k not in IN_A_PROCESS})
         futures["html_path"] = pool.submit(lambda: html)
         yield futures
 
