@@ -106,16 +106,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
                                                  "--memory-limit", "lots")
         results["debug:tampered"] = run("--debug", plan=str(folder / "tampered.plan"))
         results["run"] = good.result()
+        # resume from the good run's checkpoint: its data starts again at batch 0
+        resume = pool.submit(cli, folder, "run", STEP, "--plan", "gpt.plan", "--steps", "2",
+                             "--json", "--telemetry", "off", "--checkpoint", "ckpt.safetensors")
         results["bad:checkpoint"] = run("--checkpoint", str(folder / "gpt.plan"))
-    # resume from the good run's checkpoint: its data starts again at batch 0
-    results["resume"] = cli(folder, "run", STEP, "--plan", "gpt.plan", "--steps", "2", "--json",
-                            "--telemetry", "off", "--checkpoint", "ckpt.safetensors")
-    # the step changes after compiling (the gradient clip norm): the same file edited, run in
-    # this process under another name (a subprocess would cost a torch import)
-    src = (folder / "gpt_distributed.py").read_text()
-    assert "clip_grad_norm_(model.parameters(), 1.0)" in src
-    (folder / "gpt_changed.py").write_text(src.replace("parameters(), 1.0)", "parameters(), 0.5)"))
-    results["bad:changed-step"] = run(target=str(folder / "gpt_changed.py:train_step"))
+        # the step changes after compiling (the gradient clip norm): the same file edited, run
+        # in this process under another name (a subprocess would cost a torch import), while
+        # the resumed run starts (its trace is a second core's work)
+        src = (folder / "gpt_distributed.py").read_text()
+        assert "clip_grad_norm_(model.parameters(), 1.0)" in src
+        (folder / "gpt_changed.py").write_text(src.replace("parameters(), 1.0)",
+                                                           "parameters(), 0.5)"))
+        results["bad:changed-step"] = run(target=str(folder / "gpt_changed.py:train_step"))
+        results["resume"] = resume.result()
     results["folder"] = folder    # type: ignore[assignment]
     return results
 
