@@ -160,10 +160,23 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
     from .telemetry import Store
 
     with Store.open(args.db) as store:
-        topo, samples, link = from_telemetry(store, args.run, args.topology)
-    console.print(f"fitted to {len(samples)} measured collectives: latency "
-                  f"{link.latency * 1e6:.1f} us, bandwidth {format_bytes(link.bandwidth)}/s "
-                  f"(compute numbers from {topo.name.split('+')[0]!r})")
+        fit = from_telemetry(store, args.run, args.topology)
+    topo, link, comp = fit.topology, fit.link, fit.compute
+    base = repr(topo.name.split("+")[0])
+    if link is not None:
+        console.print(f"links fitted to {len(fit.samples)} measured collectives: latency "
+                      f"{link.latency * 1e6:.1f} us, bandwidth {format_bytes(link.bandwidth)}/s")
+    else:
+        console.print(f"links from {base} (the run issued too few collectives to fit)")
+    if comp is not None:
+        rates = ", ".join(f"{d} {f / 1e9:.1f} GFLOP/s" for d, f in sorted(comp.flops.items()))
+        console.print(f"compute fitted to {comp.ops} sampled ops ({comp.measured_s * 1e3:.1f} ms "
+                      f"measured, {comp.roofline_s * 1e3:.1f} ms by the fitted roofline before "
+                      f"{len(comp.op_factors)} per-op factors): {rates}; memory "
+                      f"{format_bytes(comp.memory_bandwidth)}/s; op floor "
+                      f"{comp.kernel_floor_s * 1e6:.1f} us")
+    else:
+        console.print(f"compute numbers from {base} (record at level 'ops' to fit them)")
     if args.out:
         topo.save(args.out)
         console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")

@@ -49,6 +49,7 @@ from ._bucket import (DEFAULT_BUCKET_BYTES, Bucket, BucketStart, PendingBucket, 
                       pending_name, run_bucket, start_bucket)
 from ._early import Drop, drop, free_copies, reduce_early
 from ._kernels import KernelCall, run_kernel, substitute
+from ._live import Counter, LiveCopies, LiveEnv
 from ._portable import DEVICE_TWINS
 from ._layout import axis_group, local_part, plain_layout, rank_coords
 from ._rng import StepRNG, call_seeded, op_seed, stream
@@ -348,9 +349,14 @@ class RunObserver(Protocol):
     """What ``run`` tells an observer (telemetry). ``time_ops``: call ``compute`` for every op
     (two clock reads per op); ``reshard`` is always called, after the instruction, with the
     slice ``comm.records[first:last]`` of collectives it made, and ``vote`` likewise for the
-    step's vote (the all-or-nothing check, module docstring)."""
+    step's vote (the all-or-nothing check, module docstring). ``track_memory``: count the
+    tensor storage the program holds as it runs, into the ``_live.Counter`` that ``memory()``
+    gives (its ``peak`` is the step's)."""
 
     time_ops: bool
+    track_memory: bool
+
+    def memory(self) -> Counter: ...
 
     def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None: ...
 
@@ -379,6 +385,10 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
             "step, so replicas draw equal values and steps different ones")
     env: dict[str, tuple] = {}
     copies: dict[str, dict[tuple[int, Layout], Tensor]] = {}   # node -> (index, layout) -> piece
+    counter = (observer.memory() if getattr(observer, "track_memory", False)
+               else None)
+    if counter is not None:                  # count the storages the program holds (_live.py)
+        env, copies = LiveEnv(counter), LiveCopies(counter)
     graph_inputs = {**state, **data}
     for name, target in program.input_nodes.items():
         try:

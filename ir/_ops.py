@@ -114,14 +114,17 @@ def node_flops(graph: Graph, node: Node) -> int:
     """Floating-point operations of one node.
 
     Matmuls, convolutions and attention use torch's own FLOP formulas
-    (``torch.utils.flop_counter``); other compute ops count one operation per element of their
-    largest operand; views, creation ops, inputs and host scalars count zero.
+    (``torch.utils.flop_counter``; for attention see ``_CPU_ATTENTION``); other compute ops
+    count one operation per element of their largest operand; views, creation ops, inputs and
+    host scalars count zero.
     """
     if node.kind is not NodeKind.OP or is_view_op(node.target):
         return 0
     from torch.utils.flop_counter import flop_registry
 
     op = resolve_op(node.target)
+    if node.target in _CPU_ATTENTION:
+        return _cpu_attention_flops(graph, node, op)
     formula = flop_registry.get(op._overloadpacket)
     outs = [m for m in node.outputs if isinstance(m, TensorMeta)]
     if formula is not None:
@@ -130,11 +133,48 @@ def node_flops(graph: Graph, node: Node) -> int:
         # keep absent outputs (None) in place: formulas index outputs by position
         out = [_meta_tensor(m) if isinstance(m, TensorMeta) else None for m in node.outputs]
         out_val = out[0] if len(out) == 1 else tuple(out)
-        return int(formula(*args, out_val=out_val, **kwargs))
+        flops = int(formula(*args, out_val=out_val, **kwargs))
+        return flops // 2 if "attention" in node.target and _causal(node, op) else flops
     ins = _input_metas(graph, node)
     if not ins:
         return 0
     return max(m.numel for m in ins + outs)
+
+
+# CPU's fused attention (what ``F.scaled_dot_product_attention`` traces to on CPU and meta
+# tensors), which torch's FLOP counter does not know: priced as its counter prices the GPU
+# kernels (the forward's two matmuls; 2.5 times that for the backward, which recomputes the
+# scores). Every attention kernel with a causal mask counts half: a flash kernel skips the
+# blocks above the diagonal (torch's counter counts them).
+_CPU_ATTENTION = frozenset({"aten._scaled_dot_product_flash_attention_for_cpu.default",
+                            "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"})
+
+
+def _cpu_attention_flops(graph: Graph, node: Node, op: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    given = _named_args(node, op)
+
+    def shape(name: str) -> tuple[int, ...]:
+        m = graph.meta(given[name])
+        assert isinstance(m, TensorMeta), (node.name, name)
+        return tuple(m.shape)
+
+    q, k, v = shape("query"), shape("key"), shape("value")
+    if "grad_out" in given:
+        flops = sdpa_backward_flop_count(shape("grad_out"), q, k, v)
+    else:
+        flops = sdpa_flop_count(q, k, v)
+    return int(flops // 2 if _causal(node, op) else flops)
+
+
+def _named_args(node: Node, op: Any) -> dict[str, Any]:
+    names = [a.name for a in op._schema.arguments]
+    return dict(zip(names, node.args)) | dict(node.kwargs)
+
+
+def _causal(node: Node, op: Any) -> bool:
+    return _named_args(node, op).get("is_causal") is True
 
 
 def node_bytes(graph: Graph, node: Node) -> int:

@@ -487,14 +487,138 @@ _FITTED = {c.value: c for c in (Collective.ALL_REDUCE, Collective.ALL_GATHER,
                                 Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)}
 
 
-def from_telemetry(store: object, run_id: str | None = None,
-                   base: str | Topology | None = None) -> tuple[Topology, list[Sample], Link]:
-    """A topology whose links are fitted to the collectives a recorded run measured.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpSample:
+    """One planned node's sampled time: the median over ranks and steps of the op's measured
+    seconds, and the work the cost model priced for one rank (``plan_nodes``)."""
 
-    Every (kind, group size, bytes) the run issued becomes one sample: the median over ranks
-    and steps of the call's duration, waits for slower peers included (what a step pays).
-    Compute numbers come from ``base`` (default: the run's own topology when it is a preset).
-    Returns (topology, samples, the fitted link)."""
+    target: str
+    flops: float
+    nbytes: float
+    dtype: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeFit:
+    """Compute rates fitted to a run's op times, in the cost model's terms."""
+
+    flops: Mapping[str, float]            # dtype -> FLOP/s (measured dtypes; others scaled)
+    memory_bandwidth: float
+    kernel_floor_s: float
+    op_factors: Mapping[str, float]       # target -> measured / fitted roofline time
+    ops: int                              # samples used
+    measured_s: float                     # their total measured time
+    roofline_s: float                     # the fitted rates' total, before op factors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TelemetryFit:
+    """What ``from_telemetry`` found: the topology and the fits behind it."""
+
+    topology: Topology
+    samples: tuple[Sample, ...]           # collectives
+    link: Link | None                     # None when the run issued too few collectives
+    compute: ComputeFit | None            # None when the run sampled no ops
+    measured_step_s: float | None = None  # the run's median step (slowest rank; first left out)
+    model_step_s: float | None = None     # the run's own plan priced on the fitted machine,
+                                          # before the step overhead (which is the difference)
+
+
+# An op does at least this many FLOPs per byte it moves to count as compute-bound when rates
+# are fitted (an n x n x n fp32 matmul does n/6; elementwise ops do at most 1/4).
+COMPUTE_BOUND_INTENSITY = 8.0
+# Ops moving less than this are priced at the floor: their time is the dispatch overhead.
+SMALL_OP_BYTES = 64 * 1024
+# An op's own factor is fitted only when its nodes take this share of the sampled time or more
+# (a factor from a few microseconds of samples would be noise).
+FACTOR_MIN_SHARE = 0.002
+
+
+def fit_compute(samples: Sequence[OpSample], base: Topology) -> ComputeFit:
+    """Fit the roofline ``max(flops / F[dtype], bytes / W, floor)`` to sampled op times, then
+    one factor per op for what the roofline misses (a kernel slower or faster than its class).
+
+    - ``floor``: the mean time of small ops (under ``SMALL_OP_BYTES``): dispatch overhead.
+    - ``F[dtype]``: the typical rate of the compute-bound ops of that dtype
+      (``COMPUTE_BOUND_INTENSITY``): each op kind's total FLOPs over its total time, and the
+      time-weighted median over kinds (one kind far off its roofline, such as CPU attention,
+      does not move it). A dtype the run did not compute in keeps ``base``'s rate scaled by
+      the measured dtype's ratio to base.
+    - ``W``: the same over bytes, for the other ops slower than twice the floor.
+    - ``op_factors[target]``: the target's measured time over the fitted roofline's, for
+      targets holding at least ``FACTOR_MIN_SHARE`` of the time. With the factors, the run's
+      own sampled compute is reproduced per op kind; the rates price the kinds it did not
+      sample."""
+    use = [s for s in samples if s.seconds > 0 and (s.flops > 0 or s.nbytes > 0)]
+    if len(use) < 8:
+        raise PlanError(f"fitting compute needs sampled times of at least 8 ops, got {len(use)} "
+                        "(record at level 'ops': TelemetryConfig(level='ops'))")
+    small = [s for s in use if s.nbytes < SMALL_OP_BYTES
+             and s.flops < COMPUTE_BOUND_INTENSITY * SMALL_OP_BYTES]
+    floor = float(np.mean([s.seconds for s in small])) if small else base.kernel_floor_s
+    big = [s for s in use if s not in small]
+    bound = [s for s in big if s.flops >= COMPUTE_BOUND_INTENSITY * s.nbytes]
+    mem = [s for s in big if s not in bound and s.seconds > 2 * floor and s.nbytes > 0]
+    rates: dict[str, float] = {}
+    for dtype in sorted({s.dtype for s in bound}):
+        rates[dtype] = _typical_rate([s for s in bound if s.dtype == dtype], "flops")
+    base_eff = {d: f * base.compute_efficiency for d, f in base.flops}
+    if rates:
+        ref = next(iter(sorted(rates, key=lambda d: -len([s for s in bound if s.dtype == d]))))
+        scale = rates[ref] / base.flops_for(ref) / base.compute_efficiency
+    else:
+        scale = 1.0
+    flops = {d: rates.get(d, f * scale) for d, f in base_eff.items()} | rates
+    bw = (_typical_rate(mem, "nbytes") if mem
+          else base.memory_bandwidth * base.compute_efficiency)
+    fitted = Topology(name="fit", flops=flops, memory_bandwidth=bw, memory_bytes=base.memory_bytes,
+                      devices_per_node=base.devices_per_node, intra_node=base.intra_node,
+                      inter_node=base.inter_node, compute_efficiency=1.0, kernel_floor_s=floor)
+
+    def roofline(s: OpSample) -> float:
+        return max(s.flops / fitted.flops_for(s.dtype), s.nbytes / bw, floor)
+
+    total = sum(s.seconds for s in use)
+    per: dict[str, list[float]] = {}
+    for s in use:
+        acc = per.setdefault(s.target, [0.0, 0.0])
+        acc[0] += s.seconds
+        acc[1] += roofline(s)
+    factors = {t: m / r for t, (m, r) in sorted(per.items())
+               if m >= FACTOR_MIN_SHARE * total and r > 0}
+    return ComputeFit(flops=flops, memory_bandwidth=bw, kernel_floor_s=floor, op_factors=factors,
+                      ops=len(use), measured_s=total, roofline_s=sum(roofline(s) for s in use))
+
+
+def _typical_rate(samples: Sequence[OpSample], work: str) -> float:
+    """Per op kind (target): total ``work`` over total seconds; then the median over kinds,
+    each weighted by its time."""
+    per: dict[str, list[float]] = {}
+    for s in samples:
+        acc = per.setdefault(s.target, [0.0, 0.0])
+        acc[0] += getattr(s, work)
+        acc[1] += s.seconds
+    kinds = sorted((w / t, t) for w, t in per.values() if t > 0)
+    half, run = sum(t for _, t in kinds) / 2, 0.0
+    for rate, t in kinds:
+        run += t
+        if run >= half:
+            return rate
+    return kinds[-1][0]
+
+
+def from_telemetry(store: object, run_id: str | None = None,
+                   base: str | Topology | None = None) -> TelemetryFit:
+    """A topology fitted to what a recorded run measured.
+
+    Links: every (kind, group size, bytes) the run issued becomes one sample, the median over
+    ranks and steps of the call's duration, waits for slower peers included (what a step
+    pays); fitted by ``fit_link``. Compute: when the run sampled op times (level ``ops``), the
+    rates and per-op factors of ``fit_compute``, from each planned node's median time (the
+    first step, which warms caches up, is left out when later ones were sampled). What the
+    run did not measure comes from ``base`` (default: the run's own topology when it is a
+    preset)."""
     from ._mesh import PRESETS, get_topology
 
     run = run_id or _latest_run(store)
@@ -504,7 +628,7 @@ def from_telemetry(store: object, run_id: str | None = None,
         if name not in PRESETS:
             raise PlanError(f"run {run} was planned with topology {name!r}, which is not a "
                             f"preset; pass --topology (one of {sorted(PRESETS)} or a file) for "
-                            "the compute numbers")
+                            "the numbers the run did not measure")
         base = name
     topo = get_topology(base)
     kinds = ", ".join(f"'{k}'" for k in _FITTED)
@@ -513,19 +637,118 @@ def from_telemetry(store: object, run_id: str | None = None,
         FROM collectives WHERE run_id = '{_sq(run)}' AND group_size > 1 AND bytes > 0
           AND kind IN ({kinds})
         GROUP BY ALL ORDER BY kind, group_size, bytes""").to_pylist()
-    samples = [Sample(_FITTED[r["kind"]], int(r["bytes"]), max(float(r["us"]), 1.0) * 1e-6)
-               for r in rows]
-    if len({s.nbytes for s in samples}) < 2:
-        raise PlanError(f"run {run} recorded {len(samples)} distinct collectives; fitting a link "
-                        "needs at least two message sizes (record at level 'collectives' or "
-                        "'ops', and run a plan that communicates)")
-    link = fit_link(samples, [int(r["group_size"]) for r in rows])
-    fitted = Topology(name=f"{topo.name}+run-{run}", flops=topo.flops,
-                      memory_bandwidth=topo.memory_bandwidth, memory_bytes=topo.memory_bytes,
-                      devices_per_node=topo.devices_per_node, intra_node=link, inter_node=link,
-                      compute_efficiency=topo.compute_efficiency,
-                      kernel_floor_s=topo.kernel_floor_s, comm_overlap=topo.comm_overlap)
-    return fitted, samples, link
+    samples = tuple(Sample(_FITTED[r["kind"]], int(r["bytes"]), max(float(r["us"]), 1.0) * 1e-6)
+                    for r in rows)
+    link = (fit_link(samples, [int(r["group_size"]) for r in rows])
+            if len({s.nbytes for s in samples}) >= 2 else None)
+    ops = _op_samples(store, run)
+    compute = fit_compute(ops, topo) if ops else None
+    if link is None and compute is None:
+        raise PlanError(f"run {run} recorded {len(samples)} distinct collectives and no op "
+                        "times: fitting a link needs at least two message sizes (record at "
+                        "level 'collectives' and run a plan that communicates), fitting compute "
+                        "needs level 'ops'")
+    fitted = Topology(
+        name=f"{topo.name}+run-{run}",
+        flops=compute.flops if compute else topo.flops,
+        memory_bandwidth=compute.memory_bandwidth if compute else topo.memory_bandwidth,
+        memory_bytes=topo.memory_bytes, devices_per_node=topo.devices_per_node,
+        intra_node=link or topo.intra_node, inter_node=link or topo.inter_node,
+        compute_efficiency=1.0 if compute else topo.compute_efficiency,
+        kernel_floor_s=compute.kernel_floor_s if compute else topo.kernel_floor_s,
+        comm_overlap=topo.comm_overlap,
+        op_factors=compute.op_factors if compute else topo.op_factors)
+    measured = _measured_step(store, run)
+    model = _priced_step(store, run, fitted) if compute is not None else None
+    if measured is None or model is None:
+        return TelemetryFit(topology=fitted, samples=samples, link=link, compute=compute,
+                            measured_step_s=measured, model_step_s=model)
+    # what the step takes beyond the priced ops and collectives, as a constant per step
+    fitted = Topology(
+        name=f"{topo.name}+run-{run}",
+        flops=compute.flops if compute else topo.flops,
+        memory_bandwidth=compute.memory_bandwidth if compute else topo.memory_bandwidth,
+        memory_bytes=topo.memory_bytes, devices_per_node=topo.devices_per_node,
+        intra_node=link or topo.intra_node, inter_node=link or topo.inter_node,
+        compute_efficiency=1.0 if compute else topo.compute_efficiency,
+        kernel_floor_s=compute.kernel_floor_s if compute else topo.kernel_floor_s,
+        comm_overlap=topo.comm_overlap,
+        op_factors=compute.op_factors if compute else topo.op_factors,
+        step_overhead_s=max(0.0, measured - model))
+    return TelemetryFit(topology=fitted, samples=samples, link=link, compute=compute,
+                        measured_step_s=measured, model_step_s=model)
+
+
+def _measured_step(store: object, run: str) -> float | None:
+    """The median over steps of the step's time as the controller saw it (the call: split,
+    send, every rank's step, gather; the slowest rank's own time where the controller
+    recorded none), the run's first step (which warms up) left out when there are others."""
+    q = _sq(run)
+    rows = store.sql(f"""
+        WITH c AS (SELECT count(*) AS n FROM steps WHERE run_id = '{q}' AND rank = -1),
+             s AS (SELECT step, max(dur_us) AS d FROM steps, c
+                   WHERE run_id = '{q}' AND (rank = -1) = (c.n > 0) GROUP BY step)
+        SELECT quantile_cont(d, 0.5) AS us FROM s
+        WHERE step > (SELECT min(step) FROM s) OR (SELECT count(*) FROM s) = 1""").to_pylist()
+    us = rows[0]["us"] if rows else None
+    return None if us is None else float(us) * 1e-6
+
+
+def _priced_step(store: object, run: str, topo: Topology) -> float | None:
+    """The run's own plan (``plan_nodes``, ``plan_collectives``) priced on ``topo`` as the
+    planner prices a plan (compute plus collectives; the step's vote, which plans do not
+    list, is left to the step overhead)."""
+    from ._problem import _compute_time
+
+    q = _sq(run)
+    nodes = store.sql(f"SELECT target, flops, bytes, dtype FROM plan_nodes "
+                      f"WHERE run_id = '{q}'").to_pylist()
+    if not nodes or any(n["flops"] is None for n in nodes):
+        return None
+    compute = sum(_compute_time(n["flops"], n["bytes"], 1, n["dtype"] or "float32", topo,
+                                n["target"]) for n in nodes)
+    colls = store.sql(f"SELECT kind, group_size, bytes FROM plan_collectives "
+                      f"WHERE run_id = '{q}' AND value <> '<vote>'").to_pylist()
+    comm = sum(collective_time(Collective(c["kind"]), c["bytes"], c["group_size"],
+                               topo.intra_node) for c in colls)
+    return compute + comm
+
+
+def _op_samples(store: object, run: str) -> list[OpSample]:
+    """Each planned node's median sampled time (``ops`` joined to ``plan_nodes``), leaving out
+    step 0 when later steps were sampled. Empty when the run sampled none or its plan rows
+    predate the work columns."""
+    try:
+        rows = store.sql(f"""
+            WITH o AS (SELECT * FROM ops WHERE run_id = '{_sq(run)}'),
+                 first AS (SELECT CASE WHEN max(step) > min(step) THEN min(step) ELSE -1 END AS s
+                           FROM o)
+            SELECT p.target, any_value(p.flops) AS flops, any_value(p.bytes) AS bytes,
+                   any_value(p.dtype) AS dtype, quantile_cont(o.dur_us, 0.5) AS us
+            FROM plan_nodes p JOIN o ON o.node = p.node, first
+            WHERE p.run_id = '{_sq(run)}' AND o.step <> first.s AND p.flops IS NOT NULL
+            GROUP BY p.node, p.target""").to_pylist()
+    except Exception as e:  # noqa: BLE001 - a store from before the ops/work columns
+        logger.debug("no op samples for run %s: %s", run, e)
+        return []
+    return [OpSample(target=r["target"], flops=float(r["flops"]), nbytes=float(r["bytes"]),
+                     dtype=r["dtype"] or "float32", seconds=float(r["us"]) * 1e-6) for r in rows]
+
+
+def node_work(graph: object, placement: object, mesh: object) -> tuple[float, float, str]:
+    """(FLOPs, bytes read + written, dtype) that one rank runs for ``placement``'s node: the
+    numbers the cost model prices (``_problem._compute_time``). A node's work is divided by
+    every mesh axis along which its placement is not all-Replicate (the planner's split)."""
+    from ..ir import TensorMeta, node_bytes, node_flops
+    from ._placement import R
+
+    node = graph.node(placement.node)
+    split = 1
+    for a, n in enumerate(mesh.sizes):
+        if any(lay is not None and lay[a] != R for lay in (*placement.inputs, *placement.outputs)):
+            split *= n
+    dtype = next((m.dtype for m in node.outputs if isinstance(m, TensorMeta)), "float32")
+    return node_flops(graph, node) / split, node_bytes(graph, node) / split, dtype
 
 
 def _latest_run(store: object) -> str:

@@ -49,10 +49,22 @@ class Topology:
     # fraction of a collective's time that can run under compute: 1 where collectives have
     # their own engine (NCCL, RDMA), 0 where they take the cores the compute needs
     comm_overlap: float = 1.0
+    # per op (aten target): measured time / the roofline's, fitted to a run's sampled op times
+    # (``meshplan calibrate --from-telemetry``); ops not listed take 1. Presets list none.
+    op_factors: tuple[tuple[str, float], ...] = ()
+    # time every step takes beyond its ops and collectives (the program's interpreter, views,
+    # host arithmetic, the step's vote), fitted to a run; presets: 0
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.flops, Mapping):
             object.__setattr__(self, "flops", tuple(sorted(self.flops.items())))
+        if isinstance(self.op_factors, Mapping):
+            object.__setattr__(self, "op_factors", tuple(sorted(self.op_factors.items())))
+        if not self.step_overhead_s >= 0:
+            raise PlanError(f"topology {self.name!r}: step_overhead_s must be >= 0")
+        if any(not f > 0 for _, f in self.op_factors):
+            raise PlanError(f"topology {self.name!r}: op_factors must be positive")
         if not self.flops or any(v <= 0 for _, v in self.flops):
             raise PlanError(f"topology {self.name!r}: flops must map dtypes to positive FLOP/s")
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0 or self.devices_per_node < 1:
@@ -66,9 +78,13 @@ class Topology:
         table = dict(self.flops)
         return table[dtype] if dtype in table else min(table.values())
 
+    def op_factor(self, target: str) -> float:
+        return dict(self.op_factors).get(target, 1.0) if self.op_factors else 1.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["flops"] = dict(self.flops)
+        d["op_factors"] = dict(self.op_factors)
         return d
 
     @staticmethod
@@ -81,6 +97,8 @@ class Topology:
                 compute_efficiency=float(d.get("compute_efficiency", 0.7)),
                 kernel_floor_s=float(d.get("kernel_floor_s", 5e-6)),
                 comm_overlap=float(d.get("comm_overlap", 1.0)),
+                op_factors={str(k): float(v) for k, v in dict(d.get("op_factors", {})).items()},
+                step_overhead_s=float(d.get("step_overhead_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"bad topology description ({type(e).__name__}: {e})") from None

@@ -493,10 +493,11 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
             redistributions.append(_redistribution(problem, ref, "<result>",
                                                    chosen[ref.node].outputs[ref.index], rep))
     comm = float(sum(r.time_s for r in redistributions))
+    overhead = mesh.topology.step_overhead_s       # a calibrated machine's; presets: 0
     return Plan(
         mesh=mesh, strategy=strategy, graph=graph, placements=tuple(placements),
         redistributions=tuple(redistributions),
-        estimated_step_time_s=sol.compute_s + comm, compute_time_s=sol.compute_s,
+        estimated_step_time_s=sol.compute_s + comm + overhead, compute_time_s=sol.compute_s,
         comm_time_s=comm, peak_memory_bytes=sol.peak_memory_bytes, memory_limit_bytes=limit,
         fallbacks=tuple(problem.fallbacks), solver=dict(sol.solver),
         bucket_bytes=plan_bucket_bytes(mesh, redistributions),

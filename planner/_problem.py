@@ -178,7 +178,8 @@ def _op_choices(graph: Graph, node: Node, mesh: Mesh) -> tuple[list[Choice], boo
         for s, n in zip(combo, mesh.sizes):
             if s != base:
                 split *= n
-        choices.append(Choice(inputs, outputs, _compute_time(flops, nbytes, split, dtype, topo)))
+        choices.append(Choice(inputs, outputs,
+                              _compute_time(flops, nbytes, split, dtype, topo, node.target)))
     return choices, has_rule
 
 
@@ -186,13 +187,17 @@ def _zip_layouts(per_axis: list[tuple[Placement | None, ...]]) -> tuple[Layout |
     return tuple(None if ps[0] is None else tuple(ps) for ps in zip(*per_axis))
 
 
-def _compute_time(flops: float, nbytes: float, split: int, dtype: str, topo) -> float:  # noqa: ANN001
+def _compute_time(flops: float, nbytes: float, split: int, dtype: str, topo,  # noqa: ANN001
+                  target: str | None = None) -> float:
+    """The roofline time of one rank's share of an op (at least the kernel floor), times the
+    op's calibrated factor (``Topology.op_factors``; 1 unless a run was fitted)."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.compute_efficiency
     t = max(flops / split / (topo.flops_for(dtype) * eff),
             nbytes / split / (topo.memory_bandwidth * eff))
-    return max(t, topo.kernel_floor_s)
+    t = max(t, topo.kernel_floor_s)
+    return t * topo.op_factor(target) if target is not None else t
 
 
 # ---- communication ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ through the traced first-step graph, exactly as one process would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -25,14 +26,14 @@ from typing import Any
 
 import torch
 
-from .._errors import RuntimeFailure
+from .._errors import MeshplanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, Role
 from ..planner import Plan, check_recompute, plan_graph
-from ..telemetry import TelemetryConfig
+from ..telemetry import Level, TelemetryConfig
 from ._files import FILES_PLUGIN
 from ._launch import LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
@@ -54,7 +55,8 @@ class DistributedStep:
                  example_inputs: Any, memory_limit_bytes: int | None, timeout_s: float,
                  telemetry: Any = None, kernels: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
-                 precision: str | None = None, recompute: Any = "auto") -> None:
+                 precision: str | None = None, recompute: Any = "auto",
+                 calibrate: bool | int = False) -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
@@ -93,6 +95,10 @@ class DistributedStep:
         self._pending_checkpoint: tuple[str, bool | None] | None = None
         # the checkpoint the live state came from, for the launch: (path, names, push, stamp)
         self._launch_from: tuple[str, list[str], bool | None, tuple] | None = None
+        # distribute(calibrate=): mesh steps left before the cost model is fitted to them
+        self._calibrate_left = _calibration_steps(calibrate, self.telemetry, plan)
+        self._resume_step = 0               # the step number a re-launch continues from
+        self.calibration: RunCalibration | None = None
         if checkpoint is not None:
             self.load_checkpoint(checkpoint)
 
@@ -128,7 +134,12 @@ class DistributedStep:
             names = [n.target for n in first.plan.graph.inputs_with_role(Role.DATA)]
             check_indices(first.checks, dict(zip(names, traced.data_tensors(*args, **kwargs))),
                           self.__name__)
-        return self._step(self._variant(args, kwargs), args, kwargs)
+        out = self._step(self._variant(args, kwargs), args, kwargs)
+        if self._calibrate_left:
+            self._calibrate_left -= 1
+            if not self._calibrate_left:
+                self._recalibrate()
+        return out
 
     @property
     def seed(self) -> int | None:
@@ -487,8 +498,13 @@ class DistributedStep:
         if self.telemetry is not None:
             self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
                                             step_name=self.__name__, strategy=plan.strategy)
-            header["telemetry"] = {**self.telemetry.to_json(), "run_id": workers.run_id}
-        self._step_no = 0
+            config = self.telemetry
+            if self._calibrate_left:      # time every op of the steps the fit reads, only them
+                config = dataclasses.replace(
+                    config, level=max(config.level, Level.OPS), ops_first=self._calibrate_left,
+                    ops_every=config.ops_every if config.level >= Level.OPS else 2**62)
+            header["telemetry"] = {**config.to_json(), "run_id": workers.run_id}
+        self._step_no, self._resume_step = self._resume_step, 0
         with self._recording_failures():
             plans = self._plan_for_ranks(plan.to_json())
             self._send_state("setup", state, lambda rank, names: {
@@ -569,6 +585,45 @@ class DistributedStep:
         self._step_no += 1
         return self._traced.pack_results(results, plan.graph)
 
+    def _recalibrate(self) -> None:
+        """``distribute(calibrate=)``: fit the cost model to the steps just run (their op times
+        and collectives, ``from_telemetry``), plan again with the fitted machine, and when the
+        plan changes, move the state to it (gathered here, the mesh started again on the new
+        plan at the next call; step numbers, so random ops, carry on). Says what it did in one
+        line and keeps it in ``self.calibration``."""
+        from ..planner._calibrate import from_telemetry
+        from ..telemetry import Store
+
+        before, run = self.plan, self.run_id
+        self.flush_telemetry()
+        try:
+            with Store.open(self.telemetry.db) as store:
+                fit = from_telemetry(store, run, base=self.topology)
+        except MeshplanError as exc:
+            logger.warning("meshplan: %s: calibration skipped (%s); the plan stays as it is",
+                           self.__name__, exc)
+            return
+        plan = plan_graph(self._traced.graph, self.mesh, topology=fit.topology,
+                          strategy=self.strategy, memory_limit_bytes=self.memory_limit_bytes,
+                          recompute=self.recompute)
+        replanned = _program_key(plan) != _program_key(before)
+        if not replanned and plan.bucket_bytes != before.bucket_bytes:
+            # the same layouts and collectives: a new gradient bucket cap alone is not worth
+            # starting the mesh again for; the running program's cap stays
+            plan = dataclasses.replace(plan, bucket_bytes=before.bucket_bytes)
+        self.calibration = RunCalibration(
+            fit=fit, run_id=run, measured_step_s=fit.measured_step_s, before=before.estimate(),
+            after=plan.estimate(), replanned=replanned)
+        logger.warning("meshplan: %s: %s", self.__name__, self.calibration.summary())
+        self.topology = fit.topology          # programs planned from now on use it too
+        if not replanned:
+            self._plan = plan                 # the same program; its estimates fitted
+            return
+        self.sync()                           # the state, whole, on the controller
+        self._resume_step = self._step_no
+        self.shutdown()
+        self._plan, self._variants = plan, {}
+
     def _random_seed(self, variant: Variant) -> int:
         """The run's seed, drawn from the controller's CPU generator the first time a program
         with random ops runs (unless given); says once that random ops differ from one process."""
@@ -620,7 +675,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                telemetry: Any = None, kernels: bool | None = None,
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
-               precision: str | None = None, recompute: Any = "auto") -> Any:
+               precision: str | None = None, recompute: Any = "auto",
+               calibrate: bool | int = False) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -644,15 +700,69 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``"fp32"``: as written. ``recompute``: activation recompute of the repeated layers,
     ``"auto"`` (the planner decides when memory is short), ``"none"``, ``"selective"``,
     ``"full"`` or ``(policy, layers)`` (``plan_graph``; README, "Activation recompute").
+    ``calibrate``: True (3 steps) or a number of mesh steps: time every op of the first mesh
+    steps, fit the cost model's machine to those times and the collectives' (``meshplan
+    calibrate --from-telemetry`` does the same from a store), plan again with it, and if the
+    plan changes, go on with the new one (the state moves through the controller once); one
+    line says what happened, ``step.calibration`` holds it. Needs telemetry; not with ``plan=``.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
                                strategy=strategy, plan=plan, example_inputs=example_inputs,
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
-                               seed=seed, precision=precision, recompute=recompute)
+                               seed=seed, precision=precision, recompute=recompute,
+                               calibrate=calibrate)
 
     return wrap(fn) if fn is not None else wrap
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunCalibration:
+    """What ``distribute(calibrate=)`` did: the fit (``planner._calibrate.TelemetryFit``),
+    the calibrating run's median measured step (slowest rank, the first mesh step left out),
+    the plan's estimate before and after, and whether the step now runs a new plan."""
+
+    fit: Any
+    run_id: str | None
+    measured_step_s: float | None
+    before: Any                       # PlanEstimate
+    after: Any
+    replanned: bool
+
+    def summary(self) -> str:
+        got = (f"measured {self.measured_step_s * 1e3:.1f} ms per step, "
+               if self.measured_step_s else "")
+        what = (f"re-planned ({self.after.strategy}), the mesh restarts on the new plan"
+                if self.replanned else "the plan is unchanged")
+        return (f"calibrated on run {self.run_id}: {got}estimated "
+                f"{self.before.estimated_step_time_s * 1e3:.1f} ms before, "
+                f"{self.after.estimated_step_time_s * 1e3:.1f} ms with the fitted machine; {what}")
+
+
+def _calibration_steps(calibrate: Any, telemetry: TelemetryConfig | None,
+                       plan: Any) -> int:
+    if calibrate is False or calibrate is None or calibrate == 0:
+        return 0
+    steps = 3 if calibrate is True else calibrate
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise RuntimeFailure(f"distribute(calibrate={calibrate!r}): pass True (3 steps) or the "
+                             "number of mesh steps to fit to, at least 2 (the first warms up)")
+    if telemetry is None:
+        raise RuntimeFailure("distribute(calibrate=...) fits the cost model to the op and "
+                             "collective times the ranks record, and telemetry is off: pass "
+                             "telemetry=None (the default) or a database path")
+    if plan is not None:
+        raise RuntimeFailure("distribute(calibrate=...) plans again with the fitted machine, "
+                             "and plan= fixes the plan: drop one of them")
+    return steps
+
+
+def _program_key(plan: Plan) -> tuple:
+    """What the lowering makes a program from, but for the bucket cap: layouts and
+    redistributions."""
+    return (tuple((p.node, p.inputs, p.outputs) for p in plan.placements),
+            tuple((r.value, r.consumer, r.src, r.dst) for r in plan.redistributions))
 
 
 def _owned(values: Mapping[str, Any], owners: dict[tuple[int, str], int] | None,

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from ..backends import CommRecord, rank_coords
+from ..backends._live import Counter
 from ..backends._lower import Bucket, Reshard
 from ..ir import Node
 from ..planner import Plan
+from ..planner._calibrate import node_work
 from ..planner._comm import Collective, collective_time
 from ..planner._plan import layout_str
 from ..telemetry import Level, Recorder, TelemetryConfig, now_us
@@ -78,14 +80,19 @@ class ControllerTelemetry:
 
 
 def plan_node_rows(plan: Plan) -> list[tuple]:
+    """One row per placed node: where it came from, its layouts, the cost model's time and the
+    work behind it (one rank's FLOPs and bytes, the dtype it was priced at), which
+    ``meshplan calibrate --from-telemetry`` fits compute rates to."""
     graph = plan.graph
     rows = []
     for p in plan.placements:
         n = graph.node(p.node)
+        flops, nbytes, dtype = node_work(graph, p, plan.mesh)
         rows.append((p.node, p.target, n.kind.value, n.phase.value, n.module_path,
                      f"{n.source.file}:{n.source.line}" if n.source else None,
                      " ".join(layout_str(x) for x in p.inputs),
-                     " ".join(layout_str(x) for x in p.outputs), p.compute_s * 1e6))
+                     " ".join(layout_str(x) for x in p.outputs), p.compute_s * 1e6,
+                     flops, nbytes, dtype))
     return rows
 
 
@@ -126,6 +133,8 @@ class WorkerTelemetry:
         self.device = device
         self.step = -1
         self.time_ops = False
+        self.track_memory = False
+        self._live: Counter | None = None
         self._axes: dict[tuple[int, ...], str] = {}
         self._reshards: list[tuple[int, int, str, str]] = []
         self._ops: list[tuple[str, str, float, float]] = []
@@ -148,6 +157,10 @@ class WorkerTelemetry:
         if last > first:
             self._reshards.append((first, last, VOTE, COMMIT))
 
+    def memory(self) -> Counter:
+        assert self._live is not None
+        return self._live
+
     def compute(self, node: Node, start_s: float, dur_s: float) -> None:
         self._ops.append((node.name, node.target, start_s, dur_s))
 
@@ -155,7 +168,12 @@ class WorkerTelemetry:
         self.step = step
         self._reshards.clear()
         self._ops.clear()
-        self.time_ops = (self.rec.wants(Level.OPS) and step % self.config.ops_every == 0)
+        # level ops: every ops_every-th step times its ops and counts its tensor memory; the
+        # first ops_first steps (a calibration's) time their ops only, as they run unslowed
+        sampled = self.rec.wants(Level.OPS) and step % self.config.ops_every == 0
+        self.time_ops = sampled or (self.rec.wants(Level.OPS) and step < self.config.ops_first)
+        self.track_memory = sampled
+        self._live = Counter() if sampled else None
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -174,7 +192,8 @@ class WorkerTelemetry:
             self.rec.add_many("ops", [
                 (step, seq, name, target, start_us + int((t0 - perf0) * 1e6), int(d * 1e6))
                 for seq, (name, target, t0, d) in enumerate(self._ops)])
-        self.rec.add("memory", (step, self.device, *_memory(self.device, state)))
+        self.rec.add("memory", (step, self.device, *_memory(self.device, state),
+                                self._live.peak if self._live is not None else None))
 
     def failure(self, exc: BaseException, tb: str) -> None:
         self.rec.add("failures", (now_us(), self.step, "error", f"{type(exc).__name__}: {exc}",

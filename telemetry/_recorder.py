@@ -55,14 +55,16 @@ def now_us() -> int:
 class TelemetryConfig:
     """How a run records: ``db`` the DuckDB store (its segments live beside it, see
     ``segments_dir``), ``level``, ``flush_interval_s`` between segment flushes, ``ops_every``
-    (level ``ops``: time every op on every ``ops_every``-th step, starting at step 0), and
-    ``live_rows`` (rows per table each rank keeps in memory for live queries)."""
+    (level ``ops``: time every op on every ``ops_every``-th step, starting at step 0),
+    ``ops_first`` (level ``ops``: also every step before this one, as ``distribute(calibrate=)``
+    asks for its fit), and ``live_rows`` (rows per table each rank keeps in memory for live queries)."""
 
     db: Path = field(default_factory=default_db_path)
     level: Level = DEFAULT_LEVEL
     flush_interval_s: float = 2.0
     ops_every: int = 10
     live_rows: int = 100_000
+    ops_first: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db", Path(self.db))
@@ -71,6 +73,8 @@ class TelemetryConfig:
             raise TelemetryError(f"flush_interval_s must be > 0, got {self.flush_interval_s!r}")
         if not (isinstance(self.ops_every, int) and self.ops_every >= 1):
             raise TelemetryError(f"ops_every must be an integer >= 1, got {self.ops_every!r}")
+        if not (isinstance(self.ops_first, int) and self.ops_first >= 0):
+            raise TelemetryError(f"ops_first must be an integer >= 0, got {self.ops_first!r}")
         if not (isinstance(self.live_rows, int) and self.live_rows >= 0):
             raise TelemetryError(f"live_rows must be an integer >= 0, got {self.live_rows!r}")
 
@@ -102,13 +106,13 @@ class TelemetryConfig:
     def to_json(self) -> dict[str, Any]:
         return {"db": str(self.db), "level": self.level.name.lower(),
                 "flush_interval_s": self.flush_interval_s, "ops_every": self.ops_every,
-                "live_rows": self.live_rows}
+                "live_rows": self.live_rows, "ops_first": self.ops_first}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> TelemetryConfig:
         return cls(db=Path(d["db"]), level=Level.parse(d["level"]),
                    flush_interval_s=float(d["flush_interval_s"]), ops_every=int(d["ops_every"]),
-                   live_rows=int(d["live_rows"]))
+                   live_rows=int(d["live_rows"]), ops_first=int(d.get("ops_first", 0)))
 
 
 # every table starts with run_id; these have rank next

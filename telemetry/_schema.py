@@ -44,14 +44,14 @@ TABLES: dict[str, pa.Schema] = {
         ("target", _s), ("start_us", _i64), ("dur_us", _i64)),
     "memory": _schema(
         ("run_id", _s), ("rank", _i32), ("step", _i64), ("device", _s), ("state_bytes", _i64),
-        ("allocated_bytes", _i64), ("peak_bytes", _i64)),
+        ("allocated_bytes", _i64), ("peak_bytes", _i64), ("tensor_peak_bytes", _i64)),
     "failures": _schema(
         ("run_id", _s), ("rank", _i32), ("time_us", _i64), ("step", _i64), ("kind", _s),
         ("error", _s), ("source", _s), ("traceback", _s)),
     "plan_nodes": _schema(
         ("run_id", _s), ("node", _s), ("target", _s), ("kind", _s), ("phase", _s),
         ("module", _s), ("source", _s), ("inputs", _s), ("outputs", _s),
-        ("est_compute_us", _f64)),
+        ("est_compute_us", _f64), ("flops", _f64), ("bytes", _f64), ("dtype", _s)),
     "plan_collectives": _schema(
         ("run_id", _s), ("value", _s), ("node", _s), ("seq", _i32), ("kind", _s), ("axis", _s),
         ("group_size", _i32), ("bytes", _i64), ("est_us", _f64)),

@@ -43,7 +43,9 @@ def test_the_fit_finds_the_link_the_run_had(tmp_path) -> None:
     truth = Link(bandwidth=400e6, latency=300e-6)
     _record(db, truth)
     with Store.open(db) as store:
-        topo, samples, link = from_telemetry(store)
+        fit = from_telemetry(store)
+    topo, samples, link = fit.topology, fit.samples, fit.link
+    assert fit.compute is None                      # no op times: compute from the preset
     assert len(samples) == 3 * 7
     assert link.latency == pytest.approx(truth.latency, rel=0.02)
     assert link.bandwidth == pytest.approx(truth.bandwidth, rel=0.02)
@@ -57,7 +59,7 @@ def test_a_run_without_a_preset_topology_needs_one_named(tmp_path) -> None:
     with Store.open(db) as store:
         with pytest.raises(PlanError, match="--topology"):
             from_telemetry(store)
-        topo, _, _ = from_telemetry(store, "run1", "h100")
+        topo = from_telemetry(store, "run1", "h100").topology
     assert topo.name == "h100+run-run1"
 
 
@@ -65,3 +67,100 @@ def test_a_store_without_runs_says_so(tmp_path) -> None:
     with Store.open(tmp_path / "empty.duckdb") as store:
         with pytest.raises(PlanError, match="no runs"):
             from_telemetry(store)
+
+
+# ---- compute: rates, per-op factors and the step overhead ------------------------------------
+
+def _op_rows(truth) -> list[dict]:
+    """Planned nodes of three kinds (compute-bound matmuls, memory-bound elementwise ops, tiny
+    ops at the floor) with their per-rank work, and the time ``truth`` gives each (an
+    attention op 3x slower than its roofline, as the CPU's is)."""
+    from meshplan.planner._problem import _compute_time
+
+    rows = []
+    for i in range(12):
+        n = 128 * (1 + i % 4)
+        rows.append(("aten.mm.default", 2.0 * n ** 3, 12.0 * n * n))
+        rows.append(("aten.addmm.default", 2.0 * n ** 3 + n * n, 12.0 * n * n))
+        for op in ("add.Tensor", "gelu.default", "native_layer_norm.default"):
+            rows.append((f"aten.{op}", float(n * n), 12.0 * n * n))
+        rows.append(("aten.mul.Tensor", 16.0, 64.0))
+    rows.append(("aten.sdpa.default", 1.0e6, 8.0e6))
+    return [dict(node=f"n{k}", target=t, flops=f, bytes=b,
+                 us=_compute_time(f, b, 1, "float32", truth, t) * 1e6)
+            for k, (t, f, b) in enumerate(rows)]
+
+
+def _record_ops(db, truth, overhead_s: float) -> float:
+    """A run whose ranks timed every planned node as ``truth`` prices it, and whose steps took
+    those times plus ``overhead_s``; returns the step time."""
+    root = segments_dir(db)
+    rows = _op_rows(truth)
+    ctl = Recorder(root, "run1", -1, flush_interval_s=None)
+    ctl.add("runs", (1, "step", '{"dp": 2}', 2, "dp", "cpu", "h", 1.0, 1, "ops", "host", 1,
+                     "0.1", "2.13"))
+    ctl.add_many("plan_nodes", [(r["node"], r["target"], "op", "forward", "m", None, "", "", 0.0,
+                                 r["flops"], r["bytes"], "float32") for r in rows])
+    step_s = sum(r["us"] for r in rows) * 1e-6 + overhead_s
+    for step in range(4):
+        ctl.add("steps", (step, 0, int(step_s * 1e6 * (3 if step == 0 else 1)), 1.0, None,
+                          None, None))
+    ctl.close()
+    for rank in range(2):
+        rec = Recorder(root, "run1", rank, flush_interval_s=None)
+        for step in range(4):
+            slow = 5 if step == 0 else 1                  # the first step warms up: left out
+            rec.add_many("ops", [(step, k, r["node"], r["target"], 0, int(r["us"] * slow))
+                                 for k, r in enumerate(rows)])
+        rec.close()
+    return step_s
+
+
+def test_compute_rates_op_factors_and_step_overhead_are_fitted_back(tmp_path) -> None:
+    """Op times made by the cost model itself from a known machine (37 GFLOP/s, 3.4 GB/s,
+    a 12 us floor, attention 3x its roofline) and steps 30 ms longer than their ops: the fit
+    finds the rates (within 3 %: op times are whole microseconds), the attention factor,
+    and the overhead, so the run's own plan priced on the fitted machine is the measured
+    step."""
+    from meshplan.planner import get_topology
+
+    truth = Topology_with(flops={"float32": 37e9}, memory_bandwidth=3.4e9,
+                          kernel_floor_s=12e-6, op_factors={"aten.sdpa.default": 3.0})
+    db = tmp_path / "t.duckdb"
+    step_s = _record_ops(db, truth, overhead_s=0.030)
+    with Store.open(db) as store:
+        fit = from_telemetry(store)
+    c = fit.compute
+    assert fit.link is None                         # no collectives: the preset's link
+    assert fit.topology.intra_node == get_topology("cpu").intra_node
+    assert c.flops["float32"] == pytest.approx(37e9, rel=0.03)
+    assert c.memory_bandwidth == pytest.approx(3.4e9, rel=0.03)
+    assert c.kernel_floor_s == pytest.approx(12e-6, rel=0.03)
+    assert c.op_factors["aten.sdpa.default"] == pytest.approx(3.0, rel=0.03)
+    assert all(f == pytest.approx(1.0, rel=0.03) for t, f in c.op_factors.items()
+               if t != "aten.sdpa.default")
+    assert fit.measured_step_s == pytest.approx(step_s, rel=1e-3)
+    assert fit.topology.step_overhead_s == pytest.approx(0.030, rel=0.03)
+    # the other dtypes keep the preset's ratios to float32
+    base = get_topology("cpu")
+    assert c.flops["bfloat16"] / c.flops["float32"] == pytest.approx(
+        base.flops_for("bfloat16") / base.flops_for("float32"))
+
+
+def Topology_with(**kw):  # noqa: N802 - reads as the constructor it wraps
+    from dataclasses import replace
+
+    from meshplan.planner import get_topology
+
+    return replace(get_topology("cpu"), name="truth", compute_efficiency=1.0, **kw)
+
+
+def test_a_fitted_machine_round_trips_through_its_file(tmp_path) -> None:
+    from meshplan.planner import get_topology
+
+    topo = Topology_with(flops={"float32": 37e9}, op_factors={"aten.mm.default": 1.5},
+                         step_overhead_s=0.02)
+    topo.save(str(tmp_path / "m.json"))
+    again = get_topology(str(tmp_path / "m.json"))
+    assert again == topo and again.op_factor("aten.mm.default") == 1.5
+    assert again.op_factor("aten.add.Tensor") == 1.0
