@@ -5,9 +5,9 @@ groups (0, 1) and (1, 0) (order kept), world 4 as a 2x2 mesh with (0, 1), (2, 3)
 and the world group; six dtypes, dims 0..2, sum / avg / max, (non-)contiguous inputs that
 differ on every rank, send / recv on a ring, a barrier, one-member groups. It runs on a
 ``ThreadMesh`` (threads) and on ``TorchCommunicator`` over gloo (real processes on loopback, one
-job per world size, batching every check; world 2 once more with ``MESHPLAN_SHM=0``, so that
-all-reduces, all-gathers and reduce-scatters take gloo's own TCP path instead of shared
-memory), and the results are compared with the reference:
+job per world size, batching every check; world 2's job once more in the same processes with
+``MESHPLAN_SHM=0``, so that all-reduces, all-gathers and reduce-scatters take gloo's own TCP
+path instead of shared memory), and the results are compared with the reference:
 
 - ThreadMesh: bit-equal everywhere (its sums run in group order, as the reference's do).
 - gloo: bit-equal for all_gather, all_to_all, broadcast, send / recv, max, int64 and bool, and for
@@ -426,11 +426,11 @@ def _gloo_timeout(rank: int, port: int, flag: Path,
     return result
 
 
-def _worker(world: int, rank: int, port: int, port2: int, outdir: Path,
-            port3: int = 0) -> None:
-    torch.set_num_threads(1)
+def _job(world: int, rank: int, ports: list[int], outdir: Path, tag: str) -> dict:
+    """``_program`` on a gloo communicator (shared memory as ``MESHPLAN_SHM`` says), then, on
+    world 2, the two timeout checks (each on a process group of its own)."""
     comm = TorchCommunicator(rank, world, _declared(world), backend="gloo", timeout_s=60,
-                             init_method=f"tcp://127.0.0.1:{port}")
+                             init_method=f"tcp://127.0.0.1:{ports[0]}")
     out = _program(comm)
     out["is_communicator"] = isinstance(comm, Communicator)
     out["shm"] = any(group is not None for group in comm._shm.values())
@@ -442,23 +442,35 @@ def _worker(world: int, rank: int, port: int, port2: int, outdir: Path,
     comm.barrier()
     comm.close()
     if world == 2:
-        out["timeout"] = _gloo_timeout(rank, port2, outdir / "timed_out")
-        out["timeout_wait"] = _gloo_timeout(rank, port3, outdir / "timed_out_wait", True)
+        out["timeout"] = _gloo_timeout(rank, ports[1], outdir / f"timed_out{tag}")
+        out["timeout_wait"] = _gloo_timeout(rank, ports[2], outdir / f"timed_out_wait{tag}",
+                                            True)
+    return out
+
+
+def _worker(world: int, rank: int, ports: list[int], outdir: Path) -> None:
+    """World 4: one job. World 2: one job with shared memory, then the same job again in the
+    same processes with ``MESHPLAN_SHM=0`` (read when a communicator is built), which saves
+    the second job a process start and a torch import; its results under ``"no_shm"``."""
+    torch.set_num_threads(1)
+    out = _job(world, rank, ports[:3], outdir, "")
+    if world == 2:
+        os.environ["MESHPLAN_SHM"] = "0"
+        out["no_shm"] = _job(world, rank, ports[3:], outdir, "_no_shm")
     torch.save(out, outdir / f"rank{rank}.tmp")
     os.replace(outdir / f"rank{rank}.tmp", outdir / f"rank{rank}.pt")
 
 
-def _run_gloo(world: int, outdir: Path, timeout_s: float = 100, shm: bool = True
-              ) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MESHPLAN_SHM="1" if shm else "0")
+def _run_gloo(world: int, outdir: Path, timeout_s: float = 100) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MESHPLAN_SHM="1")
     if any(name == "lo" for _, name in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    port, port2, port3 = _free_port(), _free_port(), _free_port()
+    ports = [_free_port() for _ in range(6)]
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(open(outdir / f"rank{r}.log", "w+", encoding="utf-8"))
                 for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, __file__, str(world), str(r), str(port),
-                                   str(port2), str(outdir), str(port3)], stdin=subprocess.DEVNULL,
+        procs = [subprocess.Popen([sys.executable, __file__, str(world), str(r), str(outdir),
+                                   *map(str, ports)], stdin=subprocess.DEVNULL,
                                   stdout=logs[r], stderr=subprocess.STDOUT, env=env)
                  for r in range(world)]
         _wait(procs, logs, timeout_s)
@@ -504,42 +516,45 @@ def test_torch_communicator_of_one_rank_and_a_second_init() -> None:
     comm.close()                                      # idempotent
 
 
-@pytest.fixture(scope="module", params=[(2, True), (4, True), (2, False)],
-                ids=["world2", "world4", "world2-no-shm"])
-def gloo_run(request, tmp_path_factory) -> tuple[int, list[dict]]:
-    """``shm``: all-reduces, all-gathers and reduce-scatters through shared memory (the default
-    between ranks of one host, ``backends/_shm.py``) or through gloo's own TCP collectives
-    (``MESHPLAN_SHM=0``)."""
-    world, shm = request.param
-    outs = _run_gloo(world, tmp_path_factory.mktemp(f"gloo{world}"), shm=shm)
-    for out in outs:
-        assert out["shm"] == shm
-    return world, outs
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def gloo_run(request, tmp_path_factory) -> tuple[int, list[list[dict]]]:
+    """Each job's outputs per rank: all-reduces, all-gathers and reduce-scatters through shared
+    memory (the default between ranks of one host, ``backends/_shm.py``) and, on world 2, the
+    same job again through gloo's own TCP collectives (``MESHPLAN_SHM=0``)."""
+    world = request.param
+    outs = _run_gloo(world, tmp_path_factory.mktemp(f"gloo{world}"))
+    jobs = [outs] + ([[out["no_shm"] for out in outs]] if world == 2 else [])
+    for job, shm in zip(jobs, (True, False)):
+        for out in job:
+            assert out["shm"] == shm
+    return world, jobs
 
 
 @pytest.mark.timeout(120)
 def test_gloo_matches_the_reference(gloo_run) -> None:
-    world, outs = gloo_run
-    _check(outs, world, exact=False)
-    for out in outs:
-        assert out["is_communicator"]
-        if world == 4:
-            assert "group (3, 2, 1, 0) was not declared" in out["undeclared"]
-            assert str(_declared(world)) in out["undeclared"]
+    world, jobs = gloo_run
+    for outs in jobs:
+        _check(outs, world, exact=False)
+        for out in outs:
+            assert out["is_communicator"]
+            if world == 4:
+                assert "group (3, 2, 1, 0) was not declared" in out["undeclared"]
+                assert str(_declared(world)) in out["undeclared"]
 
 
 @pytest.mark.timeout(120)
 def test_gloo_a_rank_that_never_joins_raises_within_the_timeout(gloo_run) -> None:
-    world, outs = gloo_run
+    world, jobs = gloo_run
     if world != 2:
-        pytest.skip("checked once, in the world-2 job")
-    for key in ("timeout", "timeout_wait"):      # blocking; started, then waited for
-        message, seconds = outs[0][key]
-        assert "all_reduce on group (0, 1) failed on rank 0 (gloo, timeout 3 s)" in message, \
-            (key, message)
-        assert TIMEOUT_S - 0.5 <= seconds <= TIMEOUT_S + 7, (key, seconds)
+        pytest.skip("checked in the world-2 jobs")
+    for outs in jobs:                            # with and without shared memory
+        for key in ("timeout", "timeout_wait"):  # blocking; started, then waited for
+            message, seconds = outs[0][key]
+            assert "all_reduce on group (0, 1) failed on rank 0 (gloo, timeout 3 s)" in \
+                message, (key, message)
+            assert TIMEOUT_S - 0.5 <= seconds <= TIMEOUT_S + 7, (key, seconds)
 
 
-if __name__ == "__main__":                 # a gloo worker: WORLD RANK PORT PORT2 DIR PORT3
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
-            Path(sys.argv[5]), int(sys.argv[6]))
+if __name__ == "__main__":                 # a gloo worker: WORLD RANK DIR PORT x 6
+    _worker(int(sys.argv[1]), int(sys.argv[2]), [int(p) for p in sys.argv[4:]],
+            Path(sys.argv[3]))
