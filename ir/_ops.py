@@ -80,6 +80,21 @@ def is_view_op(target: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def view_source(target: str) -> int | None:
+    """The position of the argument a view op's result aliases (its schema's alias set), None
+    for an op that is not a view."""
+    schema = resolve_op(target)._schema
+    sets = [r.alias_info.before_set for r in schema.returns
+            if r.alias_info is not None and not r.alias_info.is_write]
+    if not sets:
+        return None
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.before_set & sets[0]:
+            return i
+    return None
+
+
+@functools.lru_cache(maxsize=None)
 def is_mutating_op(target: str) -> bool:
     """True if the op writes into one of its arguments (``add_``, ``copy_``, ``out=`` forms)."""
     schema = resolve_op(target)._schema

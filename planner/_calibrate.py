@@ -14,6 +14,7 @@ of the package.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -648,33 +649,19 @@ def from_telemetry(store: object, run_id: str | None = None,
                         "times: fitting a link needs at least two message sizes (record at "
                         "level 'collectives' and run a plan that communicates), fitting compute "
                         "needs level 'ops'")
-    fitted = Topology(
-        name=f"{topo.name}+run-{run}",
-        flops=compute.flops if compute else topo.flops,
-        memory_bandwidth=compute.memory_bandwidth if compute else topo.memory_bandwidth,
-        memory_bytes=topo.memory_bytes, devices_per_node=topo.devices_per_node,
-        intra_node=link or topo.intra_node, inter_node=link or topo.inter_node,
-        compute_efficiency=1.0 if compute else topo.compute_efficiency,
-        kernel_floor_s=compute.kernel_floor_s if compute else topo.kernel_floor_s,
-        comm_overlap=topo.comm_overlap,
-        op_factors=compute.op_factors if compute else topo.op_factors)
+    fitted = dataclasses.replace(topo, name=f"{topo.name}+run-{run}")
+    if link is not None:
+        fitted = dataclasses.replace(fitted, intra_node=link, inter_node=link)
+    if compute is not None:
+        fitted = dataclasses.replace(
+            fitted, flops=compute.flops, memory_bandwidth=compute.memory_bandwidth,
+            compute_efficiency=1.0, kernel_floor_s=compute.kernel_floor_s,
+            op_factors=compute.op_factors)
     measured = _measured_step(store, run)
     model = _priced_step(store, run, fitted) if compute is not None else None
-    if measured is None or model is None:
-        return TelemetryFit(topology=fitted, samples=samples, link=link, compute=compute,
-                            measured_step_s=measured, model_step_s=model)
-    # what the step takes beyond the priced ops and collectives, as a constant per step
-    fitted = Topology(
-        name=f"{topo.name}+run-{run}",
-        flops=compute.flops if compute else topo.flops,
-        memory_bandwidth=compute.memory_bandwidth if compute else topo.memory_bandwidth,
-        memory_bytes=topo.memory_bytes, devices_per_node=topo.devices_per_node,
-        intra_node=link or topo.intra_node, inter_node=link or topo.inter_node,
-        compute_efficiency=1.0 if compute else topo.compute_efficiency,
-        kernel_floor_s=compute.kernel_floor_s if compute else topo.kernel_floor_s,
-        comm_overlap=topo.comm_overlap,
-        op_factors=compute.op_factors if compute else topo.op_factors,
-        step_overhead_s=max(0.0, measured - model))
+    if measured is not None and model is not None:
+        # what the step takes beyond the priced ops and collectives, as a constant per step
+        fitted = dataclasses.replace(fitted, step_overhead_s=max(0.0, measured - model))
     return TelemetryFit(topology=fitted, samples=samples, link=link, compute=compute,
                         measured_step_s=measured, model_step_s=model)
 

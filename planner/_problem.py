@@ -15,6 +15,7 @@ from .._errors import PlanError
 from ..ir import (
     Graph, Node, NodeKind, OutputKind, Phase, Ref, Role, TensorMeta, node_bytes, node_flops,
 )
+from ..ir._ops import view_source
 from ..ir._types import DTYPE_BYTES
 from ._comm import Collective, collective_time, transition
 from ._mesh import Mesh
@@ -89,7 +90,8 @@ class Problem:
     def live_ranges(self) -> list[tuple[int, int, str, int]]:
         """(start, end, producer, output index) of every tensor value a rank holds; persistent
         state lives through the whole step; a state's new value is written in place of the
-        old one."""
+        old one. A view holds no memory of its own: it keeps the value it aliases (through
+        views of views) alive until its own last reader (``aliases``)."""
         graph = self.graph
         end = len(graph.nodes)
         last: dict[tuple[str, int], int] = {}
@@ -99,6 +101,10 @@ class Problem:
         in_place = {(ref.node, ref.index) for _, ref in state_pairs(graph)}
         for o in graph.outputs:
             last[(o.ref.node, o.ref.index)] = end
+        base = self.aliases
+        for view, root in base.items():             # graph order: a view after its source
+            if view in last:
+                last[root] = max(last.get(root, 0), last[view])
         out = []
         for i, n in enumerate(graph.nodes):
             if n.name not in self.decisions:
@@ -107,8 +113,65 @@ class Problem:
                 out.append((0, end, n.name, 0))
                 continue
             for k, m in enumerate(n.outputs):
-                if isinstance(m, TensorMeta) and (n.name, k) not in in_place:
+                if (isinstance(m, TensorMeta) and (n.name, k) not in in_place
+                        and (n.name, k) not in base):
                     out.append((i, last.get((n.name, k), i), n.name, k))
+        return out
+
+    @functools.cached_property
+    def view_ends(self) -> dict[str, int]:
+        """View op -> the last point where its result, or a view of it, is read: what the
+        view reads stays alive until then."""
+        graph = self.graph
+        end = len(graph.nodes)
+        out: dict[str, int] = {}
+        for i, n in enumerate(graph.nodes):
+            for r in n.refs():
+                if r.node in self._view_parent:
+                    out[r.node] = i
+        for o in graph.outputs:
+            if o.ref.node in self._view_parent:
+                out[o.ref.node] = end
+        order = self.order
+        for view in sorted(self._view_parent, key=order.__getitem__, reverse=True):
+            out.setdefault(view, order[view])
+            parent = self._view_parent[view]
+            if parent in self._view_parent:         # a view of a view keeps both alive
+                out[parent] = max(out.get(parent, order[parent]), out[view])
+        return out
+
+    @functools.cached_property
+    def aliases(self) -> dict[tuple[str, int], tuple[str, int]]:
+        """(view, output index) -> the (producer, output index) whose storage it shares,
+        through views of views, for every view op on a tensor. The lowering runs views as
+        views, so the storage is that value's piece where the layouts agree; where the planner
+        changes the value's layout for the view, the view shares the changed copy, which
+        ``view_ends`` keeps alive as long as the view."""
+        graph = self.graph
+        out: dict[tuple[str, int], tuple[str, int]] = {}
+        for n in graph.nodes:
+            parent = self._view_parent.get(n.name)
+            if parent is None:
+                continue
+            i = view_source(n.target)
+            src = (n.args[i].node, n.args[i].index)
+            for k, m in enumerate(n.outputs):        # split / unbind: every piece
+                if isinstance(m, TensorMeta):
+                    out[(n.name, k)] = out.get(src, src)
+        return out
+
+    @functools.cached_property
+    def _view_parent(self) -> dict[str, str]:
+        """View op -> the node whose tensor it views."""
+        graph = self.graph
+        out: dict[str, str] = {}
+        for n in graph.nodes:
+            if n.kind is not NodeKind.OP or n.name not in self.decisions:
+                continue
+            i = view_source(n.target)
+            if (i is not None and i < len(n.args) and isinstance(n.args[i], Ref)
+                    and isinstance(graph.meta(n.args[i]), TensorMeta)):
+                out[n.name] = n.args[i].node
         return out
 
     @functools.cached_property

@@ -388,7 +388,7 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     # lowering. (Consumers in different groups still pay each.)
     sources: dict[tuple, set[str]] = defaultdict(set)
     sample: dict[tuple, Edge] = {}
-    spans: dict[tuple, list[tuple[str, int, int]]] = defaultdict(list)
+    spans: dict[tuple, list[tuple[str, int, int, int]]] = defaultdict(list)
     needs: dict[tuple[str, int], tuple] = {}
     for e in problem.all_edges():
         s, d = dec[e.src], dec[e.dst]
@@ -398,7 +398,7 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         key = (s.group, s.cls, e.index, d.group, problem.is_follower(e.dst), sig)
         sources[key].add(e.src)
         sample.setdefault(key, e)
-        spans[key].append((e.src, order[e.src], _edge_time(problem, e)))
+        spans[key].append((e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e)))
     for key, srcs in sources.items():
         count = len(srcs)
         e = sample[key]
@@ -449,8 +449,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     for e in problem.folded:
         d, s = dec[e.dst], dec[e.src]
         meta = graph.meta(Ref(e.src, e.index))
-        held = _Held([(e.src, order[e.src], _edge_time(problem, e))], points,
-                     {(e.src, e.index)} & early, e.index)
+        held = _Held([(e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e))],
+                     points, {(e.src, e.index)} & early, e.index)
         same = s.group == d.group
         for i, c in enumerate(d.choices):
             r = c.inputs[e.pos]
@@ -479,30 +479,37 @@ class _Held:
     * so an early value whose reader keeps it partial (or changes it without shrinking it)
       holds the original from where it is made to that reader.
 
-    ``spans``: (producer, where it is made, where the consumer runs) per edge."""
+    ``spans``: (producer, where it is made, where the consumer runs, until when the
+    consumer holds what it reads: later for a view, ``_edge_end``) per edge."""
 
-    def __init__(self, spans: list[tuple[str, int, int]], points: list[int],
+    def __init__(self, spans: list[tuple[str, int, int, int]], points: list[int],
                  early: set[tuple[str, int]], index: int) -> None:
         self.points = set(points)
-        reads: dict[str, tuple[int, int, int]] = {}     # producer -> made, first, last reader
-        for n, start, end in spans:
-            _, a, b = reads.get(n, (start, end, end))
-            reads[n] = (start, min(a, end), max(b, end))
+        # producer -> made, first reader, last reader, last point a reader holds it (a view)
+        reads: dict[str, tuple[int, int, int, int]] = {}
+        for n, start, when, end in spans:
+            _, a, b, c = reads.get(n, (start, when, when, end))
+            reads[n] = (start, min(a, when), max(b, when), max(c, end))
         self.copy: dict[int, int] = defaultdict(int)    # point -> copies alive there
         self.plain: dict[int, int] = defaultdict(int)   # the same, of values not reduced early
         self.made: dict[int, int] = defaultdict(int)    # early values made by then, alive
-        self.after: dict[int, int] = defaultdict(int)   # the same, strictly after being made
-        for n, (start, first, last) in reads.items():
+        # early originals strictly after being made: until the last reader (``after``; the
+        # readers read a copy), or as long as a reader holds them (``kept``: read as they are)
+        self.after: dict[int, int] = defaultdict(int)
+        self.kept: dict[int, int] = defaultdict(int)
+        for n, (start, first, last, held) in reads.items():
             is_early = (n, index) in early
             for t in self.points:
-                if first <= t <= last:
+                if first <= t <= held:
                     self.copy[t] += 1
                     if not is_early:
                         self.plain[t] += 1
-                if is_early and start <= t <= last:
+                if is_early and start <= t <= held:
                     self.made[t] += 1
                     if t > start:
-                        self.after[t] += 1
+                        self.kept[t] += 1
+                        if t <= last:
+                            self.after[t] += 1
 
     def bytes(self, meta: TensorMeta, l: Layout, r: Layout | None,
               sizes: tuple[int, ...]) -> dict[int, float]:
@@ -517,7 +524,7 @@ class _Held:
                         out[t] += n * copy
                 return out
             whole = meta.nbytes / layout_fraction(l, sizes)
-            for t, n in self.after.items():
+            for t, n in (self.kept if l == r else self.after).items():
                 out[t] += n * whole
         if l != r:
             for t, n in self.copy.items():
@@ -530,6 +537,14 @@ def _edge_time(problem: Problem, e: Edge) -> int:
     as its producer finishes)."""
     order = problem.order
     return order[e.src] if e.pos == STATE_POS else order[e.dst]
+
+
+def _edge_end(problem: Problem, e: Edge) -> int:
+    """Until when a layout change's buffer is live: ``_edge_time``, or for a view's, as long
+    as the view's readers run (the view shares it: ``Problem.view_ends``)."""
+    if e.pos == STATE_POS:
+        return problem.order[e.src]
+    return problem.view_ends.get(e.dst, problem.order[e.dst])
 
 
 def _gathered(l: Layout, r: Layout) -> bool:
@@ -660,6 +675,7 @@ def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
     n = len(prof)
     order = problem.order
     graph = problem.graph
+    aliases = problem.aliases
     # a copy (value, layout, for the forward?) or an early original (layout None): held from
     # .. to (a copy serves the forward's readers or the later ones: backends._lower)
     spans: dict[tuple[str, int, Layout | None, bool], tuple[int, int]] = {}
@@ -668,19 +684,21 @@ def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
         dst = dec[e.dst].choices[choice[e.dst]].required(e.pos)
         if dst is None:
             continue
-        when = _edge_time(problem, e)
+        when, end = _edge_time(problem, e), _edge_end(problem, e)
         forward = e.pos != STATE_POS and graph.node(e.dst).phase is Phase.FORWARD
-        held = []
+        held = []                                # (what, from, until)
         if is_early(e.src, e.index) and shrinks(src, dst, mesh.sizes):
-            held.append(((e.src, e.index, dst, False), order[e.src]))   # reduced where made
+            held.append(((e.src, e.index, dst, False), order[e.src], end))  # reduced where made
         else:
-            if is_early(e.src, e.index):        # the original, until this reader
-                held.append(((e.src, e.index, None, False), order[e.src] + 1))
+            if is_early(e.src, e.index):        # the original, until this reader (a view of
+                root = aliases.get((e.src, e.index), (e.src, e.index))    # it: its readers;
+                held.append(((*root, None, False), order[root[0]] + 1,    # a view's is its
+                             end if src == dst else when))                # source's storage)
             if src != dst:
-                held.append(((e.src, e.index, dst, forward), when))
-        for key, start in held:
-            a, b = spans.get(key, (start, when))
-            spans[key] = (min(a, start), max(b, when))
+                held.append(((e.src, e.index, dst, forward), when, end))
+        for key, start, until in held:
+            a, b = spans.get(key, (start, until))
+            spans[key] = (min(a, start), max(b, until))
     for (name, idx, layout, _), (a, b) in spans.items():
         size = _value_bytes(problem, name, idx, layout if layout is not None
                             else layout_of(name, idx))
