@@ -227,9 +227,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(world: int, rank: int, port: int, mode: str, outdir: Path) -> None:
+def _job(world: int, rank: int, port: int, mode: str, outdir: Path) -> dict:
     from meshplan.backends import TorchCommunicator
-    torch.set_num_threads(1)
     comm = TorchCommunicator(rank, world, [tuple(range(world))], backend="gloo",
                              timeout_s=3.0 if mode == "stop" else 60.0,
                              init_method=f"tcp://127.0.0.1:{port}")
@@ -253,15 +252,33 @@ def _worker(world: int, rank: int, port: int, mode: str, outdir: Path) -> None:
             while not (outdir / "gave_up").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
     comm.close()
+    return out
+
+
+def _worker(world: int, rank: int, modes: str, outdir: Path, ports: list[int]) -> None:
+    """One job per mode, one after another in this process, each on a process group of its
+    own: "plain", "no-room" (as "plain" with ``MESHPLAN_SHM_BYTES`` beyond any /dev/shm, read
+    when the communicator is built) or "stop". {mode: the job's results}."""
+    torch.set_num_threads(1)
+    out, given = {}, os.environ.get("MESHPLAN_SHM_BYTES")
+    for mode, port in zip(modes.split(","), ports):
+        if mode == "no-room":
+            os.environ["MESHPLAN_SHM_BYTES"] = str(1 << 50)
+        elif given is None:
+            os.environ.pop("MESHPLAN_SHM_BYTES", None)
+        else:
+            os.environ["MESHPLAN_SHM_BYTES"] = given
+        out[mode] = _job(world, rank, port, "plain" if mode == "no-room" else mode, outdir)
     torch.save(out, outdir / f"rank{rank}.tmp")
     os.replace(outdir / f"rank{rank}.tmp", outdir / f"rank{rank}.pt")
 
 
-def _run(world: int, mode: str, outdir: Path, env: dict[str, str]) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(world), str(r), str(port), mode,
-                               str(outdir)], env=env, stdin=subprocess.DEVNULL,
+def _run(world: int, modes: str, outdir: Path) -> list[dict]:
+    """``world`` worker processes running the jobs ``modes`` (comma-separated) in order."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ports = [str(_free_port()) for _ in modes.split(",")]
+    procs = [subprocess.Popen([sys.executable, __file__, str(world), str(r), modes,
+                               str(outdir), *ports], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(world)]
     try:
@@ -276,28 +293,36 @@ def _run(world: int, mode: str, outdir: Path, env: dict[str, str]) -> list[dict]
 
 @pytest.mark.timeout(120)
 def test_processes_use_shared_memory_and_leave_no_file(tmp_path: Path) -> None:
-    outs = _run(3, "plain", tmp_path, {})
+    outs = [out["plain"] for out in _run(3, "plain", tmp_path)]
     want = torch.arange(5000.0) * 6
     for out in outs:
         assert out["shm"] and torch.equal(out["sum"], want)
         assert out["files"] == [], out["files"]       # unlinked once every member mapped it
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The two 2-rank jobs of the tests below in one pair of processes (a process start and a
+    torch import each, once): no room in /dev/shm, then a peer that stops joining."""
+    return _run(2, "no-room,stop", tmp_path_factory.mktemp("shm2"))
+
+
 @pytest.mark.timeout(120)
-def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_member(tmp_path: Path) -> None:
-    outs = _run(2, "plain", tmp_path, {"MESHPLAN_SHM_BYTES": str(1 << 50)})
+def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_member(two_ranks: list[dict]) -> None:
+    outs = [out["no-room"] for out in two_ranks]
     for out in outs:
         assert not out["shm"] and torch.equal(out["sum"], torch.arange(5000.0) * 3)
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_that_stops_joining_raises_within_the_timeout(tmp_path: Path) -> None:
-    outs = _run(2, "stop", tmp_path, {})
+def test_a_peer_that_stops_joining_raises_within_the_timeout(two_ranks: list[dict]) -> None:
+    outs = [out["stop"] for out in two_ranks]
     message, seconds = outs[0]["stop"]
     assert outs[0]["shm"]
     assert "did not arrive within 3 s" in message and "all_reduce" in message, message
     assert 2.5 <= seconds <= 10, seconds
 
 
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+if __name__ == "__main__":                 # a worker: WORLD RANK MODES DIR PORT...
+    _worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]),
+            [int(p) for p in sys.argv[5:]])
