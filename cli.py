@@ -177,6 +177,10 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
                       f"{comp.kernel_floor_s * 1e6:.1f} us")
     else:
         console.print(f"compute numbers from {base} (record at level 'ops' to fit them)")
+    if fit.measured_step_s is not None and fit.model_step_s is not None:
+        console.print(f"step overhead {topo.step_overhead_s * 1e3:.1f} ms: the run measured "
+                      f"{fit.measured_step_s * 1e3:.1f} ms per step, its plan priced on the "
+                      f"fitted machine {fit.model_step_s * 1e3:.1f} ms")
     if args.out:
         topo.save(args.out)
         console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")
@@ -207,11 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 2 repeats")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
     c.add_argument("--from-telemetry", action="store_true",
-                   help="instead of measuring, fit the links to a recorded run's collectives")
+                   help="instead of measuring, fit the machine to a recorded run: links to its "
+                   "collectives, compute to its op times (level ops), the step overhead")
     c.add_argument("--db", help="with --from-telemetry: the telemetry store")
     c.add_argument("--run", help="with --from-telemetry: the run (default: the latest)")
-    c.add_argument("--topology", help="with --from-telemetry: where the compute numbers come "
-                   "from (default: the run's own topology)")
+    c.add_argument("--topology", help="with --from-telemetry: where the numbers the run did not "
+                   "measure come from (default: the run's own topology)")
     c.set_defaults(func=cmd_calibrate)
 
     d = sub.add_parser("demo", help="trace the example GPT step and replay it against eager")

@@ -164,3 +164,21 @@ def test_a_fitted_machine_round_trips_through_its_file(tmp_path) -> None:
     again = get_topology(str(tmp_path / "m.json"))
     assert again == topo and again.op_factor("aten.mm.default") == 1.5
     assert again.op_factor("aten.add.Tensor") == 1.0
+
+
+def test_the_cli_says_what_it_fitted_and_writes_a_loadable_machine(tmp_path, capsys) -> None:
+    from meshplan import cli
+    from meshplan.planner import get_topology
+
+    truth = Topology_with(flops={"float32": 37e9}, memory_bandwidth=3.4e9, kernel_floor_s=12e-6)
+    db = tmp_path / "t.duckdb"
+    _record_ops(db, truth, overhead_s=0.010)
+    out = tmp_path / "fitted.json"
+    assert cli.main(["calibrate", "--from-telemetry", "--db", str(db), "-o", str(out)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "links from 'cpu' (the run issued too few collectives to fit)" in text
+    assert "compute fitted to" in text and "float32 37.0 GFLOP/s" in text
+    assert "step overhead 10.0 ms" in text
+    fitted = get_topology(str(out))
+    assert fitted.name == "cpu+run-run1"
+    assert fitted.step_overhead_s == pytest.approx(0.010, rel=0.05)
