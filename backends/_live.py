@@ -56,8 +56,9 @@ class Counter:
                     self.refs[key] = n - 1
 
 
-class LiveEnv(dict):
-    """``run``'s ``env`` (node -> tuple of values), counting what it holds in ``counter``."""
+class _Counted(dict):
+    """A dict that counts the tensors its values hold in ``counter``; ``_tensors`` says which
+    those are for one value."""
 
     __slots__ = ("counter",)
 
@@ -65,53 +66,54 @@ class LiveEnv(dict):
         super().__init__()
         self.counter = counter
 
-    def __setitem__(self, key: str, value: tuple) -> None:
-        old = dict.get(self, key)
-        self.counter.add(value)                # before the old ones go: a shared storage stays
-        if old is not None:
-            self.counter.remove(old)
-        dict.__setitem__(self, key, value)
-
-    def pop(self, key: str, *default: Any) -> Any:
-        if key in self:
-            value = dict.pop(self, key)
-            self.counter.remove(value)
-            return value
-        return dict.pop(self, key, *default)
-
-
-class _LiveLayouts(dict):
-    """One node's copies ((index, layout) -> piece)."""
-
-    __slots__ = ("counter",)
-
-    def __init__(self, counter: Counter) -> None:
-        super().__init__()
-        self.counter = counter
+    @staticmethod
+    def _tensors(value: Any) -> Iterable[Any]:
+        raise NotImplementedError
 
     def __setitem__(self, key: Any, value: Any) -> None:
         old = dict.get(self, key)
-        self.counter.add((value,))
+        self.counter.add(self._tensors(value))  # before the old ones go: a shared storage stays
         if old is not None:
-            self.counter.remove((old,))
+            self.counter.remove(self._tensors(old))
         dict.__setitem__(self, key, value)
 
     def pop(self, key: Any, *default: Any) -> Any:
         if key in self:
             value = dict.pop(self, key)
-            self.counter.remove((value,))
+            self.counter.remove(self._tensors(value))
             return value
         return dict.pop(self, key, *default)
 
 
-class LiveCopies(dict):
-    """``run``'s ``copies`` (node -> {(index, layout): piece}), counting what it holds."""
+class LiveEnv(_Counted):
+    """``run``'s ``env`` (node -> tuple of values), counting what it holds."""
 
-    __slots__ = ("counter",)
+    __slots__ = ()
 
-    def __init__(self, counter: Counter) -> None:
-        super().__init__()
-        self.counter = counter
+    @staticmethod
+    def _tensors(value: tuple) -> Iterable[Any]:
+        return value
+
+
+class _LiveLayouts(_Counted):
+    """One node's copies ((index, layout) -> piece)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _tensors(value: Any) -> Iterable[Any]:
+        return (value,)
+
+
+class LiveCopies(_Counted):
+    """``run``'s ``copies`` (node -> {(index, layout): piece}), counting what it holds; a
+    node's entry is made by ``setdefault``, as ``run`` makes it."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _tensors(value: dict) -> Iterable[Any]:
+        return value.values()
 
     def setdefault(self, key: str, default: Any = None) -> Any:
         have = dict.get(self, key)
@@ -119,13 +121,6 @@ class LiveCopies(dict):
             have = _LiveLayouts(self.counter)
             dict.__setitem__(self, key, have)
         return have
-
-    def pop(self, key: str, *default: Any) -> Any:
-        if key in self:
-            value = dict.pop(self, key)
-            self.counter.remove(value.values())
-            return value
-        return dict.pop(self, key, *default)
 
 
 __all__ = ["Counter", "LiveCopies", "LiveEnv"]

@@ -27,7 +27,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -564,43 +564,41 @@ def fit_compute(samples: Sequence[OpSample], base: Topology) -> ComputeFit:
     rates: dict[str, float] = {}
     for dtype in sorted({s.dtype for s in bound}):
         rates[dtype] = _typical_rate([s for s in bound if s.dtype == dtype], "flops")
-    base_eff = {d: f * base.compute_efficiency for d, f in base.flops}
-    if rates:
-        ref = next(iter(sorted(rates, key=lambda d: -len([s for s in bound if s.dtype == d]))))
+    if rates:                      # the dtype with the most compute-bound ops sets the scale
+        ref = max(rates, key=lambda d: sum(s.dtype == d for s in bound))
         scale = rates[ref] / base.flops_for(ref) / base.compute_efficiency
     else:
         scale = 1.0
-    flops = {d: rates.get(d, f * scale) for d, f in base_eff.items()} | rates
+    flops = {d: f * base.compute_efficiency * scale for d, f in base.flops} | rates
     bw = (_typical_rate(mem, "nbytes") if mem
           else base.memory_bandwidth * base.compute_efficiency)
-    fitted = Topology(name="fit", flops=flops, memory_bandwidth=bw, memory_bytes=base.memory_bytes,
-                      devices_per_node=base.devices_per_node, intra_node=base.intra_node,
-                      inter_node=base.inter_node, compute_efficiency=1.0, kernel_floor_s=floor)
+    slowest = min(flops.values())          # as Topology.flops_for prices an unlisted dtype
 
     def roofline(s: OpSample) -> float:
-        return max(s.flops / fitted.flops_for(s.dtype), s.nbytes / bw, floor)
+        return max(s.flops / flops.get(s.dtype, slowest), s.nbytes / bw, floor)
 
     total = sum(s.seconds for s in use)
-    per: dict[str, list[float]] = {}
-    for s in use:
-        acc = per.setdefault(s.target, [0.0, 0.0])
-        acc[0] += s.seconds
-        acc[1] += roofline(s)
-    factors = {t: m / r for t, (m, r) in sorted(per.items())
+    factors = {t: m / r for t, (m, r) in _per_target(use, roofline).items()
                if m >= FACTOR_MIN_SHARE * total and r > 0}
     return ComputeFit(flops=flops, memory_bandwidth=bw, kernel_floor_s=floor, op_factors=factors,
                       ops=len(use), measured_s=total, roofline_s=sum(roofline(s) for s in use))
 
 
+def _per_target(samples: Sequence[OpSample],
+                of: Callable[[OpSample], float]) -> dict[str, tuple[float, float]]:
+    """Per op kind (target), sorted: (total measured seconds, total of ``of``)."""
+    per: dict[str, tuple[float, float]] = {}
+    for s in samples:
+        t, v = per.get(s.target, (0.0, 0.0))
+        per[s.target] = (t + s.seconds, v + of(s))
+    return dict(sorted(per.items()))
+
+
 def _typical_rate(samples: Sequence[OpSample], work: str) -> float:
     """Per op kind (target): total ``work`` over total seconds; then the median over kinds,
     each weighted by its time."""
-    per: dict[str, list[float]] = {}
-    for s in samples:
-        acc = per.setdefault(s.target, [0.0, 0.0])
-        acc[0] += getattr(s, work)
-        acc[1] += s.seconds
-    kinds = sorted((w / t, t) for w, t in per.values() if t > 0)
+    per = _per_target(samples, lambda s: getattr(s, work))
+    kinds = sorted((w / t, t) for t, w in per.values() if t > 0)
     half, run = sum(t for _, t in kinds) / 2, 0.0
     for rate, t in kinds:
         run += t
