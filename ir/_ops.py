@@ -149,7 +149,8 @@ def node_flops(graph: Graph, node: Node) -> int:
         out = [_meta_tensor(m) if isinstance(m, TensorMeta) else None for m in node.outputs]
         out_val = out[0] if len(out) == 1 else tuple(out)
         flops = int(formula(*args, out_val=out_val, **kwargs))
-        return flops // 2 if "attention" in node.target and _causal(node, op) else flops
+        causal = "attention" in node.target and _causal(_named_args(node, op))
+        return flops // 2 if causal else flops
     ins = _input_metas(graph, node)
     if not ins:
         return 0
@@ -180,7 +181,7 @@ def _cpu_attention_flops(graph: Graph, node: Node, op: Any) -> int:
         flops = sdpa_backward_flop_count(shape("grad_out"), q, k, v)
     else:
         flops = sdpa_flop_count(q, k, v)
-    return int(flops // 2 if _causal(node, op) else flops)
+    return int(flops // 2 if _causal(given) else flops)
 
 
 def _named_args(node: Node, op: Any) -> dict[str, Any]:
@@ -188,8 +189,8 @@ def _named_args(node: Node, op: Any) -> dict[str, Any]:
     return dict(zip(names, node.args)) | dict(node.kwargs)
 
 
-def _causal(node: Node, op: Any) -> bool:
-    return _named_args(node, op).get("is_causal") is True
+def _causal(args: dict[str, Any]) -> bool:
+    return args.get("is_causal") is True
 
 
 def node_bytes(graph: Graph, node: Node) -> int:

@@ -94,13 +94,8 @@ class Problem:
         views of views) alive until its own last reader (``aliases``)."""
         graph = self.graph
         end = len(graph.nodes)
-        last: dict[tuple[str, int], int] = {}
-        for i, n in enumerate(graph.nodes):
-            for r in n.refs():
-                last[(r.node, r.index)] = i
+        last = dict(self.last_reads)
         in_place = {(ref.node, ref.index) for _, ref in state_pairs(graph)}
-        for o in graph.outputs:
-            last[(o.ref.node, o.ref.index)] = end
         base = self.aliases
         for view, root in base.items():             # graph order: a view after its source
             if view in last:
@@ -119,24 +114,30 @@ class Problem:
         return out
 
     @functools.cached_property
+    def last_reads(self) -> dict[tuple[str, int], int]:
+        """(producer, output index) -> the position of its last reader; the step's outputs
+        are read after the last node."""
+        graph = self.graph
+        last: dict[tuple[str, int], int] = {}
+        for i, n in enumerate(graph.nodes):
+            for r in n.refs():
+                last[(r.node, r.index)] = i
+        for o in graph.outputs:
+            last[(o.ref.node, o.ref.index)] = len(graph.nodes)
+        return last
+
+    @functools.cached_property
     def view_ends(self) -> dict[str, int]:
         """View op -> the last point where its result, or a view of it, is read: what the
         view reads stays alive until then."""
-        graph = self.graph
-        end = len(graph.nodes)
+        graph, order, last = self.graph, self.order, self.last_reads
         out: dict[str, int] = {}
-        for i, n in enumerate(graph.nodes):
-            for r in n.refs():
-                if r.node in self._view_parent:
-                    out[r.node] = i
-        for o in graph.outputs:
-            if o.ref.node in self._view_parent:
-                out[o.ref.node] = end
-        order = self.order
-        for view in sorted(self._view_parent, key=order.__getitem__, reverse=True):
-            out.setdefault(view, order[view])
-            parent = self._view_parent[view]
-            if parent in self._view_parent:         # a view of a view keeps both alive
+        for view in sorted(self._view_source, key=order.__getitem__, reverse=True):
+            n = graph.node(view)
+            out[view] = max([out.get(view, order[view])]
+                            + [last.get((view, k), 0) for k in range(len(n.outputs))])
+            parent = self._view_source[view][0]
+            if parent in self._view_source:         # a view of a view keeps both alive
                 out[parent] = max(out.get(parent, order[parent]), out[view])
         return out
 
@@ -149,29 +150,24 @@ class Problem:
         ``view_ends`` keeps alive as long as the view."""
         graph = self.graph
         out: dict[tuple[str, int], tuple[str, int]] = {}
-        for n in graph.nodes:
-            parent = self._view_parent.get(n.name)
-            if parent is None:
-                continue
-            i = view_source(n.target)
-            src = (n.args[i].node, n.args[i].index)
-            for k, m in enumerate(n.outputs):        # split / unbind: every piece
+        for view, src in self._view_source.items():     # graph order: a source before its views
+            for k, m in enumerate(graph.node(view).outputs):   # split / unbind: every piece
                 if isinstance(m, TensorMeta):
-                    out[(n.name, k)] = out.get(src, src)
+                    out[(view, k)] = out.get(src, src)
         return out
 
     @functools.cached_property
-    def _view_parent(self) -> dict[str, str]:
-        """View op -> the node whose tensor it views."""
+    def _view_source(self) -> dict[str, tuple[str, int]]:
+        """View op -> the (producer, output index) of the tensor it views, in graph order."""
         graph = self.graph
-        out: dict[str, str] = {}
+        out: dict[str, tuple[str, int]] = {}
         for n in graph.nodes:
             if n.kind is not NodeKind.OP or n.name not in self.decisions:
                 continue
             i = view_source(n.target)
             if (i is not None and i < len(n.args) and isinstance(n.args[i], Ref)
                     and isinstance(graph.meta(n.args[i]), TensorMeta)):
-                out[n.name] = n.args[i].node
+                out[n.name] = (n.args[i].node, n.args[i].index)
         return out
 
     @functools.cached_property

@@ -169,7 +169,8 @@ class WorkerTelemetry:
         self._reshards.clear()
         self._ops.clear()
         # level ops: every ops_every-th step times its ops and counts its tensor memory; the
-        # first ops_first steps (a calibration's) time their ops only, as they run unslowed
+        # first ops_first steps (a calibration's) time their ops but do not count memory, so
+        # the counting does not slow the steps the fit measures
         sampled = self.rec.wants(Level.OPS) and step % self.config.ops_every == 0
         self.time_ops = sampled or (self.rec.wants(Level.OPS) and step < self.config.ops_first)
         self.track_memory = sampled

@@ -57,7 +57,8 @@ class TelemetryConfig:
     ``segments_dir``), ``level``, ``flush_interval_s`` between segment flushes, ``ops_every``
     (level ``ops``: time every op on every ``ops_every``-th step, starting at step 0),
     ``ops_first`` (level ``ops``: also every step before this one, as ``distribute(calibrate=)``
-    asks for its fit), and ``live_rows`` (rows per table each rank keeps in memory for live queries)."""
+    asks for its fit), and ``live_rows`` (rows per table each rank keeps in memory for live
+    queries)."""
 
     db: Path = field(default_factory=default_db_path)
     level: Level = DEFAULT_LEVEL
