@@ -82,6 +82,10 @@ class _Group:
         self.logs: list[IO[bytes]] = []
         self.closed = False
 
+    def running(self) -> bool:
+        """Whether a process of this launch has not exited yet."""
+        return any(p.poll() is None for p in self.procs)
+
     def stop(self, grace_s: float = 2.0) -> None:
         """Terminate every worker still running (then kill), close pipes, logs and channel."""
         if self.closed:
@@ -359,7 +363,7 @@ class Workers:
                 except RuntimeFailure:
                     pass
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in self._group.procs):
+        while time.monotonic() < deadline and self._group.running():
             time.sleep(0.02)
         self._finalizer()       # stop(): terminate/kill stragglers, close pipes and channel
 

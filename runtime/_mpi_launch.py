@@ -33,6 +33,7 @@ does:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import secrets
 import select
@@ -50,6 +51,8 @@ from .._errors import RuntimeFailure
 from . import _channel as P
 from ._channel import ControllerChannel, Secret
 from ._launch import LocalLauncher, Workers, _Group
+
+logger = logging.getLogger("meshplan.runtime")
 
 __all__ = ["MPILauncher", "find_mpiexec", "worker_start"]
 
@@ -166,6 +169,13 @@ class _MPIGroup(_Group):
         super().__init__(channel)
         self.mpiexec: subprocess.Popen | None = None
         self.secret_dir = secret_dir
+        self.mpich_before = _mpich_files()
+
+    def running(self) -> bool:
+        """The ranks, and mpiexec itself: it exits after the last rank's MPI_Finalize, which
+        unlinks MPICH's /dev/shm file (a shutdown that stopped waiting at the ranks' exits and
+        terminated mpiexec left that file once on a loaded 2-core machine)."""
+        return super().running() or (self.mpiexec is not None and self.mpiexec.poll() is None)
 
     def forget_secret(self) -> None:
         shutil.rmtree(self.secret_dir, ignore_errors=True)
@@ -191,6 +201,45 @@ class _MPIGroup(_Group):
         for log in self.logs:
             log.close()
         self.channel.close()
+        if proc is not None and proc.poll() is not None:
+            for name in _unmapped(_mpich_files() - self.mpich_before):
+                try:
+                    os.unlink(os.path.join(_SHM_DIR, name))
+                except OSError:
+                    continue
+                logger.info("meshplan: removed /dev/shm/%s that MPICH left behind", name)
+
+
+_SHM_DIR = "/dev/shm"
+
+
+def _mpich_files() -> set[str]:
+    """MPICH's shared-memory files now in /dev/shm. MPICH unlinks its file when the last local
+    rank finalizes; a rank that ends otherwise (terminated, killed, or finalizing while
+    mpiexec is stopped) leaves it, 4 MiB each, until reboot."""
+    try:
+        return {n for n in os.listdir(_SHM_DIR) if n.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def _unmapped(names: set[str]) -> set[str]:
+    """Those of ``names`` that no process on this host has mapped (``/proc/*/maps``): after our
+    mpiexec ended, a new file that nobody maps is ours and dead; one another job started
+    meanwhile is mapped by its ranks and stays."""
+    if not names:
+        return names
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        mapped.update(n for n in names if n.encode() in text)
+    return names - mapped
 
 
 def _pdeathsig_setter():

@@ -185,6 +185,34 @@ def test_mpi_a_killed_rank_is_the_rank_named() -> None:
             step(*ex.batch(2))
 
 
+def test_mpich_files_left_behind_are_removed_and_others_kept(tmp_path: Path) -> None:
+    """A launch's stop removes the ``mpich_shm_*`` files that appeared during it and that no
+    process maps once mpiexec has ended (a rank that did not finalize leaves one, 4 MiB, until
+    reboot); a file another job's live ranks map stays, and so does one from before."""
+    import mmap
+
+    from meshplan.runtime._channel import ControllerChannel, Secret
+    from meshplan.runtime._mpi_launch import _MPIGroup
+
+    tag = os.urandom(4).hex()
+    older, dead, live = (f"/dev/shm/mpich_shm_{tag}_{k}" for k in ("older", "dead", "live"))
+    Path(older).write_bytes(b"\0" * 4096)
+    group = _MPIGroup(ControllerChannel(Secret.new(), "t" + tag, "127.0.0.1"), tmp_path / "s")
+    try:
+        for path in (dead, live):
+            Path(path).write_bytes(b"\0" * 4096)
+        with open(live, "r+b") as f, mmap.mmap(f.fileno(), 4096) as mapped:
+            group.mpiexec = subprocess.Popen(["true"])
+            group.mpiexec.wait()
+            group.stop()
+            assert not os.path.exists(dead)
+            assert os.path.exists(live) and os.path.exists(older)
+            assert mapped[0] == 0
+    finally:
+        for path in (older, dead, live):
+            Path(path).unlink(missing_ok=True)
+
+
 def test_missing_mpiexec_or_mpi4py_is_one_clear_error(monkeypatch, tmp_path) -> None:
     import importlib.util as iu
 
