@@ -21,7 +21,8 @@ import highspy
 import numpy as np
 
 from .._errors import PlanError
-from ..ir import Phase, Ref, TensorMeta
+from ..ir import Graph, NodeKind, Phase, Ref, TensorMeta
+from ._mesh import Mesh
 from ._placement import Layout, Partial, R, Shard, layout_fraction
 from ._summary import format_bytes
 from ._problem import (INF, STATE_POS, Edge, Problem, has_partial, reduce_wide, reduces,
@@ -31,6 +32,13 @@ from ._problem import (INF, STATE_POS, Edge, Problem, has_partial, reduce_wide, 
 # far above any step time it compares, so only a plan that cannot do without pays it (the
 # plan's reported times are computed from its redistributions, without the penalty)
 FAMILY_PENALTY_S = 1e3
+
+# ``solve`` leaves the memory rows out of its first round when the unsharded liveness peak,
+# spread over every device (the bound ``peak_lower_bound`` gives), is under this share of the
+# limit: plans then mostly fit without them. Measured: LLaMA-3 8B (fp32) on dp 8 x tp 8 is at
+# 0.07 and its plan peaks at 0.24 of the limit; the 70B steps of the scale table, at 0.41-0.49,
+# peak at 0.74-0.90, and a first round without rows there cost a second solve
+LAZY_MEMORY_SHARE = 0.25
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,7 @@ class _Model:
         self.integer: list[bool] = []
         self.lazy: list[bool] = []
         self.rows: list[tuple[float, float, list[int], list[float]]] = []
+        self.memory_rows = range(0)     # the rows that bound memory at the liveness points
 
     def var(self, cost: float, integer: bool, lazy: bool = False) -> int:
         """A new variable in [0, 1]. A ``lazy`` one starts priced out (held at 0) and enters
@@ -258,10 +267,18 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
 
     Memory is constrained at the peaks of the unsharded liveness profile; if the solution's
     exact peak lands elsewhere and exceeds the limit, that point is added and the ILP re-solved.
+    Where memory is unlikely to bind (the unsharded peak spread over every device is under
+    ``LAZY_MEMORY_SHARE`` of the limit), the first round has no memory rows at all: a plan
+    whose exact peak then fits is optimal under the limit too, and the rows (dense: every live
+    value's every choice) slow the simplex several times (LLaMA-3 8B on dp 8 x tp 8: 52 s ->
+    13 s); a plan that does not fit gets the rows in the next round.
     ``time_limit`` bounds all rounds together (each solve gets what is left, at least 1 s); when
     it runs out, the last round's plan stands (its exact peak says whether it fits).
     """
-    points = _memory_points(problem, memory_points)
+    spread = max(_profile(problem, lambda name, idx: _value_bytes(problem, name, idx, None)),
+                 default=0.0) / problem.mesh.size
+    lazy = memory_limit < INF and spread < LAZY_MEMORY_SHARE * memory_limit
+    points = [] if lazy else _memory_points(problem, memory_points)
     t_build = t_solve = 0.0
     deadline = time.perf_counter() + time_limit
     for rounds in range(1, max_rounds + 1):
@@ -284,14 +301,51 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
             for name in names:
                 choice[name] = best
         peak, at = peak_memory(problem, choice)
-        if peak <= memory_limit * (1 + 1e-9) or at in points or time.perf_counter() > deadline:
+        if peak <= memory_limit * (1 + 1e-9) or time.perf_counter() > deadline:
             break
-        points.append(at)
+        more = [t for t in dict.fromkeys(
+            (_memory_points(problem, memory_points) if not points else []) + [at])
+            if t not in points]
+        if not more:
+            break
+        points += more
     dec = problem.decisions
     compute = sum(dec[n].choices[i].compute_s for n, i in choice.items())
+    # the largest share of the limit a memory row gives the chosen plan: below 1 on an
+    # integral LP optimum ("lp-integral"), no memory row binds, so it is also the optimum with
+    # no memory rows at all (the LP is convex, and its optimum bounds every integral plan)
+    stats["memory_rows_use"] = max(
+        (sum(c * values[i] for i, c in zip(idx, val))
+         for _, _, idx, val in (model.rows[r] for r in model.memory_rows)), default=0.0)
     stats.update(build_s=t_build, solve_s=t_solve, rounds=rounds,
                  decisions=len(dec), groups=len(members), memory_points=len(points))
     return Solution(choice, compute, peak, stats)
+
+
+def peak_lower_bound(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None = None) -> int:
+    """Bytes per device below which no plan of ``graph`` on ``mesh`` peaks, without building
+    its decisions: the peak of the memory model's liveness profile (its own live ranges, views
+    counted as their source's storage) with every value at its ``1 / mesh.size`` piece, and
+    each input that ``pins`` restricts (a hand-written family's state layouts, keyed by state
+    name) at its smallest allowed piece. It holds because every value a plan keeps is at least
+    that piece on each device over the same range (a partial value is whole, a layout change
+    adds a copy, an early-reduced value's reduced copy spans its live range). It costs one pass
+    over the graph, where a search that finds no plan builds every decision first (seconds on
+    a 70B step, where recompute policies and families are tried until one fits)."""
+    planned = {n.name: None for n in graph.nodes
+               if n.kind in (NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.OP)}
+    problem = Problem(graph, mesh, planned, [], [])      # live ranges only: no decisions
+    pins = pins or {}
+
+    def size(name: str, idx: int) -> float:
+        node = graph.node(name)
+        meta = node.outputs[idx]
+        allowed = pins.get(node.target) if node.kind is NodeKind.INPUT else None
+        if allowed:
+            return min(meta.nbytes / layout_fraction(l, mesh.sizes) for l in allowed)
+        return meta.nbytes / mesh.size
+
+    return int(max(_profile(problem, size), default=0.0))
 
 
 def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: int = 6) -> int:
@@ -350,10 +404,12 @@ def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
     transients = _edge_rows(problem, model, xvar, points)
     _result_costs(problem, model, xvar)
     live = problem.live_ranges
+    first = len(model.rows)
     for t in points if memory_limit < INF else ():
         terms = _memory_terms(problem, xvar, t, live, transients)
         # in units of the limit: bytes next to seconds would leave the LP badly scaled
         model.row(-INF, 1.0, {v: b / memory_limit for v, b in terms.items()})
+    model.memory_rows = range(first, len(model.rows))
     return model, xvar, members, transients
 
 
@@ -597,7 +653,7 @@ def _result_costs(problem: Problem, model: _Model, xvar: dict[int, list[int]]) -
 
 def _memory_points(problem: Problem, k: int) -> list[int]:
     """Liveness points to constrain: the peaks of the unsharded profile."""
-    prof = _profile(problem, lambda name, idx: None)
+    prof = _profile(problem, lambda name, idx: _value_bytes(problem, name, idx, None))
     order = sorted(range(len(prof)), key=lambda t: -prof[t])
     chosen: list[int] = []
     gap = max(1, len(prof) // (4 * k))
@@ -617,13 +673,13 @@ def _value_bytes(problem: Problem, name: str, idx: int, layout: Layout | None) -
     return meta.nbytes / layout_fraction(layout, problem.mesh.sizes)
 
 
-def _profile(problem: Problem, layout_of, cut=None) -> list[float]:  # noqa: ANN001
-    """Bytes live at each point, each value in ``layout_of``'s layout from where it is made to
-    its last reader (only where it is made when ``cut(name, idx)``)."""
+def _profile(problem: Problem, size, cut=None) -> list[float]:  # noqa: ANN001
+    """Bytes live at each point, each value of ``size(name, idx)`` bytes from where it is made
+    to its last reader (only where it is made when ``cut(name, idx)``)."""
     n = len(problem.graph.nodes) + 1
     delta = [0.0] * (n + 1)
     for start, end, name, idx in problem.live_ranges:
-        b = _value_bytes(problem, name, idx, layout_of(name, idx))
+        b = size(name, idx)
         if cut is not None and cut(name, idx):
             end = start
         delta[start] += b
@@ -671,7 +727,9 @@ def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
     def is_early(name: str, idx: int) -> bool:
         return (name, idx) in early and has_partial(layout_of(name, idx))
 
-    prof = _profile(problem, layout_of, cut=is_early)
+    prof = _profile(problem, lambda name, idx: _value_bytes(problem, name, idx,
+                                                            layout_of(name, idx)),
+                    cut=is_early)
     n = len(prof)
     order = problem.order
     graph = problem.graph

@@ -183,7 +183,7 @@ class WorkerTelemetry:
     def end(self, records: Sequence[CommRecord], start_us: int, perf0: float, dur_us: int,
             results: Sequence[Any], state: Mapping[str, torch.Tensor]) -> None:
         step = self.step
-        comm_us = sum(int(r.dur_s * 1e6) for r in records)
+        comm_us = _busy_us(records)
         comm_bytes = sum(r.nbytes for r in records)
         self.rec.add("steps", (step, start_us, dur_us, _loss(results), comm_us, comm_bytes,
                                len(records)))
@@ -229,6 +229,19 @@ def _loss(results: Sequence[Any]) -> float | None:
         if isinstance(r, torch.Tensor) and r.ndim == 0 and r.is_floating_point():
             return float(r)
     return None
+
+
+def _busy_us(records: Sequence[CommRecord]) -> int:
+    """Microseconds with at least one of ``records`` in flight: the union of their intervals,
+    so that bucketed all-reduces overlapping one another count once (their sum exceeded the
+    step's own duration on a loaded machine)."""
+    busy, end = 0.0, float("-inf")
+    for r in sorted(records, key=lambda r: r.start_s):
+        stop = r.start_s + r.dur_s
+        if stop > end:
+            busy += stop - max(r.start_s, end)
+            end = stop
+    return round(busy * 1e6)
 
 
 def _reset_peak_rss() -> None:

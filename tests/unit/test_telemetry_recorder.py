@@ -90,3 +90,18 @@ def test_what_telemetry_arguments_mean(tmp_path, monkeypatch) -> None:
         TelemetryConfig.resolve(42)
     with pytest.raises(TelemetryError, match="ops_every"):
         TelemetryConfig(ops_every=0)
+
+
+def test_step_comm_time_counts_overlapping_collectives_once() -> None:
+    """``steps.comm_us`` is the time a collective was in flight: two bucketed all-reduces that
+    overlap count once (their sum exceeded the step's duration once on a loaded machine)."""
+    from meshplan.backends import CommRecord
+    from meshplan.runtime._telemetry import _busy_us
+
+    def rec(start: float, dur: float) -> CommRecord:
+        return CommRecord("all_reduce", (0, 1), 4, start, dur)
+
+    assert _busy_us([]) == 0
+    assert _busy_us([rec(10.0, 0.002), rec(10.001, 0.002), rec(10.010, 0.001)]) == 4000
+    assert _busy_us([rec(10.0, 0.005), rec(10.001, 0.001)]) == 5000      # one inside another
+    assert _busy_us([rec(10.002, 0.001), rec(10.0, 0.001)]) == 2000      # any order
