@@ -218,6 +218,30 @@ def test_peak_lower_bound_is_below_every_plan_and_spares_the_search(axes, monkey
     assert len(builds) == 1
 
 
+def test_memory_rows_enter_only_where_memory_may_bind(monkeypatch) -> None:
+    """Far from the limit the first solve has no memory rows (they slowed the LP 4x on the
+    8B step) and its plan, which fits, is the optimum under the limit too: the same objective
+    as with the rows from the start. Near the limit the rows are there from the first round and
+    the plan fits."""
+    from meshplan.planner import _solve
+    from meshplan.planner._planning import _prepare
+    from meshplan.planner._problem import build_problem
+    from meshplan.planner._solve import peak_lower_bound, solve
+
+    g = _prepare(_graph("mlp"))
+    mesh = Mesh({"dp": 4}, "cpu")
+    problem = build_problem(g, mesh)
+    bound = peak_lower_bound(g, mesh)
+    far = solve(problem, bound * 100)
+    assert far.solver["memory_points"] == 0 and far.peak_memory_bytes <= bound * 100
+    near = solve(problem, bound * 2)
+    assert near.solver["memory_points"] >= 6 and near.peak_memory_bytes <= bound * 2
+    monkeypatch.setattr(_solve, "LAZY_MEMORY_SHARE", 0.0)      # rows from the first round
+    forced = solve(problem, bound * 100)
+    assert forced.solver["memory_points"] >= 6
+    assert far.solver["objective"] == pytest.approx(forced.solver["objective"], rel=1e-9)
+
+
 def test_mesh_object_and_public_compile() -> None:
     ex = mlp.build(optimizer="sgd")
     plan = meshplan.compile(ex.step, *ex.batch(0), mesh=Mesh({"dp": 2}, "cpu"))
