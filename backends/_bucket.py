@@ -119,9 +119,18 @@ def bucket(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
     ready = sorted(keys, key=lambda p: (made_at[instrs[p].ref.node], p))
     opened: dict[tuple, _Open] = {}
     buckets: list[_Open] = []
+    dupes: set[int] = set()
     for p in ready:
         made, size = made_at[instrs[p].ref.node], nbytes(instrs[p])
         b = opened.get(keys[p])
+        if b is not None and any((instrs[q].ref, instrs[q].dst) == (instrs[p].ref, instrs[p].dst)
+                                 for q in b.members):
+            # the same value reduced to the same layout again (``lower`` makes one copy for
+            # the forward's readers and one for the later ones, e.g. the loss for the
+            # backward's ones_like and for the result): the bucket's copy, made before this
+            # position, serves both; reducing it twice in one bucket wrote one copy twice
+            dupes.add(p)
+            continue
         if b is not None and (made >= b.wait or (b.total and b.total + size > bucket_bytes)):
             b = None
         if b is None:
@@ -147,7 +156,7 @@ def bucket(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
     for p, ins in enumerate(instrs):
         if p in waits:
             out.append(waits[p])
-        elif p not in merged:
+        elif p not in merged and p not in dupes:
             out.append(ins)
         out.extend(starts.get(p, ()))
     return out

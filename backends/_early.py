@@ -147,9 +147,9 @@ def free_copies(instrs: Sequence, tail_reads: Iterable[tuple[Ref, object]] = ())
                     if (r, layout) in live:
                         live[(r, layout)] = i
         elif isinstance(ins, (Reshard, Bucket)):
-            for m in ins.members if isinstance(ins, Bucket) else (ins,):
-                key = (m.ref, m.dst)
-                if key in live:
+            members = ins.members if isinstance(ins, Bucket) else (ins,)
+            for key in dict.fromkeys((m.ref, m.dst) for m in members):   # one copy per key:
+                if key in live:             # a key twice in one bucket dropped its own copy
                     close(key)
                 live[key] = i
         elif isinstance(ins, Free):

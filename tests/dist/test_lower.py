@@ -626,3 +626,56 @@ def test_gathered_copies_and_reduced_partials_are_freed_after_their_last_reader(
         assert all(isinstance(i, (Free, Drop, Reshard)) for i in between), ins[k].ref
         assert any(isinstance(i, Drop) and (ins[k].ref, None) in i.items     # ... and dropped
                    for i in ins[k + 1:k + 3]), ins[k].ref
+
+
+@pytest.mark.timeout(120)
+def test_a_value_reduced_for_two_readers_in_one_bucket_keeps_its_copy() -> None:
+    """A silent wrong result (found by tests/dist/test_calibrate_run.py): on free links the
+    planner may read the loss replicated for the backward's ``ones_like`` as well as for the
+    result; ``lower`` makes one all-reduce for each, ``bucket`` put both in one bucket, and
+    ``free_copies`` then dropped the copy right after the bucket (the second member closed
+    the first), so the step returned rank 0's partial loss (0.7996 for 0.8131). Now the
+    bucket reduces the value once and the copy lives until the result is read."""
+    import dataclasses
+
+    from meshplan.backends._early import Drop
+    from meshplan.planner import Link, get_topology
+
+    free = Link(bandwidth=1e15, latency=0.0)
+    topo = dataclasses.replace(get_topology("cpu"), name="free-link", intra_node=free,
+                               inter_node=free, flops={"float32": 1e9})
+    ex = mlp.build(optimizer="adamw", config=mlp.MLPConfig(d_in=64, d_hidden=256, d_out=64,
+                                                           batch_size=32))
+    ref = mlp.build(optimizer="adamw", config=mlp.MLPConfig(d_in=64, d_hidden=256, d_out=64,
+                                                            batch_size=32))
+    ex.step(*ex.batch(0))                       # AdamW holds state: the steady graph
+    ref.step(*ex.batch(0))
+    traced = meshplan.trace(ex.step, *ex.batch(1))
+    plan = plan_graph(traced.graph, {"dp": 2}, topology=topo, pins={"x": ("S(0)",)},
+                      recompute="none")
+    loss = next(o.ref for o in plan.graph.outputs if o.kind.value == "result")
+    readers = {r.consumer for r in plan.redistributions if r.value.split("[")[0] == loss.node}
+    assert len(readers) >= 2, f"the case needs the loss reduced for two readers: {readers}"
+    programs = [lower(plan, r) for r in range(2)]
+    for prog in programs:                       # no copy is dropped before a later read
+        dropped: set = set()
+        for ins in prog.instructions:
+            if isinstance(ins, Drop):
+                dropped |= {(ref, layout) for ref, layout in ins.items if layout is not None}
+            for m in getattr(ins, "members", None) or ((ins,) if hasattr(ins, "dst") else ()):
+                dropped.discard((m.ref, m.dst))  # made again: a new copy
+            reads = zip(ins.node.refs(), ins.reads) if hasattr(ins, "reads") else ()
+            assert not dropped & set(reads), ins
+        assert not dropped & {(r, tuple(R for _ in plan.mesh.sizes)) for r in prog.results}
+    x, y = ex.batch(2)
+    full = traced.input_values(x, y)
+    state_names = [n.target for n in traced.graph.inputs if n.meta.role.value != "data"]
+    local = [split_inputs(plan, r, {k: full[k] for k in state_names}) for r in range(2)]
+    data = dict(zip([n.target for n in traced.graph.inputs if n.meta.role.value == "data"],
+                    (x, y)))
+    got = ThreadMesh(2, timeout_s=60).run(
+        lambda comm: run(programs[comm.rank], comm, local[comm.rank],
+                         split_inputs(plan, comm.rank, data)))
+    want = ref.step(x, y)
+    for r in range(2):        # a sum over 2 ranks in another order than one process: rtol 1e-5
+        torch.testing.assert_close(got[r][0][0], want.detach(), rtol=1e-5, atol=1e-6)
