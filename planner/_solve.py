@@ -286,10 +286,10 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
     ``time_limit`` bounds all rounds together (each solve gets what is left, at least 1 s); when
     it runs out, the last round's plan stands (its exact peak says whether it fits).
     """
-    spread = max(_profile(problem, lambda name, idx: _value_bytes(problem, name, idx, None)),
-                 default=0.0) / problem.mesh.size
-    lazy = memory_limit < INF and spread < LAZY_MEMORY_SHARE * memory_limit
-    points = [] if lazy else _memory_points(problem, memory_points)
+    whole = _whole_profile(problem)                    # the spread peak: peak_lower_bound's
+    lazy = memory_limit < INF and max(whole, default=0.0) / problem.mesh.size \
+        < LAZY_MEMORY_SHARE * memory_limit
+    points = [] if lazy else _memory_points(whole, memory_points)
     t_build = t_solve = 0.0
     deadline = time.perf_counter() + time_limit
     for rounds in range(1, max_rounds + 1):
@@ -315,7 +315,7 @@ def solve(problem: Problem, memory_limit: float, *, time_limit: float = 60.0,
         if peak <= memory_limit * (1 + 1e-9) or time.perf_counter() > deadline:
             break
         more = [t for t in dict.fromkeys(
-            (_memory_points(problem, memory_points) if not points else []) + [at])
+            (_memory_points(whole, memory_points) if not points else []) + [at])
             if t not in points]
         if not more:
             break
@@ -362,7 +362,7 @@ def peak_lower_bound(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | No
 def min_peak_memory(problem: Problem, *, time_limit: float = 60.0, max_rounds: int = 6) -> int:
     """The smallest per-rank peak any plan reaches: minimise the largest memory over the
     constrained liveness points, add the exact peak's point, repeat (as ``solve`` does)."""
-    points = _memory_points(problem, 6)
+    points = _memory_points(_whole_profile(problem), 6)
     live = problem.live_ranges
     best = None
     for _ in range(max_rounds):
@@ -662,9 +662,13 @@ def _result_costs(problem: Problem, model: _Model, xvar: dict[int, list[int]]) -
 
 # ---- memory --------------------------------------------------------------------------------
 
-def _memory_points(problem: Problem, k: int) -> list[int]:
-    """Liveness points to constrain: the peaks of the unsharded profile."""
-    prof = _profile(problem, lambda name, idx: _value_bytes(problem, name, idx, None))
+def _whole_profile(problem: Problem) -> list[float]:
+    """Bytes live at each point with every value whole (unsharded)."""
+    return _profile(problem, lambda name, idx: _value_bytes(problem, name, idx, None))
+
+
+def _memory_points(prof: list[float], k: int) -> list[int]:
+    """Liveness points to constrain: the peaks of the unsharded profile ``prof``."""
     order = sorted(range(len(prof)), key=lambda t: -prof[t])
     chosen: list[int] = []
     gap = max(1, len(prof) // (4 * k))

@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .._errors import RuntimeFailure
+from ..backends._shm import SHM_DIR
 from . import _channel as P
 from ._channel import ControllerChannel, Secret
 from ._launch import LocalLauncher, Workers, _Group
@@ -204,13 +205,10 @@ class _MPIGroup(_Group):
         if proc is not None and proc.poll() is not None:
             for name in _unmapped(_mpich_files() - self.mpich_before):
                 try:
-                    os.unlink(os.path.join(_SHM_DIR, name))
+                    os.unlink(os.path.join(SHM_DIR, name))
                 except OSError:
                     continue
                 logger.info("meshplan: removed /dev/shm/%s that MPICH left behind", name)
-
-
-_SHM_DIR = "/dev/shm"
 
 
 def _mpich_files() -> set[str]:
@@ -218,7 +216,7 @@ def _mpich_files() -> set[str]:
     rank finalizes; a rank that ends otherwise (terminated, killed, or finalizing while
     mpiexec is stopped) leaves it, 4 MiB each, until reboot."""
     try:
-        return {n for n in os.listdir(_SHM_DIR) if n.startswith("mpich_shm_")}
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("mpich_shm_")}
     except OSError:
         return set()
 
