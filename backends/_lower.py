@@ -326,7 +326,7 @@ def reshard(t: Tensor, steps: Sequence[Step], comm: Any, coords: tuple[int, ...]
         if s.kind == "slice":
             t = t.chunk(n, s.dst.dim)[coords[s.axis]].contiguous()
         elif s.kind == "partial":
-            if s.dst.op is ReduceOp.SUM and coords[s.axis] != 0:
+            if s.dst.op is not ReduceOp.AVG and coords[s.axis] != 0:   # sum, norm2: zeros
                 t = torch.zeros_like(t)
         elif s.kind == "all_gather":
             t = comm.all_gather(t, s.group, s.src.dim)

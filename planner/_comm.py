@@ -80,8 +80,10 @@ def transition(src: Placement, dst: Placement) -> Collective | None | bool:
     change is not allowed."""
     if src == dst:
         return None
-    if _norm2(src) or _norm2(dst):                # a 2-norm's pieces only become whole
-        return Collective.ALL_REDUCE if isinstance(dst, Replicate) else False
+    if _norm2(src) or _norm2(dst):
+        if isinstance(src, Replicate):            # R -> P(norm2): coordinate 0 keeps the value,
+            return None                           # the others hold zero (the norm of the pieces)
+        return Collective.ALL_REDUCE if isinstance(dst, Replicate) else False  # only to whole
     if isinstance(src, Replicate):
         return None                               # R -> S: local slice; R -> P: keep on rank 0
     if isinstance(src, Shard):

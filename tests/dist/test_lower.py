@@ -22,7 +22,7 @@ from meshplan.backends._layout import assemble, local_part, rank_coords
 from meshplan.backends._lower import lower, plan_steps, reshard, run, split_inputs
 from meshplan.examples import cnn, gpt, mlp
 from meshplan.ir import interpret
-from meshplan.planner import Partial, Replicate, Shard, plan_graph
+from meshplan.planner import Partial, ReduceOp, Replicate, Shard, plan_graph
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial()
 
@@ -98,6 +98,34 @@ def test_every_redistribution_gives_the_target_pieces(sizes: tuple[int, ...]) ->
                             if all(rank_coords(q, sizes)[a] == c[a] for a in range(len(sizes))
                                    if a not in axes))
                 assert torch.equal(total, want[r]), (src, dst, r)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (4,)])
+def test_a_whole_value_becomes_norm_pieces_and_back(sizes: tuple[int, ...]) -> None:
+    """R -> P(norm2) on some axes (coordinate 0 keeps the value, the others hold zeros: the
+    pieces' squares add up to the whole's) and back through the norm's all-reduce. This is
+    how gradient clipping joins the norm of a replicated gradient to the pieces of sharded
+    ones when a plan mixes their layouts (the stacked norms in one layout: issue 20). Exact:
+    small integers, whose squares and square roots are exact in float32."""
+    norms = torch.arange(7.0)
+    world = int(torch.tensor(sizes).prod())
+    mesh = ThreadMesh(world, timeout_s=20)
+    n2 = Partial(ReduceOp.NORM2)
+    rep = tuple(R for _ in sizes)
+    for dst in itertools.product((R, n2), repeat=len(sizes)):
+        if dst == rep:
+            continue
+
+        def one(comm, dst=dst):
+            c = rank_coords(comm.rank, sizes)
+            there = reshard(norms.clone(), plan_steps(rep, dst, sizes, c)[0], comm, c)
+            return there, reshard(there, plan_steps(dst, rep, sizes, c)[0], comm, c)
+
+        got = mesh.run(one)
+        pieces = [p for r, (p, _) in enumerate(got)         # one replica of each piece
+                  if all(c == 0 for c, q in zip(rank_coords(r, sizes), dst) if q == R)]
+        assert torch.equal(sum(p * p for p in pieces), norms * norms), dst
+        assert all(torch.equal(back, norms) for _, back in got), dst
 
 
 @lru_cache(maxsize=None)

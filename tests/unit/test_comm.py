@@ -89,18 +89,21 @@ def test_h100_all_reduce_of_a_gigabyte_takes_under_10_ms_inside_a_node() -> None
 # ---- transition: the collective that changes a layout along one axis ------------------------
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
-PSUM, PAVG = Partial(ReduceOp.SUM), Partial(ReduceOp.AVG)
+PSUM, PAVG, PN2 = Partial(ReduceOp.SUM), Partial(ReduceOp.AVG), Partial(ReduceOp.NORM2)
 AR, AG, RS, A2A = (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER,
                    Collective.ALL_TO_ALL)
 FREE, NO = None, False
 
-#            to:  R     S(0)  S(1)  P(sum) P(avg)
-TABLE = {R:    (FREE, FREE, FREE, FREE, FREE),    # slicing is local; a partial keeps one copy
-         S0:   (AG,   FREE, A2A,  NO,   NO),
-         S1:   (AG,   A2A,  FREE, NO,   NO),
-         PSUM: (AR,   RS,   RS,   FREE, NO),
-         PAVG: (AR,   RS,   RS,   NO,   FREE)}
-COLUMNS = (R, S0, S1, PSUM, PAVG)
+# A 2-norm's pieces (each rank's norm of its shard) only become whole; a whole value becomes
+# pieces for free (coordinate 0 keeps it, the others hold 0), as it becomes a partial sum.
+#            to:  R     S(0)  S(1)  P(sum) P(avg) P(norm2)
+TABLE = {R:    (FREE, FREE, FREE, FREE, FREE, FREE),    # slicing is local; a partial keeps
+         S0:   (AG,   FREE, A2A,  NO,   NO,   NO),      # one copy
+         S1:   (AG,   A2A,  FREE, NO,   NO,   NO),
+         PSUM: (AR,   RS,   RS,   FREE, NO,   NO),
+         PAVG: (AR,   RS,   RS,   NO,   FREE, NO),
+         PN2:  (AR,   NO,   NO,   NO,   NO,   FREE)}
+COLUMNS = (R, S0, S1, PSUM, PAVG, PN2)
 
 
 @pytest.mark.parametrize(("src", "dst"), list(itertools.product(COLUMNS, COLUMNS)),
@@ -114,7 +117,7 @@ def test_transition_table(src, dst) -> None:
 
 
 def test_the_table_covers_every_pair() -> None:
-    assert len(TABLE) * len(COLUMNS) == 25
+    assert len(TABLE) * len(COLUMNS) == 36
     assert all(len(row) == len(COLUMNS) for row in TABLE.values())
 
 
