@@ -155,7 +155,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
-    from .planner._calibrate import from_telemetry
+    from .planner._calibrate import LINK_SPAN, from_telemetry
     from .planner._summary import format_bytes
     from .telemetry import Store
 
@@ -166,8 +166,12 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
     if link is not None:
         console.print(f"links fitted to {len(fit.samples)} measured collectives: latency "
                       f"{link.latency * 1e6:.1f} us, bandwidth {format_bytes(link.bandwidth)}/s")
+        for kind, bw, lat in link.kinds:
+            console.print(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth "
+                          f"{format_bytes(bw)}/s")
     else:
-        console.print(f"links from {base} (the run issued too few collectives to fit)")
+        console.print(f"links from {base} (the run's collectives do not span {LINK_SPAN}x in "
+                      "size, gradient buckets aside, so no link is fitted)")
     if comp is not None:
         rates = ", ".join(f"{d} {f / 1e9:.1f} GFLOP/s" for d, f in sorted(comp.flops.items()))
         console.print(f"compute fitted to {comp.ops} sampled ops ({comp.measured_s * 1e3:.1f} ms "

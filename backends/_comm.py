@@ -602,8 +602,12 @@ class TorchCommunicator(CommBase):
     def _all_to_all(self, t, g, split_dim, cat_dim):
         stacked = split_leading(t, split_dim, len(g))
         received = torch.empty_like(stacked)
-        dist.all_to_all_single(_wire(received.flatten(0, 1)), _wire(stacked.flatten(0, 1)),
-                               group=self._pgs[g])
+        shm = self._shm_group(g) if self._shm_on else None
+        if shm is not None:
+            shm.all_to_all(_wire(stacked).reshape(-1), _wire(received).view(-1))
+        else:
+            dist.all_to_all_single(_wire(received.flatten(0, 1)), _wire(stacked.flatten(0, 1)),
+                                   group=self._pgs[g])
         return merge_leading(received, cat_dim)
 
     def _broadcast(self, t, src, g):

@@ -16,9 +16,9 @@ the same reason. ``ShmGroup`` is that channel for the CPU ranks of one group on 
   ``n`` reduced segments out. Two barriers an all-reduce, every element reduced once, so all
   members get bit-identical results in a deterministic order (own slot first, then the others
   in group order);
-- all-gather and reduce-scatter take one barrier per slot-sized chunk: copy in, wait, then
-  copy every slot out (all-gather) or reduce this member's piece of every slot
-  (reduce-scatter);
+- all-gather, reduce-scatter and all-to-all take one barrier per slot-sized chunk: copy in,
+  wait, then copy every slot out (all-gather), reduce this member's piece of every slot
+  (reduce-scatter) or copy it out (all-to-all);
 - one operation at a time per group: starting one while another is in flight finishes the
   earlier one first (same order on every member, as the Communicator protocol requires).
   Consecutive operations alternate between two halves of the slots, so a member copying the
@@ -314,6 +314,24 @@ class ShmGroup:
             acc = out[lo:hi]
             acc.copy_(mine[self.index])
             self._combine(acc, [x for j, x in enumerate(mine) if j != self.index], op)
+
+    def all_to_all(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Every member's 1-D contiguous ``flat`` holds ``members`` equal pieces, piece ``j``
+        for member ``j``; ``out`` (same length) receives them in member order: piece ``index``
+        of member ``j`` at position ``j``. One barrier per chunk, as reduce-scatter: every
+        member copies the same columns of all its pieces in, then reads its own column of
+        every slot."""
+        self.finish_pending()
+        k, m = self.members, out.numel() // self.members
+        pieces, got = flat.view(k, m), out.view(k, m)
+        per = max(1, self.capacity // (flat.element_size() * k))
+        for lo in range(0, m, per):
+            hi = min(lo + per, m)
+            half = self._publish(pieces[:, lo:hi])
+            self._depart("all_to_all")
+            for j in range(k):
+                got[j, lo:hi].copy_(
+                    self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[self.index])
 
     def close(self) -> None:
         """Unmap; an operation still in flight is dropped (its peers time out)."""

@@ -8,8 +8,9 @@ global batch 16, AdamW, clipping at 1.0) on N local CPU processes:
 
 1. One calibration run: ``distribute(step, mesh={"dp": N}, strategy=<--calibrate-with>,
    calibrate=3)`` times every op of its first three mesh steps, fits the machine
-   (``planner/_calibrate.py``: ``from_telemetry``: compute rates, per-op factors, the link,
-   the step overhead) and re-plans; the fitted topology is kept.
+   (``planner/_calibrate.py``: ``from_telemetry``: compute rates, per-op factors, the links
+   per collective kind from blocking probes on the mesh, the step overhead) and re-plans; the
+   fitted topology is kept.
 2. For each strategy (``dp`` and ``fsdp`` on ``{"dp": N}``, ``megatron_tp`` on ``{"tp": N}``,
    ``auto`` on ``{"dp": N}``): the plan on the ``cpu`` preset and on the fitted machine, and a
    run of the fitted plan, ``--steps`` mesh steps after one warm-up, measured as the controller

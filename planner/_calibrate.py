@@ -21,13 +21,14 @@ import logging
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -608,12 +609,20 @@ def _typical_rate(samples: Sequence[OpSample], work: str) -> float:
 
 
 def from_telemetry(store: object, run_id: str | None = None,
-                   base: str | Topology | None = None) -> TelemetryFit:
+                   base: str | Topology | None = None,
+                   probes: Sequence[Mapping[str, Any]] | None = None) -> TelemetryFit:
     """A topology fitted to what a recorded run measured.
 
-    Links: every (kind, group size, bytes) the run issued becomes one sample, the median over
-    ranks and steps of the call's duration, waits for slower peers included (what a step
-    pays); fitted by ``fit_link``. Compute: when the run sampled op times (level ``ops``), the
+    Links: from ``probes`` when given (``backends/_probe.py``: blocking collectives timed on
+    the run's mesh; ``distribute(calibrate=)`` takes them), else from the run's own
+    collectives: every (kind, group size, bytes) becomes one sample, the median over ranks
+    and steps of the call's duration, waits for slower peers included (what a step pays).
+    Gradient buckets are left out (started during the backward and finished at its end,
+    their durations hold compute), and a link is fitted only when the sizes span 16x or more
+    (a data-parallel run's other collectives are a 4-byte loss and an 8-byte vote: how far
+    the ranks drift apart, not what the link does). ``fit_link`` fits the link, and each
+    collective kind measured at two sizes or more its own (``Link.kinds``). Compute: when
+    the run sampled op times (level ``ops``), the
     rates and per-op factors of ``fit_compute``, from each planned node's median time (the
     first step, which warms caches up, is left out when later ones were sampled). What the
     run did not measure comes from ``base`` (default: the run's own topology when it is a
@@ -631,22 +640,30 @@ def from_telemetry(store: object, run_id: str | None = None,
         base = name
     topo = get_topology(base)
     kinds = ", ".join(f"'{k}'" for k in _FITTED)
-    rows = store.sql(f"""
-        SELECT kind, group_size, bytes, quantile_cont(dur_us, 0.5) AS us, count(*) AS calls
-        FROM collectives WHERE run_id = '{_sq(run)}' AND group_size > 1 AND bytes > 0
-          AND kind IN ({kinds})
-        GROUP BY ALL ORDER BY kind, group_size, bytes""").to_pylist()
+    if probes:
+        by: dict[tuple[str, int, int], list[float]] = {}
+        for p in probes:
+            by.setdefault((str(p["kind"]), int(p["group_size"]), int(p["bytes"])), []).append(
+                float(p["seconds"]))
+        rows = [{"kind": k, "group_size": n, "bytes": b, "us": statistics.median(t) * 1e6}
+                for (k, n, b), t in sorted(by.items()) if k in _FITTED]
+    else:
+        rows = store.sql(f"""
+            SELECT kind, group_size, bytes, quantile_cont(dur_us, 0.5) AS us, count(*) AS calls
+            FROM collectives WHERE run_id = '{_sq(run)}' AND group_size > 1 AND bytes > 0
+              AND kind IN ({kinds}) AND value IS DISTINCT FROM '<bucket>'
+            GROUP BY ALL ORDER BY kind, group_size, bytes""").to_pylist()
     samples = tuple(Sample(_FITTED[r["kind"]], int(r["bytes"]), max(float(r["us"]), 1.0) * 1e-6)
                     for r in rows)
-    link = (fit_link(samples, [int(r["group_size"]) for r in rows])
-            if len({s.nbytes for s in samples}) >= 2 else None)
+    link = _fit_links(samples, [int(r["group_size"]) for r in rows])
     ops = _op_samples(store, run)
     compute = fit_compute(ops, topo) if ops else None
     if link is None and compute is None:
         raise PlanError(f"run {run} recorded {len(samples)} distinct collectives and no op "
-                        "times: fitting a link needs at least two message sizes (record at "
-                        "level 'collectives' and run a plan that communicates), fitting compute "
-                        "needs level 'ops'")
+                        f"times: fitting a link needs message sizes {LINK_SPAN}x apart, "
+                        "gradient buckets aside (record at level 'collectives' and run a plan "
+                        "that reshards activations, e.g. megatron_tp), fitting compute needs "
+                        "level 'ops'")
     fitted = dataclasses.replace(topo, name=f"{topo.name}+run-{run}")
     if link is not None:
         fitted = dataclasses.replace(fitted, intra_node=link, inter_node=link)
@@ -662,6 +679,25 @@ def from_telemetry(store: object, run_id: str | None = None,
         fitted = dataclasses.replace(fitted, step_overhead_s=max(0.0, measured - model))
     return TelemetryFit(topology=fitted, samples=samples, link=link, compute=compute,
                         measured_step_s=measured, model_step_s=model)
+
+
+LINK_SPAN = 16      # the largest sample over the smallest: below it no link is fitted
+
+
+def _fit_links(samples: Sequence[Sample], group_sizes: Sequence[int]) -> Link | None:
+    """One link for all ``samples`` and, within it, one per kind measured at two sizes or
+    more; None when the sizes span less than ``LINK_SPAN``."""
+    sizes = [s.nbytes for s in samples]
+    if not sizes or max(sizes) < LINK_SPAN * min(sizes):
+        return None
+    whole = fit_link(samples, list(group_sizes))
+    kinds = []
+    for kind in sorted({s.collective for s in samples}, key=lambda c: c.value):
+        mine = [(s, n) for s, n in zip(samples, group_sizes) if s.collective is kind]
+        if len({s.nbytes for s, _ in mine}) >= 2:
+            one = fit_link([s for s, _ in mine], [n for _, n in mine])
+            kinds.append((kind.value, one.bandwidth, one.latency))
+    return Link(bandwidth=whole.bandwidth, latency=whole.latency, kinds=tuple(kinds))
 
 
 def _measured_step(store: object, run: str) -> float | None:

@@ -28,7 +28,7 @@ def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> floa
     """Seconds for one collective over ``n`` ranks moving a ``nbytes`` buffer."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    a, b = link.latency, link.bandwidth
+    b, a = link.for_kind(kind.value)
     frac = (n - 1) / n
     if kind is Collective.ALL_REDUCE:
         return 2 * (n - 1) * a + 2 * frac * nbytes / b
@@ -54,8 +54,9 @@ def bucket_time(bucket_bytes: int, total_bytes: float, n: int, link: Link,
     if n <= 1 or total_bytes <= 0:
         return 0.0
     buckets = math.ceil(total_bytes / bucket_bytes)
-    latency = 2 * (n - 1) * link.latency            # collective_time's ring, per call
-    wire = lambda b: 2 * (n - 1) / n * b / link.bandwidth   # noqa: E731 - and per byte
+    bandwidth, alpha = link.for_kind(Collective.ALL_REDUCE.value)
+    latency = 2 * (n - 1) * alpha                   # collective_time's ring, per call
+    wire = lambda b: 2 * (n - 1) / n * b / bandwidth   # noqa: E731 - and per byte
     last = min(bucket_bytes, total_bytes)
     return buckets * latency + (1 - overlap) * wire(total_bytes) + overlap * wire(last)
 

@@ -22,14 +22,29 @@ from .._errors import PlanError
 @dataclass(frozen=True, slots=True)
 class Link:
     """One direction of a link as a collective sees it: ``alpha`` seconds per message step,
-    ``bandwidth`` bytes per second per device."""
+    ``bandwidth`` bytes per second per device. ``kinds``: (collective kind, bandwidth,
+    latency) for kinds measured apart (a calibration fits each: on shared memory an all-reduce
+    reduces as it copies, an all-to-all only copies); other kinds use the link's own pair."""
 
     bandwidth: float
     latency: float
+    kinds: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and self.latency >= 0):
             raise PlanError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        kinds = tuple(sorted((str(k), float(b), float(a)) for k, b, a in self.kinds))
+        if any(not (b > 0 and a >= 0) for _, b, a in kinds):
+            raise PlanError(f"a link's per-kind bandwidths must be > 0 and latencies >= 0, "
+                            f"got {kinds}")
+        object.__setattr__(self, "kinds", kinds)
+
+    def for_kind(self, kind: str) -> tuple[float, float]:
+        """(bandwidth, latency) a collective of ``kind`` (``"all_reduce"``, ...) sees."""
+        for k, b, a in self.kinds:
+            if k == kind:
+                return b, a
+        return self.bandwidth, self.latency
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +100,11 @@ class Topology:
         d = asdict(self)
         d["flops"] = dict(self.flops)
         d["op_factors"] = dict(self.op_factors)
+        for link in ("intra_node", "inter_node"):       # a link without per-kind numbers
+            if not d[link]["kinds"]:                    # writes as before they existed
+                del d[link]["kinds"]
+            else:
+                d[link]["kinds"] = [list(k) for k in d[link]["kinds"]]
         return d
 
     @staticmethod

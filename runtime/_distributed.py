@@ -596,9 +596,10 @@ class DistributedStep:
 
         before, run = self.plan, self.run_id
         self.flush_telemetry()
+        probes = self._probe_links()
         try:
             with Store.open(self.telemetry.db) as store:
-                fit = from_telemetry(store, run, base=self.topology)
+                fit = from_telemetry(store, run, base=self.topology, probes=probes)
         except MeshplanError as exc:
             logger.warning("meshplan: %s: calibration skipped (%s); the plan stays as it is",
                            self.__name__, exc)
@@ -623,6 +624,19 @@ class DistributedStep:
         self._resume_step = self._step_no
         self.shutdown()
         self._plan, self._variants = plan, {}
+
+    def _probe_links(self) -> list[dict[str, Any]]:
+        """Every rank times blocking collectives on its mesh axes (``backends/_probe.py``):
+        what the links are fitted to, since the calibrating steps' own collectives hold
+        compute (gradient buckets) or skew (the loss). Empty on a mesh of one rank."""
+        from ..backends._probe import SIZES
+
+        workers = self._workers
+        if workers is None or workers.n < 2:
+            return []
+        workers.broadcast("probe_links", {"bytes": list(SIZES)})
+        return [s for r in workers.gather("probe_links", self.timeout_s)
+                for s in r.header["samples"]]
 
     def _random_seed(self, variant: Variant) -> int:
         """The run's seed, drawn from the controller's CPU generator the first time a program

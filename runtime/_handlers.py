@@ -142,6 +142,21 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     return {"comm": comm}, []
 
 
+@register("probe_links")
+def _probe_links(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Time blocking collectives on this rank's mesh-axis groups (``backends/_probe.py``):
+    what a calibration fits the links to. Its calls are not a step's: nothing is recorded."""
+    from ..backends._probe import probe_links
+
+    ns = state.ns
+    samples = probe_links(ns.comm, state.rank, ns.plan.mesh.sizes,
+                          nbytes=tuple(int(b) for b in header["bytes"]),
+                          repeats=int(header.get("repeats", 3)),
+                          device=state_device(ns.state))
+    ns.comm.records.clear()
+    return {"samples": samples}, []
+
+
 @register("get_state")
 def _get_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     names = sorted(state.ns.state)

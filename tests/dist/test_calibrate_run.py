@@ -76,6 +76,11 @@ def test_calibration_replans_and_the_step_goes_on_equal_to_one_process(tmp_path,
     assert step.plan.mesh.topology.name == f"free-link+run-{first_run}"
     assert cal.fit.compute is not None and cal.fit.compute.ops > 0
     assert cal.measured_step_s > 0 and cal.fit.topology.step_overhead_s >= 0
+    # the links come from blocking probes of every kind on the mesh, not from the steps'
+    # collectives (a dp step's: the gradient bucket, the loss and the vote)
+    assert {k for k, *_ in cal.fit.link.kinds} == {"all_reduce", "all_gather",
+                                                    "reduce_scatter", "all_to_all"}
+    assert {s.nbytes for s in cal.fit.samples} >= {64 << 10, 16 << 20}
     assert "re-planned" in cal.summary()
 
     with Store.open(db) as store:
@@ -106,3 +111,18 @@ def test_calibrate_needs_telemetry_and_no_fixed_plan(tmp_path) -> None:
     with pytest.raises(RuntimeFailure, match="drop one of them"):
         meshplan.distribute(ex.step, mesh={"dp": 2}, telemetry=tmp_path / "t.duckdb",
                             calibrate=True, plan=str(tmp_path / "plan.json"))
+
+
+def test_probes_time_every_kind_and_size_on_every_axis() -> None:
+    """``backends/_probe.py`` on a 2 x 2 thread mesh: one sample per axis, kind and size on
+    every rank, bytes in telemetry's convention (an all-gather counts what it ends with)."""
+    from meshplan.backends import ThreadMesh
+    from meshplan.backends._probe import KINDS, probe_links
+
+    sizes = (4 << 10, 64 << 10)
+    got = ThreadMesh(4, timeout_s=30).run(
+        lambda comm: probe_links(comm, comm.rank, (2, 2), nbytes=sizes, repeats=2, iters=2))
+    for samples in got:
+        assert [(p["axis"], p["kind"], p["bytes"]) for p in samples] == [
+            (a, k, b) for a in (0, 1) for k in KINDS for b in sizes]
+        assert all(p["group_size"] == 2 and p["seconds"] > 0 for p in samples)

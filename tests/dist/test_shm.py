@@ -133,8 +133,8 @@ def test_every_op_dtype_and_size_back_to_back_with_chunks(members: int) -> None:
 
 @pytest.mark.parametrize("members", [2, 3])
 def test_all_gather_and_reduce_scatter_between_started_all_reduces(members: int) -> None:
-    """A started all-reduce is finished by the next operation; inputs larger than a slot go
-    in chunks."""
+    """A started all-reduce is finished by the next operation; all-gather, reduce-scatter and
+    all-to-all give what they should; inputs larger than a slot go in chunks."""
     groups = _group(members, 512)
 
     def member(i: int) -> dict:
@@ -151,8 +151,13 @@ def test_all_gather_and_reduce_scatter_between_started_all_reduces(members: int)
         g.all_gather(_input(5, i, torch.float32, 301), big_gather)
         big_scatter = torch.empty(301)                   # in chunks of 512 / (4 x members) B
         g.reduce_scatter(_input(6, i, torch.float32, 301 * members), big_scatter, "sum")
+        exchanged = torch.empty(7 * members, dtype=torch.int64)
+        g.all_to_all(_input(7, i, torch.int64, 7 * members), exchanged)
+        big_exchanged = torch.empty(301 * members)       # chunks, as reduce-scatter's
+        g.all_to_all(_input(8, i, torch.float32, 301 * members), big_exchanged)
         return {"ar": pending(), "ag": gathered, "rs": scattered, "or": maxed.bool(),
-                "big_ag": big_gather, "big_rs": big_scatter}
+                "big_ag": big_gather, "big_rs": big_scatter, "a2a": exchanged,
+                "big_a2a": big_exchanged}
     outs = _threads(member, members)
     want_rs = _reference([_input(3, i, torch.float64, 6 * members).float()
                           for i in range(members)], "avg")
@@ -169,6 +174,10 @@ def test_all_gather_and_reduce_scatter_between_started_all_reduces(members: int)
         xs = [_input(6, j, torch.float32, 301 * members)[301 * i:301 * (i + 1)]
               for j in range(members)]
         assert _close(out["big_rs"], xs, "sum")
+        for key, seed, n, dt in (("a2a", 7, 7, torch.int64), ("big_a2a", 8, 301, torch.float32)):
+            # piece i of every member, in member order
+            want = [_input(seed, j, dt, n * members)[n * i:n * (i + 1)] for j in range(members)]
+            assert torch.equal(out[key], torch.cat(want)), key
 
 
 def test_in_place_and_started_operations_finish_in_issue_order() -> None:
@@ -235,7 +244,11 @@ def _job(world: int, rank: int, port: int, mode: str, outdir: Path) -> dict:
     g = tuple(range(world))
     x = torch.arange(5000.0) * (rank + 1)
     before = set(os.listdir(_shm.SHM_DIR))
-    out = {"sum": comm.all_reduce(x, g, "sum"), "shm": comm._shm[g] is not None}
+    out = {"sum": comm.all_reduce(x, g, "sum"), "shm": comm._shm[g] is not None,
+           # rows of a (world x 3, 4) block: rank r sends rows 3j..3j+2 to rank j, and the
+           # pieces come back stacked along dim 1 (as an all-to-all resharding S(0) -> S(1))
+           "a2a": comm.all_to_all(torch.arange(world * 12.0).view(world * 3, 4) + 100 * rank,
+                                  g, 0, 1)}
     comm.barrier()
     out["files"] = sorted(set(os.listdir(_shm.SHM_DIR)) - before)
     if mode == "stop":                # rank 1 leaves; rank 0's next all-reduce must give up
@@ -295,8 +308,10 @@ def _run(world: int, modes: str, outdir: Path) -> list[dict]:
 def test_processes_use_shared_memory_and_leave_no_file(tmp_path: Path) -> None:
     outs = [out["plain"] for out in _run(3, "plain", tmp_path)]
     want = torch.arange(5000.0) * 6
-    for out in outs:
+    for r, out in enumerate(outs):
         assert out["shm"] and torch.equal(out["sum"], want)
+        rows = torch.arange(3 * 12.0).view(3 * 3, 4)[3 * r:3 * r + 3]
+        assert torch.equal(out["a2a"], torch.cat([rows + 100 * j for j in range(3)], dim=1))
         assert out["files"] == [], out["files"]       # unlinked once every member mapped it
 
 

@@ -1,0 +1,70 @@
+"""Timing the collectives a plan uses, on the running mesh, as blocking calls.
+
+A calibration run (``distribute(..., calibrate=True)``) fits the cost model to its own steps,
+but the collectives of those steps say little about links: a data-parallel step's gradient
+buckets are started during the backward and finished at its end, so their durations hold
+compute, and its small all-reduces (the loss, the vote) measure how far the ranks drift apart,
+not the link. ``probe_links`` times each collective kind at a few sizes on every mesh axis
+of the same communicator the steps use (shared memory, gloo, MPI), the ranks lined up by a
+barrier and a warm-up call before each timed batch, so that the samples measure the link
+and the implementation. Every rank runs the same loop (collective order is the contract).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from ._layout import axis_group, rank_coords
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)       # bytes, the planner's convention
+
+
+def probe_links(comm: Any, rank: int, sizes: tuple[int, ...], *, kinds: tuple[str, ...] = KINDS,
+                nbytes: tuple[int, ...] = SIZES, repeats: int = 3, iters: int = 3,
+                device: str = "cpu") -> list[dict[str, Any]]:
+    """Per mesh axis of more than one rank, kind and size: ``{"kind", "axis" (index),
+    "group_size", "bytes" (all-reduce / reduce-scatter / all-to-all input, all-gather
+    output, as telemetry records them), "seconds"}``, the median over ``repeats`` batches of
+    ``iters`` back-to-back calls (each batch after a barrier and one untimed call)."""
+    coords = rank_coords(rank, sizes)
+    out = []
+    for axis, n in enumerate(sizes):
+        if n < 2:
+            continue
+        group = axis_group(coords, axis, sizes)
+        for kind in kinds:
+            for want in nbytes:
+                numel = max(n, want // 4 // n * n)          # float32, n equal pieces
+                call = _call(comm, kind, group, numel, n, device)
+                times = []
+                for _ in range(repeats):
+                    comm.barrier(group)
+                    call()
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        call()
+                    times.append((time.perf_counter() - t0) / iters)
+                out.append({"kind": kind, "axis": axis, "group_size": n, "bytes": numel * 4,
+                            "seconds": statistics.median(times)})
+    return out
+
+
+def _call(comm: Any, kind: str, group: tuple[int, ...], numel: int, n: int, device: str):
+    """The collective of ``kind`` on ``numel`` float32 elements (zeros: sums stay finite)."""
+    whole = torch.zeros(numel, device=device)
+    if kind == "all_reduce":
+        return lambda: comm.all_reduce(whole, group, "sum")
+    if kind == "all_gather":
+        piece = torch.zeros(numel // n, device=device)
+        return lambda: comm.all_gather(piece, group, 0)
+    if kind == "reduce_scatter":
+        return lambda: comm.reduce_scatter(whole, group, 0, "sum")
+    if kind == "all_to_all":
+        block = whole.view(n, numel // n)
+        return lambda: comm.all_to_all(block, group, 0, 1)
+    raise ValueError(f"probe_links: unknown collective kind {kind!r}")
