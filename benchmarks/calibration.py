@@ -7,7 +7,7 @@ The benchmark GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, vocab 2
 global batch 16, AdamW, clipping at 1.0) on N local CPU processes:
 
 1. One calibration run: ``distribute(step, mesh={"dp": N}, strategy=<--calibrate-with>,
-   calibrate=3)`` times every op of its first three mesh steps, fits the machine
+   calibrate=True)`` times every op of its first five mesh steps, fits the machine
    (``planner/_calibrate.py``: ``from_telemetry``: compute rates, per-op factors, the links
    per collective kind from blocking probes on the mesh, the step overhead) and re-plans; the
    fitted topology is kept.
@@ -57,12 +57,12 @@ def _batches(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def calibrate(n: int, strategy: str, db: Path) -> tuple[meshplan.planner.Topology, float]:
-    """The fitted machine from a ``calibrate=3`` run; and the seconds the calibration took
+    """The fitted machine from a ``calibrate=True`` (5 steps) run; and the seconds the calibration took
     (its three mesh steps, the fit and the re-plan)."""
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
-    batches = _batches(4)
+    batches = _batches(5)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",
-                               telemetry=TelemetryConfig(db=db), calibrate=3)
+                               telemetry=TelemetryConfig(db=db), calibrate=True)
     with step:
         step(*batches[0])                       # launch + the first mesh step
         t0 = time.perf_counter()
