@@ -149,6 +149,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
             for line in replication_lines(plan_report(plan)):
                 _console().print(f"  {line}", markup=False)
+    if not plan.fits:                                 # a hand family over the limit
+        from .planner._summary import format_bytes
+
+        peak, limit = plan.peak_memory_bytes, plan.memory_limit_bytes
+        print(f"meshplan compile: warning: this {plan.strategy} plan needs "
+              f"{format_bytes(peak)} per device, {format_bytes(peak - limit)} over the "
+              f"{format_bytes(limit)} limit, so it will not fit; --strategy auto searches "
+              "sharding and activation recompute under the limit, or use a larger mesh or "
+              "raise --memory-limit", file=sys.stderr, flush=True)
     return 0
 
 

@@ -20,6 +20,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
         results["bad:data"] = run("--data", "no_such_module_xyz:batches")
         results["bad:memory-limit"] = in_process("compile", step, "-o", str(folder / "x.plan"),
                                                  "--memory-limit", "lots")
+        results["over-limit"] = in_process("compile", step, "-o", str(folder / "dp.plan"),
+                                           "--strategy", "dp", "--memory-limit", "200KiB")
         results["debug:tampered"] = run("--debug", plan=str(folder / "tampered.plan"))
         results["run"] = good.result()
         # resume from the good run's checkpoint: its data starts again at batch 0
@@ -121,6 +124,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
         results["resume"] = resume.result()
     results["folder"] = folder    # type: ignore[assignment]
     return results
+
+
+def test_compile_says_when_the_family_asked_for_does_not_fit(runs: dict[str, Result]) -> None:
+    """A hand family over the limit is written (to inspect it) with a warning that says by
+    how much and what would fit; ``auto`` refuses instead (tests/unit/test_planner.py)."""
+    r = runs["over-limit"]
+    assert r.returncode == 0 and "fits=False" in r.stdout
+    assert re.search(r"warning: this dp plan needs [\d.]+ KiB per device, [\d.]+ KiB over the "
+                     r"200.00 KiB limit, so it will not fit; --strategy auto", r.stderr), r.stderr
 
 
 def test_compile_writes_a_plan_the_summary_describes(runs: dict[str, Result]) -> None:
