@@ -299,18 +299,9 @@ class ShmGroup:
 
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, op: str) -> None:
         """Reduce every member's 1-D contiguous ``flat`` (``members`` equal pieces) and keep
-        piece ``index`` in ``out``: own piece first, then the others in member order. Long
-        pieces go in chunks: every member copies the same columns of all its pieces in."""
+        piece ``index`` in ``out``: own piece first, then the others in member order."""
         self.finish_pending()
-        k, m = self.members, out.numel()
-        pieces = flat.view(k, m)
-        per = max(1, self.capacity // (flat.element_size() * k))
-        for lo in range(0, m, per):
-            hi = min(lo + per, m)
-            half = self._publish(pieces[:, lo:hi])
-            self._depart("reduce_scatter")
-            mine = [self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[self.index]
-                    for j in range(k)]
+        for lo, hi, mine in self._exchange(flat, out.numel(), "reduce_scatter"):
             acc = out[lo:hi]
             acc.copy_(mine[self.index])
             self._combine(acc, [x for j, x in enumerate(mine) if j != self.index], op)
@@ -318,20 +309,28 @@ class ShmGroup:
     def all_to_all(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Every member's 1-D contiguous ``flat`` holds ``members`` equal pieces, piece ``j``
         for member ``j``; ``out`` (same length) receives them in member order: piece ``index``
-        of member ``j`` at position ``j``. One barrier per chunk, as reduce-scatter: every
-        member copies the same columns of all its pieces in, then reads its own column of
-        every slot."""
+        of member ``j`` at position ``j``."""
         self.finish_pending()
-        k, m = self.members, out.numel() // self.members
-        pieces, got = flat.view(k, m), out.view(k, m)
+        m = out.numel() // self.members
+        got = out.view(self.members, m)
+        for lo, hi, mine in self._exchange(flat, m, "all_to_all"):
+            for j, piece in enumerate(mine):
+                got[j, lo:hi].copy_(piece)
+
+    def _exchange(self, flat: torch.Tensor, m: int, what: str):  # noqa: ANN202 - a generator
+        """Columns ``lo:hi`` of ``flat``'s ``members`` pieces of ``m`` elements, one slot-sized
+        chunk at a time (every member copies the same columns of all its pieces in, one
+        barrier): yields ``(lo, hi, [piece index of member j's columns for every j])``, views
+        of the slots that stay valid until the next chunk is asked for."""
+        k = self.members
+        pieces = flat.view(k, m)
         per = max(1, self.capacity // (flat.element_size() * k))
         for lo in range(0, m, per):
             hi = min(lo + per, m)
             half = self._publish(pieces[:, lo:hi])
-            self._depart("all_to_all")
-            for j in range(k):
-                got[j, lo:hi].copy_(
-                    self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[self.index])
+            self._depart(what)
+            yield lo, hi, [self._slot(half, j, flat.dtype, k * (hi - lo)).view(k, hi - lo)[
+                self.index] for j in range(k)]
 
     def close(self) -> None:
         """Unmap; an operation still in flight is dropped (its peers time out)."""
