@@ -164,7 +164,9 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
     topo, link, comp = fit.topology, fit.link, fit.compute
     base = repr(topo.name.split("+")[0])
     if link is not None:
-        console.print(f"links fitted to {len(fit.samples)} measured collectives: latency "
+        what = ("blocking probes the calibration ran (link_probes)" if fit.probed
+                else "measured collectives")
+        console.print(f"links fitted to {len(fit.samples)} {what}: latency "
                       f"{link.latency * 1e6:.1f} us, bandwidth {format_bytes(link.bandwidth)}/s")
         for kind, bw, lat in link.kinds:
             console.print(f"  {kind}: latency {lat * 1e6:.1f} us, bandwidth "

@@ -21,14 +21,13 @@ import logging
 import math
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -519,12 +518,13 @@ class TelemetryFit:
     """What ``from_telemetry`` found: the topology and the fits behind it."""
 
     topology: Topology
-    samples: tuple[Sample, ...]           # collectives
+    samples: tuple[Sample, ...]           # collectives: probes, or the run's own
     link: Link | None                     # None when the run issued too few collectives
     compute: ComputeFit | None            # None when the run sampled no ops
     measured_step_s: float | None = None  # the run's median step (slowest rank; first left out)
     model_step_s: float | None = None     # the run's own plan priced on the fitted machine,
                                           # before the step overhead (which is the difference)
+    probed: bool = False                  # samples are the run's link_probes rows
 
 
 # An op does at least this many FLOPs per byte it moves to count as compute-bound when rates
@@ -609,13 +609,13 @@ def _typical_rate(samples: Sequence[OpSample], work: str) -> float:
 
 
 def from_telemetry(store: object, run_id: str | None = None,
-                   base: str | Topology | None = None,
-                   probes: Sequence[Mapping[str, Any]] | None = None) -> TelemetryFit:
+                   base: str | Topology | None = None) -> TelemetryFit:
     """A topology fitted to what a recorded run measured.
 
-    Links: from ``probes`` when given (``backends/_probe.py``: blocking collectives timed on
-    the run's mesh; ``distribute(calibrate=)`` takes them), else from the run's own
-    collectives: every (kind, group size, bytes) becomes one sample, the median over ranks
+    Links: from the run's ``link_probes`` rows when it has them (``backends/_probe.py``:
+    blocking collectives timed on the run's mesh, which ``distribute(calibrate=)`` records
+    after its calibrating steps; the median over ranks per kind, group size and bytes), else
+    from the run's own collectives: every (kind, group size, bytes) becomes one sample, the median over ranks
     and steps of the call's duration, waits for slower peers included (what a step pays).
     Gradient buckets are left out (started during the backward and finished at its end,
     their durations hold compute), and a link is fitted only when the sizes span 16x or more
@@ -640,14 +640,12 @@ def from_telemetry(store: object, run_id: str | None = None,
         base = name
     topo = get_topology(base)
     kinds = ", ".join(f"'{k}'" for k in _FITTED)
-    if probes:
-        by: dict[tuple[str, int, int], list[float]] = {}
-        for p in probes:
-            by.setdefault((str(p["kind"]), int(p["group_size"]), int(p["bytes"])), []).append(
-                float(p["seconds"]))
-        rows = [{"kind": k, "group_size": n, "bytes": b, "us": statistics.median(t) * 1e6}
-                for (k, n, b), t in sorted(by.items()) if k in _FITTED]
-    else:
+    rows = store.sql(f"""
+        SELECT kind, group_size, bytes, quantile_cont(dur_us, 0.5) AS us
+        FROM link_probes WHERE run_id = '{_sq(run)}' AND kind IN ({kinds})
+        GROUP BY ALL ORDER BY kind, group_size, bytes""").to_pylist()
+    probed = bool(rows)
+    if not probed:
         rows = store.sql(f"""
             SELECT kind, group_size, bytes, quantile_cont(dur_us, 0.5) AS us, count(*) AS calls
             FROM collectives WHERE run_id = '{_sq(run)}' AND group_size > 1 AND bytes > 0
@@ -678,7 +676,7 @@ def from_telemetry(store: object, run_id: str | None = None,
         # what the step takes beyond the priced ops and collectives, as a constant per step
         fitted = dataclasses.replace(fitted, step_overhead_s=max(0.0, measured - model))
     return TelemetryFit(topology=fitted, samples=samples, link=link, compute=compute,
-                        measured_step_s=measured, model_step_s=model)
+                        measured_step_s=measured, model_step_s=model, probed=probed)
 
 
 LINK_SPAN = 16      # the largest sample over the smallest: below it no link is fitted

@@ -595,11 +595,11 @@ class DistributedStep:
         from ..telemetry import Store
 
         before, run = self.plan, self.run_id
+        self._probe_links()
         self.flush_telemetry()
-        probes = self._probe_links()
         try:
             with Store.open(self.telemetry.db) as store:
-                fit = from_telemetry(store, run, base=self.topology, probes=probes)
+                fit = from_telemetry(store, run, base=self.topology)
         except MeshplanError as exc:
             logger.warning("meshplan: %s: calibration skipped (%s); the plan stays as it is",
                            self.__name__, exc)
@@ -625,18 +625,24 @@ class DistributedStep:
         self.shutdown()
         self._plan, self._variants = plan, {}
 
-    def _probe_links(self) -> list[dict[str, Any]]:
+    def _probe_links(self) -> None:
         """Every rank times blocking collectives on its mesh axes (``backends/_probe.py``):
         what the links are fitted to, since the calibrating steps' own collectives hold
-        compute (gradient buckets) or skew (the loss). Empty on a mesh of one rank."""
+        compute (gradient buckets) or skew (the loss). The samples go to the run's
+        ``link_probes`` rows, where ``from_telemetry`` (here and in ``meshplan calibrate
+        --from-telemetry``) finds them. Nothing on a mesh of one rank."""
         from ..backends._probe import SIZES
 
         workers = self._workers
-        if workers is None or workers.n < 2:
-            return []
+        if workers is None or workers.n < 2 or self._tel is None:
+            return
         workers.broadcast("probe_links", {"bytes": list(SIZES)})
-        return [s for r in workers.gather("probe_links", self.timeout_s)
-                for s in r.header["samples"]]
+        names = self.plan.mesh.names
+        for rank, reply in enumerate(workers.gather("probe_links", self.timeout_s)):
+            for s in reply.header["samples"]:
+                self._tel.rec.add("link_probes", (
+                    s["kind"], names[int(s["axis"])], int(s["group_size"]), int(s["bytes"]),
+                    float(s["seconds"]) * 1e6), rank=rank)
 
     def _random_seed(self, variant: Variant) -> int:
         """The run's seed, drawn from the controller's CPU generator the first time a program

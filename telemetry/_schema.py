@@ -55,6 +55,9 @@ TABLES: dict[str, pa.Schema] = {
     "plan_collectives": _schema(
         ("run_id", _s), ("value", _s), ("node", _s), ("seq", _i32), ("kind", _s), ("axis", _s),
         ("group_size", _i32), ("bytes", _i64), ("est_us", _f64)),
+    "link_probes": _schema(
+        ("run_id", _s), ("rank", _i32), ("kind", _s), ("axis", _s), ("group_size", _i32),
+        ("bytes", _i64), ("dur_us", _f64)),
 }
 
 # Views every store defines over the tables (SQL; ``{t}`` placeholders are not used).
@@ -91,7 +94,8 @@ class Level(enum.IntEnum):
     """What a run records. Each level includes the ones before it."""
 
     OFF = 0
-    STEPS = 1          # runs, ranks, steps, memory, failures, plan_nodes, plan_collectives
+    STEPS = 1          # runs, ranks, steps, memory, failures, plan_nodes, plan_collectives,
+                       # link_probes
     COLLECTIVES = 2    # + one row per collective call (the default)
     OPS = 3            # + per-node op timings on sampled steps
 

@@ -91,6 +91,14 @@ def test_calibration_replans_and_the_step_goes_on_equal_to_one_process(tmp_path,
                         "GROUP BY step ORDER BY step").to_pylist()
         steps = store.sql(f"SELECT DISTINCT step FROM steps WHERE run_id = '{second_run}' "
                           "ORDER BY step").column("step").to_pylist()
+        probes = store.sql(f"SELECT rank, kind, axis FROM link_probes "
+                           f"WHERE run_id = '{first_run}'").to_pylist()
+        # the probes are in the store: fitting the run afterwards (as ``meshplan calibrate
+        # --from-telemetry`` does) finds the links the calibration used
+        again = real(store, first_run, base=_free_link_machine())
+    assert len(probes) == 2 * 4 * 4 and {p["axis"] for p in probes} == {"dp"}
+    assert {p["rank"] for p in probes} == {0, 1}
+    assert again.probed and again.link == cal.fit.link
     assert ops == [0, 1]                       # the calibration's steps, and only them
     # the tensor memory is counted on step 0 (sampled by ops_every), not on the fit's step 1
     assert mem[0]["lo"] is not None and mem[1]["hi"] is None

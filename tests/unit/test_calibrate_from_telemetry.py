@@ -188,11 +188,18 @@ def test_the_cli_says_what_it_fitted_and_writes_a_loadable_machine(tmp_path, cap
 
 # ---- links per collective kind, probes, what the link is not fitted to ----------------------
 
-def _probes(links: dict[str, Link], sizes=(64 << 10, 1 << 20, 4 << 20, 16 << 20), n: int = 2):
-    """What ``backends/_probe.py`` returns on 2 ranks, timed by per-kind ``links``."""
-    return [{"kind": kind, "axis": 0, "group_size": n, "bytes": b, "rank": r,
-             "seconds": collective_time(Collective(kind), b, n, link) * (1 + 0.01 * r)}
-            for kind, link in links.items() for b in sizes for r in range(n)]
+def _probes(db, links: dict[str, Link], sizes=(64 << 10, 1 << 20, 4 << 20, 16 << 20),
+            n: int = 2) -> None:
+    """The ``link_probes`` rows the controller records after ``backends/_probe.py`` ran on
+    ``n`` ranks, timed by per-kind ``links`` (rank r 1 % slower per rank: the median over
+    ranks is taken)."""
+    ctl = Recorder(segments_dir(db), "run1", -1, flush_interval_s=None)
+    for kind, link in links.items():
+        for b in sizes:
+            for r in range(n):
+                t = collective_time(Collective(kind), b, n, link) * (1 + 0.01 * r)
+                ctl.add("link_probes", (kind, "dp", n, b, t * 1e6), rank=r)
+    ctl.close()
 
 
 def test_probes_fit_one_link_per_collective_kind(tmp_path) -> None:
@@ -204,8 +211,10 @@ def test_probes_fit_one_link_per_collective_kind(tmp_path) -> None:
     truth = {"all_reduce": Link(bandwidth=3.8e9, latency=60e-6),
              "all_gather": Link(bandwidth=3.5e9, latency=90e-6),
              "all_to_all": Link(bandwidth=1.2e9, latency=110e-6)}
+    _probes(db, truth)
     with Store.open(db) as store:
-        fit = from_telemetry(store, probes=_probes(truth))
+        fit = from_telemetry(store)
+    assert fit.probed and len(fit.samples) == 3 * 4
     link = fit.topology.intra_node
     for kind, want in truth.items():
         bw, lat = link.for_kind(kind)
@@ -248,5 +257,7 @@ def test_buckets_and_small_messages_fit_no_link(tmp_path) -> None:
     with Store.open(db) as store:
         with pytest.raises(PlanError, match="16x apart"):
             from_telemetry(store)
-        fit = from_telemetry(store, probes=_probes({"all_reduce": Link(3e9, 50e-6)}))
+    _probes(db, {"all_reduce": Link(3e9, 50e-6)})
+    with Store.open(db) as store:
+        fit = from_telemetry(store)
     assert fit.link is not None and fit.link != get_topology("cpu").intra_node
