@@ -232,11 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     from ._cli_files import add_files_commands
     from ._cli_plan import add_plan_commands
     from ._cli_run import add_run_commands
+    from ._cli_sandbox import add_sandbox_commands
     from ._cli_telemetry import add_telemetry_commands
     add_run_commands(sub)
     add_plan_commands(sub)
     add_files_commands(sub)
     add_telemetry_commands(sub)
+    add_sandbox_commands(sub)
     return p
 
 

@@ -1,0 +1,311 @@
+"""Several "hosts" on one machine, for multi-host tests and for trying a multi-host run on a
+laptop: ``meshplan sandbox up --hosts N`` / ``run -- CMD`` / ``down``.
+
+Each host is a set of Linux namespaces held by one process (``_sandbox_holder.py``):
+
+- network: its own interfaces, with ``eth0`` on a bridge that lives in a separate network
+  namespace of its own (the sandbox's switch), so the sandbox's addresses (``10.213.0.0/24``)
+  exist only inside the sandbox and never touch the machine's own network;
+- UTS: its own hostname, ``<name>-h<i>``;
+- mount: its own ``/dev/shm`` and ``/tmp`` (fresh tmpfs), and an ``/etc/hosts`` that names every
+  host of the sandbox; the rest of the file system is the machine's (the code, the virtual
+  environment), as on a cluster with a shared home.
+
+One more host, ``<name>-ctl``, is where ``sandbox run`` runs its command: the controller, on its
+own "login node", with ``MESHPLAN_HOSTS`` (the hosts, comma-separated, which ``hosts=None`` under
+``launcher="mpi"`` reads), ``MESHPLAN_SANDBOX`` and MPICH's ``HYDRA_LAUNCHER=ssh`` /
+``HYDRA_LAUNCHER_EXEC`` set: the sandbox's ``ssh`` stand-in, which runs a command on a host by
+entering its namespaces (there is no sshd in a sandbox), so ``mpiexec -hosts`` works unchanged.
+
+Nothing is named outside the processes: no ``ip netns`` entries, no bind-mounted namespace
+files. The state file (``/run/meshplan-sandbox/<name>/state.json``) records the holders' pids;
+``down`` stops them, and each holder kills every process left in its network namespace on the
+way out, so the namespaces, veths and addresses go with them. With ``owner=`` (the test fixture
+passes its own pid) the holders also end by themselves when the owner ends, however it ends.
+
+Needs root (``CAP_SYS_ADMIN``, ``CAP_NET_ADMIN``), ``unshare``, ``nsenter`` and ``ip``; ``Sandbox.
+check()`` says which is missing. Slurm daemons in the sandbox (``--slurm``) are not built yet.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .._errors import RuntimeFailure
+
+ROOT = Path(os.environ.get("MESHPLAN_SANDBOX_DIR", "/run/meshplan-sandbox"))
+SUBNET = ipaddress.ip_network("10.213.0.0/24")
+CTL_ADDRESS = 2             # .2: the controller's host; hosts from .10
+FIRST_HOST = 10
+MAX_HOSTS = 200
+DEFAULT_NAME = "meshplan"
+_NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
+_HOLDER = Path(__file__).with_name("_sandbox_holder.py")
+_TOOLS = ("unshare", "nsenter", "ip", "mount")
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    name: str
+    address: str
+    pid: int                 # the holder: its namespaces are the host's
+
+
+class Sandbox:
+    """A running sandbox (``Sandbox.up``), or one found by name (``Sandbox.open``)."""
+
+    def __init__(self, name: str, hosts: list[Host], ctl: Host, switch_pid: int,
+                 owner: int | None) -> None:
+        self.name, self.hosts, self.ctl = name, hosts, ctl
+        self.switch_pid, self.owner = switch_pid, owner
+
+    # ---- bringing it up and down ------------------------------------------------------------
+
+    @staticmethod
+    def check() -> None:
+        """Raise RuntimeFailure naming what this machine lacks for a sandbox."""
+        if not sys.platform.startswith("linux"):
+            raise RuntimeFailure("meshplan sandbox needs Linux namespaces; this is "
+                                 f"{sys.platform}")
+        if os.geteuid() != 0:
+            raise RuntimeFailure("meshplan sandbox needs root (it makes network, UTS and "
+                                 "mount namespaces); run it with sudo or as root")
+        missing = [t for t in _TOOLS if shutil.which(t) is None]
+        if missing:
+            raise RuntimeFailure(f"meshplan sandbox needs {', '.join(missing)} on PATH "
+                                 "(Debian: apt-get install util-linux iproute2)")
+        try:
+            subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], check=True,
+                           capture_output=True, timeout=30)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            err = getattr(exc, "stderr", b"") or b""
+            raise RuntimeFailure("meshplan sandbox: this machine does not allow new "
+                                 f"namespaces here ({err.decode(errors='replace').strip()}); "
+                                 "in a container, run it with --privileged") from None
+
+    @classmethod
+    def up(cls, hosts: int, name: str = DEFAULT_NAME, *, owner: int | None = None,
+           timeout_s: float = 30.0) -> Sandbox:
+        """Make ``hosts`` hosts (and the controller's) on a private bridge. ``owner``: a pid
+        whose end takes the sandbox down by itself (default: none; ``down`` does)."""
+        _check_name(name)
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise RuntimeFailure(f"meshplan sandbox up: --hosts {hosts}: make 1 to "
+                                 f"{MAX_HOSTS} hosts")
+        cls.check()
+        where = ROOT / name
+        if (where / "state.json").exists():
+            old = cls.open(name)
+            if old.alive():
+                raise RuntimeFailure(f"a sandbox named {name!r} is already up "
+                                     f"({len(old.hosts)} hosts); `meshplan sandbox down "
+                                     f"--name {name}` first, or pick another --name")
+            old.down()                       # its holders are gone (a crash): clear the rest
+        where.mkdir(parents=True, exist_ok=True)
+        names = [f"{name}-ctl"] + [f"{name}-h{i}" for i in range(hosts)]
+        addrs = [str(SUBNET[CTL_ADDRESS])] + [str(SUBNET[FIRST_HOST + i]) for i in range(hosts)]
+        hosts_file = where / "hosts"
+        hosts_file.write_text("127.0.0.1\tlocalhost\n::1\tlocalhost\n" + "".join(
+            f"{a}\t{n}\n" for n, a in zip(names, addrs)))
+        started: list[subprocess.Popen] = []
+        try:
+            switch = _start_holder(["--net"], [], owner, started, timeout_s)
+            _ip(["link", "add", "br0", "type", "bridge"], switch)
+            _ip(["link", "set", "br0", "up"], switch)
+            made = []
+            for i, (host, addr) in enumerate(zip(names, addrs)):
+                pid = _start_holder(["--net", "--uts", "--mount", "--propagation", "private"],
+                                    ["--hostname", host, "--hosts-file", str(hosts_file)],
+                                    owner, started, timeout_s)
+                port = f"mp{i}"
+                subprocess.run(["ip", "link", "add", "eth0", "netns", str(pid), "type", "veth",
+                                "peer", "name", port, "netns", str(switch)], check=True,
+                               capture_output=True)
+                _ip(["link", "set", port, "master", "br0"], switch)
+                _ip(["link", "set", port, "up"], switch)
+                _ip(["addr", "add", f"{addr}/{SUBNET.prefixlen}", "dev", "eth0"], pid)
+                _ip(["link", "set", "eth0", "up"], pid)
+                made.append(Host(host, addr, pid))
+        except BaseException:
+            for proc in started:
+                proc.terminate()
+            for proc in started:
+                _reap(proc, 5.0)
+            shutil.rmtree(where, ignore_errors=True)
+            raise
+        box = cls(name, made[1:], made[0], switch, owner)
+        box._write_shim()
+        _atomic_write(where / "state.json", json.dumps(box.to_dict(), indent=1))
+        return box
+
+    def down(self, timeout_s: float = 10.0) -> None:
+        """Stop every holder (each kills what still runs on its host) and forget the sandbox.
+        Safe to call twice, and on a sandbox whose holders already ended."""
+        pids = [h.pid for h in (*self.hosts, self.ctl)] + [self.switch_pid]
+        for pid in pids:
+            if _is_holder(pid):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(_is_holder(p) for p in pids):
+            time.sleep(0.05)
+        for pid in pids:
+            if _is_holder(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ROOT / self.name, ignore_errors=True)
+
+    def alive(self) -> bool:
+        return all(_is_holder(p) for p in (*(h.pid for h in self.hosts), self.ctl.pid,
+                                           self.switch_pid))
+
+    # ---- finding and using it ---------------------------------------------------------------
+
+    @classmethod
+    def open(cls, name: str = DEFAULT_NAME) -> Sandbox:
+        _check_name(name)
+        path = ROOT / name / "state.json"
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise RuntimeFailure(f"no sandbox named {name!r} is up (no {path}); start one "
+                                 f"with `meshplan sandbox up --hosts N --name {name}`") from None
+        except (OSError, ValueError) as exc:
+            raise RuntimeFailure(f"sandbox state {path} is unreadable ({exc}); remove "
+                                 f"{path.parent} and run `meshplan sandbox up` again") from None
+        return cls(d["name"], [Host(**h) for h in d["hosts"]], Host(**d["ctl"]),
+                   int(d["switch_pid"]), d.get("owner"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "hosts": [_host_dict(h) for h in self.hosts],
+                "ctl": _host_dict(self.ctl), "switch_pid": self.switch_pid, "owner": self.owner}
+
+    def host(self, name: str) -> Host:
+        for h in (*self.hosts, self.ctl):
+            if h.name == name:
+                return h
+        raise RuntimeFailure(f"sandbox {self.name!r} has no host {name!r}; its hosts are "
+                             f"{', '.join(h.name for h in (*self.hosts, self.ctl))}")
+
+    @property
+    def shim(self) -> Path:
+        """The ``ssh`` stand-in: ``shim [ssh options] HOST COMMAND...``."""
+        return ROOT / self.name / "ssh"
+
+    def env(self) -> dict[str, str]:
+        """What ``run`` adds to a command's environment."""
+        return {"MESHPLAN_HOSTS": ",".join(h.name for h in self.hosts),
+                "MESHPLAN_SANDBOX": self.name,
+                "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(self.shim)}
+
+    def argv(self, cmd: Sequence[str], host: str | None = None) -> list[str]:
+        """``cmd`` as it runs on ``host`` (default: the controller's), in the current working
+        directory, with ``env()`` set."""
+        h = self.ctl if host is None else self.host(host)
+        if not _is_holder(h.pid):
+            raise RuntimeFailure(f"sandbox {self.name!r} is down (host {h.name}'s holder "
+                                 f"{h.pid} ended); `meshplan sandbox down --name {self.name}` "
+                                 "then `up` again")
+        env = [f"{k}={v}" for k, v in self.env().items()]
+        return ["nsenter", "--target", str(h.pid), "--net", "--uts", "--mount",
+                f"--wd={os.getcwd()}", "--", "env", *env, *cmd]
+
+    def run(self, cmd: Sequence[str], host: str | None = None,
+            **kwargs: Any) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(cmd, host), **kwargs)
+
+    def _write_shim(self) -> None:
+        cases = "".join(f"  {h.name}) pid={h.pid} ;;\n" for h in (*self.hosts, self.ctl))
+        text = f"""#!/bin/sh
+# ssh stand-in for meshplan sandbox {self.name!r}: [ssh options] HOST COMMAND...
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o|-p|-l|-i|-F) shift 2 ;;
+    -*) shift ;;
+    *) break ;;
+  esac
+done
+host=$1; shift
+case "$host" in
+{cases}  *) echo "meshplan sandbox {self.name}: no host $host" >&2; exit 255 ;;
+esac
+exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- /bin/sh -c "$*"
+"""
+        _atomic_write(self.shim, text)
+        self.shim.chmod(0o755)
+
+
+def _host_dict(h: Host) -> dict[str, Any]:
+    return {"name": h.name, "address": h.address, "pid": h.pid}
+
+
+def _check_name(name: str) -> None:
+    if not _NAME.match(name or ""):
+        raise RuntimeFailure(f"sandbox name {name!r}: use 1-12 lowercase letters and digits, "
+                             "starting with a letter (it prefixes the host names)")
+
+
+def _start_holder(unshare: list[str], args: list[str], owner: int | None,
+                  started: list[subprocess.Popen], timeout_s: float) -> int:
+    cmd = ["unshare", *unshare, sys.executable, "-I", str(_HOLDER), *args]
+    if owner:
+        cmd += ["--owner", str(owner)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    started.append(proc)
+    line = _read_line(proc, timeout_s)
+    if line != "ready":
+        proc.kill()
+        err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+        raise RuntimeFailure(f"meshplan sandbox: a host did not start ({' '.join(cmd)}): "
+                             f"{err or line or 'no output'}")
+    # the holder is `unshare`'s child when unshare forks; without --fork it is the same pid
+    return proc.pid
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline().decode().strip() if ready else ""
+
+
+def _reap(proc: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _ip(args: list[str], pid: int) -> None:
+    cmd = ["nsenter", "--target", str(pid), "--net", "--", "ip", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeFailure(f"meshplan sandbox: `{shlex.join(cmd)}` failed: "
+                             f"{done.stderr.strip()}")
+
+
+def _is_holder(pid: int) -> bool:
+    """Whether ``pid`` is still a sandbox holder (not a reused pid)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return _HOLDER.name.encode() in cmd
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,159 @@
+"""``meshplan sandbox`` (``runtime/_sandbox.py``): hosts on this machine as Linux namespaces.
+
+What a multi-host test needs from them, checked for real: each host has its own hostname, its
+own ``/dev/shm`` and ``/tmp``, an address on a bridge that only the sandbox sees, and reaches
+the others by name; ``mpiexec -hosts`` started by ``sandbox run`` puts ranks on the hosts
+(MPICH's launcher is the sandbox's ``ssh`` stand-in); ``down`` leaves nothing running, and a
+sandbox whose owner is killed takes itself down. Needs root and namespaces (as CI runs);
+skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshplan._errors import RuntimeFailure
+from meshplan.cli import main
+from meshplan.runtime._sandbox import ROOT, Sandbox
+
+
+def _why_not() -> str | None:
+    try:
+        Sandbox.check()
+    except RuntimeFailure as exc:
+        return str(exc)
+    return None
+
+
+_REASON = _why_not()
+needs_namespaces = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+def _name(tag: str) -> str:
+    return f"t{tag}{os.getpid() % 100000}"
+
+
+@pytest.fixture
+def box():
+    b = Sandbox.up(2, _name("a"), owner=os.getpid())
+    try:
+        yield b
+    finally:
+        b.down()
+
+
+def _out(b: Sandbox, cmd: list[str], host: str | None = None) -> str:
+    done = b.run(cmd, host=host, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") and _not_zombie(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@needs_namespaces
+def test_hosts_are_separate_and_reach_each_other_by_name(box, tmp_path) -> None:
+    h0, h1 = (h.name for h in box.hosts)
+    assert _out(box, ["hostname"]) == box.ctl.name
+    assert [_out(box, ["hostname"], h) for h in (h0, h1)] == [h0, h1]
+    # its own /dev/shm and /tmp: a file made on h0 is not on h1 nor on the machine
+    mark = f"meshplan-sandbox-{os.getpid()}"
+    _out(box, ["sh", "-c", f"touch /dev/shm/{mark} /tmp/{mark}"], h0)
+    assert _out(box, ["sh", "-c", f"ls /dev/shm/{mark} /tmp/{mark} 2>/dev/null | wc -l"],
+                h1) == "0"
+    assert not os.path.exists(f"/dev/shm/{mark}") and not os.path.exists(f"/tmp/{mark}")
+    # the code is shared (as a cluster's home): the working directory is the same path
+    assert _out(box, ["pwd"], h1) == os.getcwd()
+    # TCP from h0 to h1 by name, over the sandbox's bridge
+    server = subprocess.Popen(box.argv([sys.executable, "-c", (
+        "import socket; s = socket.create_server(('0.0.0.0', 7781)); print('up', flush=True); "
+        "c, a = s.accept(); c.sendall(socket.gethostname().encode() + b' ' + a[0].encode())")],
+        h1), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        got = _out(box, [sys.executable, "-c", (
+            f"import socket; c = socket.create_connection(('{h1}', 7781), timeout=10); "
+            "print(c.recv(100).decode())")], h0)
+    finally:
+        server.kill()
+        server.wait()
+    assert got == f"{h1} {box.hosts[0].address}"
+    # the sandbox's addresses exist only inside it
+    mine = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout
+    assert "10.213." not in mine
+
+
+@needs_namespaces
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_mpiexec_from_the_controller_runs_ranks_on_the_hosts(box) -> None:
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    hosts = _out(box, ["sh", "-c", "echo $MESHPLAN_HOSTS"])
+    assert hosts == ",".join(h.name for h in box.hosts)
+    out = _out(box, [mpiexec, "-hosts", hosts, "-n", "2", sys.executable, "-c", (
+        "from mpi4py import MPI; import socket; c = MPI.COMM_WORLD; "
+        "print(c.rank, socket.gethostname(), c.allreduce(c.rank + 1), flush=True)")])
+    assert sorted(out.splitlines()) == [f"0 {box.hosts[0].name} 3", f"1 {box.hosts[1].name} 3"]
+
+
+@needs_namespaces
+def test_down_stops_what_runs_on_the_hosts() -> None:
+    b = Sandbox.up(1, _name("b"))
+    sleeper = subprocess.Popen(b.argv(["sleep", "300"], b.hosts[0].name))
+    time.sleep(0.2)
+    holders = [b.hosts[0].pid, b.ctl.pid, b.switch_pid]
+    b.down()
+    assert sleeper.wait(10) == -signal.SIGKILL
+    assert _gone(holders, 5.0) and not (ROOT / b.name).exists()
+    b.down()                                            # twice is fine
+    with pytest.raises(RuntimeFailure, match="no sandbox named"):
+        Sandbox.open(b.name)
+
+
+@needs_namespaces
+def test_a_killed_owner_takes_its_sandbox_down() -> None:
+    """The fixture's guarantee after a crash: the holders watch their owner."""
+    name = _name("c")
+    code = ("import os, sys, time; sys.path[:0] = %r; "
+            "from meshplan.runtime._sandbox import Sandbox; "
+            "b = Sandbox.up(1, %r, owner=os.getpid()); "
+            "print(b.hosts[0].pid, b.ctl.pid, b.switch_pid, flush=True); time.sleep(300)"
+            % (sys.path, name))
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in owner.stdout.readline().split()]
+    assert len(pids) == 3 and Sandbox.open(name).alive()
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert _gone(pids, 5.0)
+    again = Sandbox.up(1, name)             # the stale state is cleared on the next `up`
+    again.down()
+
+
+def test_cli_bad_input(capsys) -> None:
+    assert main(["sandbox", "run", "--name", "Bad", "--", "true"]) == 1
+    assert "sandbox name 'Bad'" in capsys.readouterr().err
+    assert main(["sandbox", "status", "--name", "nosuchbox"]) == 1
+    assert "no sandbox named 'nosuchbox' is up" in capsys.readouterr().err
+    assert main(["sandbox", "up", "--hosts", "2", "--slurm"]) == 1
+    assert "not built yet" in capsys.readouterr().err
