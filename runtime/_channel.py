@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 import zmq
+import zmq.utils.z85
 
 from .._errors import RuntimeFailure
 from ._gate import Gate

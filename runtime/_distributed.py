@@ -56,11 +56,15 @@ class DistributedStep:
                  telemetry: Any = None, kernels: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                  precision: str | None = None, recompute: Any = "auto",
-                 calibrate: bool | int = False) -> None:
+                 calibrate: bool | int = False, hosts: Any = None) -> None:
         if launcher not in ("local", "mpi"):
             raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
                                  "launcher='local' or 'mpi'")
-        self.launcher = launcher
+        if hosts is not None and launcher != "mpi":
+            raise RuntimeFailure(f"hosts= places ranks under launcher='mpi'; launcher="
+                                 f"{launcher!r} runs every rank on this host (drop hosts=, or "
+                                 "pass launcher='mpi')")
+        self.launcher, self.hosts = launcher, hosts
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
@@ -478,7 +482,8 @@ class DistributedStep:
             state.setdefault(n.target, torch.zeros(n.meta.shape,
                                                    dtype=getattr(torch, n.meta.dtype)))
         data = call_inputs(plan)
-        launcher = MPILauncher() if self.launcher == "mpi" else LocalLauncher()
+        launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
+                    else LocalLauncher())
         self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
         ckpt: list[dict[str, Any]] = [{}] * world
@@ -696,7 +701,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                telemetry: Any = None, kernels: bool | None = None,
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                precision: str | None = None, recompute: Any = "auto",
-               calibrate: bool | int = False) -> Any:
+               calibrate: bool | int = False, hosts: Any = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -725,6 +730,10 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     calibrate --from-telemetry`` does the same from a store), plan again with it, and if the
     plan changes, go on with the new one (the state moves through the controller once); one
     line says what happened, ``step.calibration`` holds it. Needs telemetry; not with ``plan=``.
+    ``hosts``: under ``launcher="mpi"``, where the ranks run: host names (``["a", "b"]``,
+    ``"a:4,b:4"`` with slots) or a hostfile (``host[:slots]`` per line); consecutive ranks
+    share a host, so the innermost mesh axes stay inside one. None (the default) reads
+    ``$MESHPLAN_HOSTS`` (``meshplan sandbox run`` sets it), else runs every rank here.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -732,7 +741,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
                                seed=seed, precision=precision, recompute=recompute,
-                               calibrate=calibrate)
+                               calibrate=calibrate, hosts=hosts)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -10,6 +10,7 @@ answers all three at once.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -107,7 +108,15 @@ class Push:
         for f, entry in enumerate(self.files):
             self._plan_file(f, entry)
         bind = h.get("bind") or "127.0.0.1"
-        self.listener = socket.create_server((bind, 0))
+        try:
+            self.listener = socket.create_server((bind, 0))
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            # the controller's address, on another host: listen on this host's address on
+            # the way there, which the other ranks (on that network) reach too
+            bind = _address_toward(bind)
+            self.listener = socket.create_server((bind, 0))
         self.listener.settimeout(self.io_timeout_s)
         host = socket.gethostname() if bind in ("", "0.0.0.0", "::") else bind
         self.address = (host, self.listener.getsockname()[1])
@@ -407,3 +416,11 @@ class _Forwarder:
                 self.sender.put(*item)
         except BaseException as exc:  # noqa: BLE001 - raised in the receiving thread
             self.error = exc
+
+
+def _address_toward(host: str) -> str:
+    """This host's address on its route to ``host`` (a UDP connect: no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]

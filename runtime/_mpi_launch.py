@@ -33,18 +33,20 @@ does:
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
 import os
 import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .._errors import RuntimeFailure
@@ -55,10 +57,12 @@ from ._launch import LocalLauncher, Workers, _Group
 
 logger = logging.getLogger("meshplan.runtime")
 
-__all__ = ["MPILauncher", "find_mpiexec", "worker_start"]
+__all__ = ["MPILauncher", "find_mpiexec", "host_slots", "worker_start"]
 
 ENV_MPI = "MESHPLAN_MPI"                  # "1": started by mpiexec; rank from MPI
 ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
+ENV_HOSTS = "MESHPLAN_HOSTS"              # comma-separated hosts when hosts= is not given
+ENV_CONTROLLER_HOST = "MESHPLAN_CONTROLLER_HOST"   # a rank on another host watches no pid
 MPI_FIX = "pip install 'meshplan[mpi]' (mpi4py and the mpich wheel, which brings mpiexec)"
 _EXIT_WAIT_S = 1.5        # after a rank's pid vanished: how long mpiexec may take to end the job
 _WATCH_S = 0.5
@@ -80,13 +84,118 @@ def find_mpiexec(explicit: str | os.PathLike | None = None) -> str:
     return found
 
 
+# ---- hosts ------------------------------------------------------------------------------------
+
+def host_slots(hosts: str | os.PathLike | Sequence[str] | None, n: int,
+               env: Mapping[str, str] = os.environ) -> list[tuple[str, int]] | None:
+    """Where the ``n`` ranks go: ``[(host, ranks on it), ...]`` in rank order, consecutive
+    ranks on one host (the innermost mesh axes, whose groups are consecutive ranks, stay inside
+    a host), or None for "this host only" (no ``hosts`` and no ``$MESHPLAN_HOSTS``).
+
+    ``hosts``: names (``"a"`` or ``"a:4"``, slots after the colon, as mpiexec's ``-hosts``), a
+    comma-separated string of them, or the path of a hostfile (one ``host[:slots]`` per line,
+    ``#`` comments, as mpiexec's ``-f``). Hosts without slots share the ranks evenly. Ranks
+    fill the hosts in order; a host left without ranks is not used."""
+    if hosts is None:
+        hosts = env.get(ENV_HOSTS) or None
+        if hosts is None:
+            return None
+        where = f"${ENV_HOSTS}"
+    else:
+        where = "hosts="
+    if isinstance(hosts, os.PathLike) or (isinstance(hosts, str) and os.path.isfile(hosts)):
+        path = Path(hosts)
+        where = f"hostfile {path}"
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot read the hostfile {path}: {exc}") from None
+        names = [ln.split("#", 1)[0].strip() for ln in lines]
+        names = [x for x in names if x]
+    elif isinstance(hosts, str):
+        names = [x.strip() for x in hosts.split(",") if x.strip()]
+    else:
+        names = [str(x).strip() for x in hosts]
+    if not names:
+        raise RuntimeFailure(f"{where} names no host; give host names (a, b or a:4,b:4) or a "
+                             "hostfile with one host[:slots] per line")
+    parsed: list[tuple[str, int | None]] = []
+    for entry in names:
+        name, _, slots = entry.partition(":")
+        if not name or any(c.isspace() for c in entry) or (slots and not slots.isdigit()):
+            raise RuntimeFailure(f"{where}: {entry!r} is not host or host:slots")
+        if slots and int(slots) < 1:
+            raise RuntimeFailure(f"{where}: {entry!r} has no slots; give it 1 or more")
+        parsed.append((name, int(slots) if slots else None))
+    if len({name for name, _ in parsed}) != len(parsed):
+        raise RuntimeFailure(f"{where} names a host twice ({', '.join(names)}); give each "
+                             "once, with its slots (host:slots)")
+    if all(k is None for _, k in parsed):
+        if n % len(parsed):
+            raise RuntimeFailure(
+                f"{n} ranks do not split evenly over the {len(parsed)} hosts of {where}; give "
+                "each host its slots (host:slots) or a mesh whose size they divide")
+        parsed = [(name, n // len(parsed)) for name, _ in parsed]
+    elif any(k is None for _, k in parsed):
+        raise RuntimeFailure(f"{where} gives slots for some hosts only; give every host its "
+                             "slots (host:slots) or none")
+    total = sum(k for _, k in parsed)
+    if total < n:
+        raise RuntimeFailure(f"the mesh has {n} ranks but {where} has {total} slots "
+                             f"({', '.join(f'{h}:{k}' for h, k in parsed)}); add hosts or "
+                             "slots, or use a smaller mesh")
+    out, left = [], n
+    for name, k in parsed:
+        if left:
+            out.append((name, min(k, left)))
+            left -= out[-1][1]
+    return out
+
+
+def is_this_host(name: str) -> bool:
+    """Whether ``name`` is this machine (its hostname, or an address of it)."""
+    if name in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        mine = {i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None)}
+        theirs = {i[4][0] for i in socket.getaddrinfo(name, None)}
+    except OSError:
+        return False
+    return bool(theirs & mine) or all(ipaddress.ip_address(a.split("%")[0]).is_loopback
+                                      for a in theirs)
+
+
+def controller_address(hosts: Sequence[str]) -> str:
+    """The address of this machine that the other ``hosts`` reach it on: the source address
+    of its route to the first of them (no packet is sent)."""
+    for name in hosts:
+        if is_this_host(name):
+            continue
+        try:
+            info = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
+        except OSError as exc:
+            raise RuntimeFailure(f"host {name!r} does not resolve ({exc}); fix the name in "
+                                 "hosts= (or the hostfile), or add it to DNS / /etc/hosts") from None
+        family, _, _, _, addr = info[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(addr)
+            except OSError as exc:
+                raise RuntimeFailure(f"no route from this host to {name!r} ({addr[0]}: {exc}); "
+                                     "the controller must reach every host") from None
+            return s.getsockname()[0]
+    return "127.0.0.1"
+
+
 class _RankProc:
-    """What ``Workers`` sees of one rank: a Popen-like view over the shared mpiexec process."""
+    """What ``Workers`` sees of one rank: a Popen-like view over the shared mpiexec process.
+    A rank on another host (``local`` False) has no pid here: only mpiexec's end ends it."""
 
     stdin = None
 
     def __init__(self, mpiexec: subprocess.Popen) -> None:
         self.mpiexec = mpiexec
+        self.local = True
         self.pid: int | None = None         # known after hello
         self.returncode: int | None = None
         self._gone_at: float | None = None
@@ -98,7 +207,7 @@ class _RankProc:
         code = self.mpiexec.poll()
         if code is not None:
             self.returncode = code
-        elif self.pid is not None and not _alive(self.pid):
+        elif self.local and self.pid is not None and not _alive(self.pid):
             now = time.monotonic()
             self._gone_at = self._gone_at or now
             if now - self._gone_at >= _EXIT_WAIT_S:
@@ -127,6 +236,8 @@ def _watch_exits(procs: list[_RankProc]) -> None:
         return
     fds: dict[int, _RankProc] = {}
     for proc in procs:
+        if not proc.local:
+            continue
         try:
             fds[os.pidfd_open(proc.pid)] = proc
         except (OSError, TypeError):
@@ -257,15 +368,20 @@ class MPILauncher(LocalLauncher):
     """Start ``n`` workers with ``mpiexec`` on this host (see the module docstring).
 
     ``mpiexec``: its path (default: next to ``sys.executable``, then PATH); ``mpiexec_args``:
-    extra arguments placed before ``-n`` (e.g. ``["-hosts", "a,b"]``); ``secret_dir``: where the
-    secret's private directory is made (default: the system temp dir)."""
+    extra arguments placed before ``-n``; ``hosts``: where the ranks go (``host_slots``;
+    default ``$MESHPLAN_HOSTS``, else this host only). When a host is another machine, the
+    control channel listens on this machine's address toward the hosts (TCP with CURVE
+    encryption and the run's keys, instead of a local socket), and the secret's directory
+    must be on a file system every host sees: ``secret_dir``, default
+    ``~/.meshplan/secrets`` then (the system temp dir on one host)."""
 
     def __init__(self, *, mpiexec: str | os.PathLike | None = None,
                  mpiexec_args: tuple[str, ...] = (), secret_dir: str | os.PathLike | None = None,
-                 **kwargs) -> None:
+                 hosts: str | os.PathLike | Sequence[str] | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.mpiexec_arg, self.mpiexec_args = mpiexec, tuple(mpiexec_args)
-        self.secret_dir = secret_dir
+        self.secret_dir, self.hosts = secret_dir, hosts
+        self.placement: list[tuple[str, int]] | None = None
 
     def launch(self, n: int, *, env: Mapping[str, str] | None = None,
                cwd: str | os.PathLike | None = None) -> Workers:
@@ -274,9 +390,16 @@ class MPILauncher(LocalLauncher):
         mpiexec = find_mpiexec(self.mpiexec_arg)
         if importlib.util.find_spec("mpi4py") is None:
             raise RuntimeFailure(f"the mpi launcher needs mpi4py in {self.python}; {MPI_FIX}")
+        self.placement = placement = host_slots(self.hosts, n)
+        secret_dir = self.secret_dir
+        if placement is not None and not all(is_this_host(h) for h, _ in placement):
+            self.host = controller_address([h for h, _ in placement])
+            if secret_dir is None:
+                secret_dir = Path.home() / ".meshplan" / "secrets"
+                secret_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         secret, run_id = Secret.new(), secrets.token_hex(8)
         group = _MPIGroup(ControllerChannel(secret, run_id, self.host),
-                          Path(tempfile.mkdtemp(prefix="meshplan-", dir=self.secret_dir)))
+                          Path(tempfile.mkdtemp(prefix="meshplan-", dir=secret_dir)))
         try:
             secret_file = group.secret_dir / "secret"
             fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -284,7 +407,8 @@ class MPILauncher(LocalLauncher):
                 f.write(secret.hex() + "\n")
             master_port = 0      # the ranks talk through MPI: no torch.distributed store
             base = self._environment(n, env, run_id, group.channel.address, master_port)
-            base.update({ENV_MPI: "1", ENV_SECRET_FILE: str(secret_file)})
+            base.update({ENV_MPI: "1", ENV_SECRET_FILE: str(secret_file),
+                         ENV_CONTROLLER_HOST: socket.gethostname()})
             self._start_mpiexec(mpiexec, n, base, cwd, group)
             workers = Workers(group, run_id=run_id, master_addr=self.host,
                               master_port=master_port, log_dir=self.log_dir)
@@ -293,8 +417,10 @@ class MPILauncher(LocalLauncher):
             group.stop()
             raise
         group.forget_secret()                   # every rank has read it
+        here = socket.gethostname()
         for proc, hello in zip(group.procs, hellos):
             proc.pid = int(hello.header["pid"])
+            proc.local = hello.header.get("hostname") == here
         workers.pids = tuple(p.pid for p in group.procs)
         _watch_exits(group.procs)
         workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
@@ -302,7 +428,10 @@ class MPILauncher(LocalLauncher):
 
     def _start_mpiexec(self, mpiexec: str, n: int, env: dict[str, str],
                        cwd: str | os.PathLike | None, group: _MPIGroup) -> None:
-        cmd = [mpiexec, *self.mpiexec_args, "-n", str(n)]
+        cmd = [mpiexec, *self.mpiexec_args]
+        if self.placement is not None:
+            cmd += ["-hosts", ",".join(f"{h}:{k}" for h, k in self.placement)]
+        cmd += ["-n", str(n)]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             cmd += ["-outfile-pattern", str(self.log_dir / "rank%r.out"),
@@ -345,6 +474,8 @@ def worker_start(env: Mapping[str, str], parent_pid: int | None,
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    if env.get(ENV_CONTROLLER_HOST, socket.gethostname()) != socket.gethostname():
+        parent_pid = None     # its pid is another machine's: the hydra proxy's end ends us
     if parent_pid is not None:
         if not _alive(parent_pid):
             os._exit(86)

@@ -1,0 +1,45 @@
+"""Run by ``test_sandbox.py`` as the controller inside a sandbox (``meshplan sandbox run``):
+the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one process.
+
+    python _multihost_job.py MESH_JSON STRATEGY DB STEPS
+
+Prints one JSON line: the mesh's and one process's losses, the largest parameter difference
+after the steps, and the host of every rank as telemetry recorded it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import meshplan
+from meshplan.examples import gpt
+from meshplan.telemetry import Store
+
+
+def main() -> None:
+    mesh, strategy, db, steps = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    ex, ref = gpt.build(seed=0), gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh=mesh, launcher="mpi", strategy=strategy,
+                               telemetry=db, timeout_s=120)
+    got, want = [], []
+    with step:
+        for i in range(steps):
+            got.append(float(step(*ex.batch(i)).detach()))
+            want.append(float(ref.step(*ref.batch(i)).detach()))
+        step.sync()
+        run = step.run_id
+    diff = max(float((p - q).abs().max()) for p, q in zip(ex.model.parameters(),
+                                                          ref.model.parameters()))
+    with Store.open(db) as store:
+        hosts = store.sql(f"SELECT rank, host FROM ranks WHERE run_id = '{run}' AND rank >= 0 "
+                          "ORDER BY rank").column("host").to_pylist()
+    print(json.dumps({"got": got, "want": want, "param_diff": diff, "hosts": hosts,
+                      "controller": __import__("socket").gethostname()}))
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()

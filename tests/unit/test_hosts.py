@@ -1,0 +1,54 @@
+"""Where ``launcher="mpi"`` puts ranks over several hosts (``runtime/_mpi_launch.host_slots``):
+names, slots, hostfiles, ``$MESHPLAN_HOSTS``, and one clear error for each mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan
+from meshplan._errors import RuntimeFailure
+from meshplan.runtime._mpi_launch import controller_address, host_slots
+
+
+def test_ranks_fill_hosts_in_order_so_inner_axes_stay_inside_one() -> None:
+    assert host_slots(["a", "b"], 4, env={}) == [("a", 2), ("b", 2)]
+    assert host_slots("a:4,b:4", 6, env={}) == [("a", 4), ("b", 2)]
+    assert host_slots("a:2,b:2,c:2", 4, env={}) == [("a", 2), ("b", 2)]   # c is not used
+    assert host_slots(None, 4, env={}) is None                            # this host only
+    assert host_slots(None, 2, env={"MESHPLAN_HOSTS": "x,y"}) == [("x", 1), ("y", 1)]
+
+
+def test_a_hostfile_as_mpiexec_reads_it(tmp_path) -> None:
+    f = tmp_path / "hosts"
+    f.write_text("# the job's nodes\nnode1:2\n\nnode2:2  # second\n")
+    assert host_slots(str(f), 4, env={}) == [("node1", 2), ("node2", 2)]
+    assert host_slots(f, 3, env={}) == [("node1", 2), ("node2", 1)]
+
+
+@pytest.mark.parametrize("hosts, n, match", [
+    (["a", "b"], 3, "do not split evenly over the 2 hosts"),
+    ("a:1,b:1", 4, "the mesh has 4 ranks but hosts= has 2 slots"),
+    ("a:2,b", 4, "slots for some hosts only"),
+    ("a,a", 2, "names a host twice"),
+    ("a:x", 2, "is not host or host:slots"),
+    ("a:0", 2, "has no slots"),
+    (" , ", 2, "names no host"),
+])
+def test_bad_hosts_say_what_and_how_to_fix(hosts, n, match) -> None:
+    with pytest.raises(RuntimeFailure, match=match):
+        host_slots(hosts, n, env={})
+
+
+def test_empty_hostfile_and_unknown_host(tmp_path) -> None:
+    f = tmp_path / "hosts"
+    f.write_text("# nothing\n")
+    with pytest.raises(RuntimeFailure, match=f"hostfile {f} names no host"):
+        host_slots(str(f), 2, env={})
+    with pytest.raises(RuntimeFailure, match="does not resolve"):
+        controller_address(["no-such-host.invalid"])
+    assert controller_address(["localhost"]) == "127.0.0.1"
+
+
+def test_hosts_need_the_mpi_launcher() -> None:
+    with pytest.raises(RuntimeFailure, match="hosts= places ranks under launcher='mpi'"):
+        meshplan.distribute(lambda x: x, mesh={"dp": 2}, hosts=["a", "b"])
