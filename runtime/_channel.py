@@ -48,10 +48,11 @@ import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -80,6 +81,29 @@ DEFAULT_MAX_MESSAGE = 2 << 30    # a frame's limit: a batch slice or a state pie
 # The contract between launchers and workers: built-in message kinds and the environment a
 # launcher sets for each worker (the secret is not among them: it comes on the worker's stdin).
 HELLO, ERROR, PING, SHUTDOWN = "hello", "error", "ping", "shutdown"
+BEAT = "beat"
+_BEAT_BASE = -1000     # a rank's heartbeat socket signs as _BEAT_BASE - rank (its own sequence)
+ENV_LOST_AFTER = "MESHPLAN_LOST_AFTER_S"
+DEFAULT_LOST_AFTER_S = 30.0
+BEAT_INTERVAL_S = 1.0
+
+
+def lost_after_s(env: Any = None) -> float:
+    """How long a rank on another host may go without a heartbeat before the controller calls
+    its host lost (and such a rank calls the controller lost): ``$MESHPLAN_LOST_AFTER_S``,
+    default 30 s (a long pause of the Python thread that beats, such as a compile holding the
+    GIL, must not look like a dead network)."""
+    raw = (env if env is not None else os.environ).get(ENV_LOST_AFTER)
+    if not raw:
+        return DEFAULT_LOST_AFTER_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 2 * BEAT_INTERVAL_S:
+        raise RuntimeFailure(f"${ENV_LOST_AFTER}={raw!r}: give seconds, more than "
+                             f"{2 * BEAT_INTERVAL_S:g}")
+    return value
 ENV_RANK = "MESHPLAN_RANK"
 ENV_WORLD_SIZE = "MESHPLAN_WORLD_SIZE"
 ENV_ADDRESS = "MESHPLAN_CONTROLLER"
@@ -147,9 +171,10 @@ def store_prefix(secret: Secret) -> str:
 
 
 def _rank_of(secret: Secret, ident: bytes) -> int:
-    """The rank an identity belongs to, or ``_NOT_A_RANK`` when its tag is not the run's."""
+    """The rank an identity belongs to (``_BEAT_BASE - rank`` for a rank's heartbeat socket),
+    or ``_NOT_A_RANK`` when its tag is not the run's."""
     head = ident.split(b".", 1)[0]
-    if not head.isdigit():
+    if not head.removeprefix(b"-").isdigit():
         return _NOT_A_RANK
     rank = int(head)
     return rank if hmac.compare_digest(identity(secret, rank), ident) else _NOT_A_RANK
@@ -408,6 +433,7 @@ class ControllerChannel(_Endpoint):
         self._dir: str | None = None
         self._auth: Any = None
         self._gate: Gate | None = None
+        self.last_beat: dict[int, float] = {}    # rank -> monotonic time of its last heartbeat
         if transport == "ipc":
             try:
                 self._socket.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
@@ -454,6 +480,10 @@ class ControllerChannel(_Endpoint):
             ident, *frames = self._socket.recv_multipart(copy=False)
             # an identity without the run's tag fails the sender check in _accept
             got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
+            if got is not None and got[0] <= _BEAT_BASE:
+                if got[1].kind == BEAT:
+                    self.last_beat[_BEAT_BASE - got[0]] = time.monotonic()
+                continue
             if got is not None:
                 return got
 
@@ -513,8 +543,19 @@ class WorkerChannel(_Endpoint):
             if got is not None:
                 return got[1]
 
+    def start_heartbeat(self, lost_after_s: float, on_lost: Callable[[], None]) -> None:
+        """Beat to the controller every ``BEAT_INTERVAL_S`` from a thread with its own socket
+        (so it goes on while this rank computes or waits in a collective), and call
+        ``on_lost`` when the connection to the controller has been down for ``lost_after_s``
+        (ZeroMQ's own heartbeats close a connection whose peer stops answering, so a cut
+        network is seen as such, not only a closed socket)."""
+        self._beats = _Heartbeat(self, lost_after_s, on_lost)
+
     def close(self, linger_s: float = 0.0) -> None:
         """Close; ``linger_s`` lets queued messages (a last reply) go out first."""
+        beats = getattr(self, "_beats", None)
+        if beats is not None:
+            beats.stop()
         self._close(self._socket, linger_s)
 
     def __enter__(self) -> WorkerChannel:
@@ -523,3 +564,63 @@ class WorkerChannel(_Endpoint):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+class _Heartbeat(_Endpoint):
+    """A rank's heartbeat: its own DEALER (identity and signature of ``_BEAT_BASE - rank``, so
+    its sequence numbers are its own), a thread that sends ``BEAT`` and watches the socket's
+    connection events. Sends never block: beats a dead link cannot take are dropped."""
+
+    def __init__(self, channel: WorkerChannel, lost_after_s: float,
+                 on_lost: Callable[[], None]) -> None:
+        super().__init__(channel.secret, channel.run_id, _BEAT_BASE - channel.rank,
+                         channel.max_message)
+        self.lost_after_s, self.on_lost = lost_after_s, on_lost
+        sock = self._socket = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity(self.secret, self.me))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(BEAT_INTERVAL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(lost_after_s * 500))
+        if channel.address.startswith("tcp://"):
+            public, private = _curve_keys(self.secret, "client")
+            sock.setsockopt(zmq.CURVE_SERVERKEY, _curve_keys(self.secret, "server")[0])
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, private)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sock.connect(channel.address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshplan-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        down_since: float | None = time.monotonic()       # until the first connection
+        while not self._stop.wait(BEAT_INTERVAL_S):
+            while self._monitor.poll(0):
+                event = recv_monitor_message(self._monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    down_since = down_since or time.monotonic()
+                elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                    down_since = None
+            if down_since is not None and time.monotonic() - down_since >= self.lost_after_s:
+                self.on_lost()
+                return
+            try:
+                frames = self._frames(CONTROLLER, BEAT, None, ())
+                for i, frame in enumerate(frames):
+                    more = zmq.SNDMORE if i < len(frames) - 1 else 0
+                    self._socket.send(frame, zmq.NOBLOCK | more)
+            except zmq.Again:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._close(self._socket, 0.0)

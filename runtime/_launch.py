@@ -44,14 +44,17 @@ class WorkerFailure(RuntimeFailure):
 
     ``reason`` is ``"error"`` (a handler raised: ``remote_type``, ``remote_traceback``, ``where``
     are set), ``"exit"`` (a process ended: ``exit_code``; negative is a signal), ``"timeout"``,
-    ``"stopped"`` (a rank stopped by SIGSTOP for ``STOPPED_S``) or ``"protocol"`` (an
-    unexpected reply).
+    ``"stopped"`` (a rank stopped by SIGSTOP for ``STOPPED_S``), ``"lost"`` (ranks on another
+    host sent no heartbeat for ``$MESHPLAN_LOST_AFTER_S``: ``hosts`` names them) or
+    ``"protocol"`` (an unexpected reply).
     """
 
     def __init__(self, message: str, *, reason: str, ranks: Sequence[int], kind: str,
                  remote_type: str | None = None, remote_traceback: str | None = None,
-                 where: str | None = None, exit_code: int | None = None) -> None:
+                 where: str | None = None, exit_code: int | None = None,
+                 hosts: Sequence[str] = ()) -> None:
         super().__init__(message)
+        self.hosts = tuple(hosts)
         self.reason, self.ranks, self.kind = reason, tuple(ranks), kind
         self.rank = self.ranks[0] if len(self.ranks) == 1 else None
         self.remote_type, self.remote_traceback, self.where = remote_type, remote_traceback, where
@@ -289,7 +292,8 @@ class Workers:
         says its state is intact (a step no rank applied, ``backends.run``).
         """
         self._check_open()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
         got: dict[int, Message] = {}
         while len(got) < self.n:
             wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
@@ -302,6 +306,7 @@ class Workers:
                     self._take(rank, message, kind_expected, got)
             self._check_exits(kind_expected)
             self._check_stopped(kind_expected, got)
+            self._check_lost(kind_expected, got, started)
             if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
                 self._timeout(kind_expected, timeout_s, got)
         failed = {r: m.header for r, m in got.items() if m.kind == P.ERROR}
@@ -473,6 +478,31 @@ class Workers:
                 return
             if message.kind == P.ERROR and rank in exited:
                 self._fail(self._error(rank, message.header, message.header.get("kind", "?")))
+
+    def _check_lost(self, kind: str, got: dict[int, Message], started: float) -> None:
+        """Fail at once, naming the hosts, when the awaited ranks of another host have sent no
+        heartbeat for ``lost_after_s`` (its network is cut, or it is down): the others wait
+        for them in a collective, and a timeout would name every rank, much later. Ranks on
+        this host are judged by their processes instead (``_check_exits``). Silence counts
+        from the start of this wait at the earliest: beats queue while nobody reads them."""
+        beats = self.channel.last_beat
+        if not beats:
+            return
+        now, limit = time.monotonic(), P.lost_after_s()
+        silent = {r: now - max(t, started) for r, t in beats.items() if r not in got}
+        lost = [r for r, quiet in sorted(silent.items()) if quiet >= limit]
+        if not lost:
+            return
+        hosts: dict[str, list[int]] = {}
+        for r in lost:
+            hosts.setdefault(self.hostnames[r] if r < len(self.hostnames) else "?", []).append(r)
+        where = "; ".join(f"host {h} ({_ranks(rs)})" for h, rs in hosts.items())
+        self._fail(WorkerFailure(
+            f"lost {where}: no heartbeat for {min(silent[r] for r in lost):.0f} s while "
+            f"the controller waited for {kind!r}; the host is down or unreachable from this "
+            f"one\n  all {self.n} workers were stopped (ranks on a host the controller cannot "
+            f"reach stop by themselves once they lose it, after ${P.ENV_LOST_AFTER} = "
+            f"{limit:g} s)", reason="lost", ranks=lost, kind=kind, hosts=list(hosts)))
 
     def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
         missing = [r for r in range(self.n) if r not in got]

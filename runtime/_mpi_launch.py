@@ -417,10 +417,12 @@ class MPILauncher(LocalLauncher):
             group.stop()
             raise
         group.forget_secret()                   # every rank has read it
-        here = socket.gethostname()
-        for proc, hello in zip(group.procs, hellos):
+        here, now = socket.gethostname(), time.monotonic()
+        for rank, (proc, hello) in enumerate(zip(group.procs, hellos)):
             proc.pid = int(hello.header["pid"])
             proc.local = hello.header.get("hostname") == here
+            if not proc.local:                  # it beats from now on (_worker.main)
+                group.channel.last_beat.setdefault(rank, now)
         workers.pids = tuple(p.pid for p in group.procs)
         _watch_exits(group.procs)
         workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)

@@ -50,6 +50,7 @@ from ._channel import (
     Message,
     Secret,
     WorkerChannel,
+    lost_after_s,
     store_prefix,
 )
 
@@ -258,9 +259,29 @@ def main() -> int:
         channel.close(linger_s=5.0)
         return 1
     channel.send(HELLO, {"rank": rank, "pid": state.pid, "hostname": state.hostname})
+    controller_host = env.get("MESHPLAN_CONTROLLER_HOST")
+    if controller_host and controller_host != state.hostname:
+        # on another host than the controller: no pid or stdin to watch; the heartbeat tells
+        # the controller this host is alive, and this rank that the controller still is
+        channel.start_heartbeat(lost_after_s(env), _controller_lost)
     serve(state, channel)
     channel.close(linger_s=5.0)
     return 0
+
+
+def _controller_lost() -> None:
+    """The connection to the controller has been down for ``$MESHPLAN_LOST_AFTER_S``: the
+    run is over for this rank. Under mpiexec its hydra proxy goes too (its own link to
+    mpiexec is as dead; it would wait for a TCP timeout of many minutes)."""
+    print("meshplan worker: lost the controller (no connection for "
+          f"{lost_after_s()} s); exiting", file=sys.stderr, flush=True)
+    try:
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            if f.read().strip().startswith("hydra_pmi_proxy"):
+                os.kill(os.getppid(), signal.SIGKILL)
+    except OSError:
+        pass
+    os._exit(EXIT_ORPHANED)
 
 
 def _finalize_mpi() -> None:

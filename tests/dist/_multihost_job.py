@@ -2,6 +2,7 @@
 the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one process.
 
     python _multihost_job.py MESH_JSON STRATEGY DB STEPS
+    python _multihost_job.py cut RESULT   (see ``cut``)
 
 Prints one JSON line: the mesh's and one process's losses, the largest parameter difference
 after the steps, and the host of every rank as telemetry recorded it.
@@ -19,7 +20,36 @@ from meshplan.examples import gpt
 from meshplan.telemetry import Store
 
 
+def cut(result: str) -> None:
+    """Two steps, then ``cut-now`` on stdout; after a line on stdin (the test has cut a host's
+    link), one more step, whose failure is written to ``result`` as JSON."""
+    import time
+
+    from meshplan._errors import RuntimeFailure
+
+    ex = gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy="dp",
+                               telemetry=False, timeout_s=120)
+    out: dict = {"type": None}
+    with step:
+        for i in range(2):
+            step(*ex.batch(i))
+        print("cut-now", flush=True)
+        sys.stdin.readline()
+        t0 = time.monotonic()
+        try:
+            step(*ex.batch(2))
+        except RuntimeFailure as exc:
+            out = {"type": type(exc).__name__, "reason": getattr(exc, "reason", None),
+                   "hosts": list(getattr(exc, "hosts", ())), "message": str(exc),
+                   "after_s": time.monotonic() - t0}
+    with open(result, "w") as f:
+        json.dump(out, f)
+
+
 def main() -> None:
+    if sys.argv[1] == "cut":
+        return cut(sys.argv[2])
     mesh, strategy, db, steps = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     ex, ref = gpt.build(seed=0), gpt.build(seed=0)
     step = meshplan.distribute(ex.step, mesh=mesh, launcher="mpi", strategy=strategy,

@@ -388,3 +388,40 @@ def test_no_frame_exceeds_the_message_limit(monkeypatch) -> None:
     with pytest.raises(RuntimeFailure, match="MESHPLAN_MAX_MESSAGE_BYTES='lots'"):
         monkeypatch.setenv(_channel.ENV_MAX_MESSAGE, "lots")
         ControllerChannel(secret, RUN)
+
+
+def test_heartbeats_mark_a_rank_alive_and_a_silent_controller_lost(monkeypatch) -> None:
+    """A rank on another host beats from its own socket: the controller records the beat and
+    never hands it out as a message (nor mixes its sequence numbers with the rank's own
+    messages); when the controller goes away, the rank's ``on_lost`` runs after the limit."""
+    import threading
+
+    monkeypatch.setattr(_channel, "BEAT_INTERVAL_S", 0.1)
+    secret = Secret.new()
+    ctrl = ControllerChannel(secret, RUN, transport="tcp")
+    worker = WorkerChannel(ctrl.address, secret, RUN, rank=3)
+    lost = threading.Event()
+    try:
+        worker.send("hello")
+        assert ctrl.recv(5)[0] == 3
+        worker.start_heartbeat(1.0, lost.set)
+        time.sleep(0.5)
+        worker.send("step")
+        rank, msg = ctrl.recv(5)               # the beats before it are not handed out
+        assert (rank, msg.kind) == (3, "step") and ctrl.rejected == 0
+        assert time.monotonic() - ctrl.last_beat[3] < 0.5
+        with pytest.raises(TimeoutError):
+            ctrl.recv(0.3)
+        assert not lost.is_set()
+    finally:
+        ctrl.close()
+    assert lost.wait(10)                       # the controller is gone: about 1 s later
+    worker.close()
+
+
+def test_lost_after_is_checked(monkeypatch) -> None:
+    assert _channel.lost_after_s({}) == _channel.DEFAULT_LOST_AFTER_S
+    assert _channel.lost_after_s({"MESHPLAN_LOST_AFTER_S": "7.5"}) == 7.5
+    for bad in ("soon", "1", "-3"):
+        with pytest.raises(RuntimeFailure, match="MESHPLAN_LOST_AFTER_S"):
+            _channel.lost_after_s({"MESHPLAN_LOST_AFTER_S": bad})

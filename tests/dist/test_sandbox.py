@@ -188,3 +188,60 @@ def test_gpt_on_two_hosts_under_mpi_equals_one_process(box) -> None:
     # process (tests/dist/test_distribute.py's tolerances); a wrong plan is off by far more
     assert r["got"] == pytest.approx(r["want"], rel=1e-5)
     assert r["param_diff"] < 3e-5
+
+
+def _in_netns(holder: int) -> list[str]:
+    """The processes in the network namespace ``holder`` holds, the holder aside."""
+    st = os.stat(f"/proc/{holder}/ns/net")
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == holder:
+            continue
+        try:
+            mine = os.stat(f"/proc/{pid}/ns/net")
+            if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino) and _not_zombie(int(pid)):
+                found.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            continue
+    return found
+
+
+@needs_namespaces
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_a_host_that_loses_its_network_is_named_and_nothing_stays_running(box) -> None:
+    """h1's link goes down between two steps: the next step fails within
+    ``$MESHPLAN_LOST_AFTER_S`` (5 s here) plus a beat, naming h1, not at the 120 s timeout;
+    h1's ranks, which cannot hear from the controller any more, end by themselves, their
+    hydra proxy with them."""
+    import json
+
+    work = tempfile.mkdtemp(prefix="meshplan-cut-", dir="/var/tmp")
+    result = os.path.join(work, "result.json")
+    job = Path(__file__).with_name("_multihost_job.py")
+    proc = subprocess.Popen(box.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
+                                      str(job), "cut", result]),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    h1 = box.hosts[1]
+    try:
+        assert proc.stdout.readline().strip() == "cut-now"
+        assert "python" in _in_netns(h1.pid)           # h1's ranks
+        subprocess.run(["nsenter", "--target", str(h1.pid), "--net", "--", "ip", "link", "set",
+                        "eth0", "down"], check=True)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(120) == 0
+        with open(result) as f:
+            r = json.load(f)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    assert r["type"] == "WorkerFailure" and r["reason"] == "lost", r
+    assert r["hosts"] == [h1.name] and f"lost host {h1.name} (ranks 2, 3)" in r["message"]
+    assert 5 <= r["after_s"] < 30
+    deadline = time.monotonic() + 20        # they hear nothing for 5 s, then exit
+    while _in_netns(h1.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_netns(h1.pid) == []
