@@ -59,6 +59,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--mesh", help="the mesh to run on (checked against the plan's)")
     r.add_argument("--launcher", default="local",
                    help="local (default) or mpi (mpiexec; pip install 'meshplan[mpi]')")
+    r.add_argument("--hosts", help="with --launcher mpi: where the ranks run, a,b or a:4,b:4 "
+                   "or a hostfile (default: $MESHPLAN_HOSTS, else this host)")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
     r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "
@@ -179,6 +181,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.launcher not in ("local", "mpi"):
         raise RuntimeFailure(f"launcher {args.launcher!r} is not available yet; use "
                              "--launcher local or mpi")
+    if args.hosts and args.launcher != "mpi":
+        raise RuntimeFailure("--hosts places ranks under --launcher mpi; add --launcher mpi")
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
     plan = Plan.load(args.plan)                       # truncated, tampered, foreign: PlanError
@@ -194,7 +198,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     example = example_inputs(module, fn, name, None)
     opts = _decorator_options(fn)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
-                               launcher=args.launcher, timeout_s=opts["timeout_s"],
+                               launcher=args.launcher, hosts=args.hosts or None,
+                               timeout_s=opts["timeout_s"],
                                telemetry=_telemetry(args), checkpoint=args.checkpoint,
                                precision=args.precision or opts["precision"])
     table = None if args.json else _LossTable(name, plan)

@@ -14,7 +14,11 @@ does:
   deletes it as soon as all ranks said hello (or the launch failed). Trade-off: for those
   seconds the key rests on disk readable by this user (who can also read our memory and
   ``/proc``); it never appears in argv or the environment. On several hosts the directory must
-  be on a shared filesystem (``secret_dir=``).
+  be on a file system every host sees: ``~/.meshplan/secrets`` by default then (``secret_dir=``).
+- **Several hosts** (``hosts=``, ``host_slots``): ``-hosts a:k,b:k``, consecutive ranks on one
+  host; the control channel on TCP with CURVE at this machine's address toward the hosts; a
+  rank on another host watches no controller pid (it is another machine's) and beats instead
+  (``_channel._Heartbeat``), and the controller judges it by its beats, not by a local pid.
 - **Orphans.** The controller does not hold the workers' stdin, so the stdin-EOF guard of
   ``_worker`` is replaced by a watcher thread that polls the controller's pid (twice a second)
   and exits the worker when it is gone; on Linux ``PR_SET_PDEATHSIG`` additionally kills each

@@ -52,3 +52,10 @@ def test_empty_hostfile_and_unknown_host(tmp_path) -> None:
 def test_hosts_need_the_mpi_launcher() -> None:
     with pytest.raises(RuntimeFailure, match="hosts= places ranks under launcher='mpi'"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, hosts=["a", "b"])
+
+
+def test_run_cli_hosts_need_the_mpi_launcher(capsys) -> None:
+    from meshplan.cli import main
+
+    assert main(["run", "examples/gpt.py:train_step", "--plan", "x.plan", "--hosts", "a,b"]) == 1
+    assert "--hosts places ranks under --launcher mpi" in capsys.readouterr().err
