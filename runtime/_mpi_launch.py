@@ -57,7 +57,7 @@ from .._errors import RuntimeFailure
 from ..backends._shm import SHM_DIR
 from . import _channel as P
 from ._channel import ControllerChannel, Secret
-from ._launch import LocalLauncher, Workers, _Group
+from ._launch import LocalLauncher, WorkerFailure, Workers, _Group
 
 logger = logging.getLogger("meshplan.runtime")
 
@@ -171,16 +171,18 @@ def is_this_host(name: str) -> bool:
 
 def controller_address(hosts: Sequence[str]) -> str:
     """The address of this machine that the other ``hosts`` reach it on: the source address
-    of its route to the first of them (no packet is sent)."""
+    of its route to the first of them (no packet is sent). Every host must resolve."""
+    infos = {}
     for name in hosts:
-        if is_this_host(name):
-            continue
         try:
-            info = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
+            infos[name] = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
         except OSError as exc:
             raise RuntimeFailure(f"host {name!r} does not resolve ({exc}); fix the name in "
                                  "hosts= (or the hostfile), or add it to DNS / /etc/hosts") from None
-        family, _, _, _, addr = info[0]
+    for name in hosts:
+        if is_this_host(name):
+            continue
+        family, _, _, _, addr = infos[name][0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             try:
                 s.connect(addr)
@@ -278,12 +280,32 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _tee(stream) -> list[str]:  # noqa: ANN001 - a binary pipe
+    """Copy mpiexec's stderr (its own messages, and the ranks' without a log_dir) to ours as
+    it comes, keeping its last lines for an error message."""
+    tail: list[str] = []
+
+    def copy() -> None:
+        for raw in iter(stream.readline, b""):
+            try:
+                os.write(2, raw)
+            except OSError:
+                pass
+            tail.append(raw.decode(errors="replace").rstrip())
+            del tail[:-20]
+        stream.close()
+
+    threading.Thread(target=copy, name="meshplan-mpiexec-stderr", daemon=True).start()
+    return tail
+
+
 class _MPIGroup(_Group):
     """The mpiexec process, the per-rank views and the secret's directory."""
 
     def __init__(self, channel: ControllerChannel, secret_dir: Path) -> None:
         super().__init__(channel)
         self.mpiexec: subprocess.Popen | None = None
+        self.stderr_tail: list[str] = []
         self.secret_dir = secret_dir
         self.mpich_before = _mpich_files()
 
@@ -417,6 +439,20 @@ class MPILauncher(LocalLauncher):
             workers = Workers(group, run_id=run_id, master_addr=self.host,
                               master_port=master_port, log_dir=self.log_dir)
             hellos = workers.gather(P.HELLO, timeout_s=self.hello_timeout_s)
+        except WorkerFailure as exc:
+            group.stop()
+            if placement is None or group.mpiexec is None or group.mpiexec.poll() is None:
+                raise
+            # mpiexec itself gave up: a host it could not reach or start ranks on; what it
+            # (and its launcher, ssh) said names the host better than a rank's exit code
+            said = "\n".join(f"    {line}" for line in group.stderr_tail[-6:])
+            where = ", ".join(f"{h} ({k} rank{'s' * (k != 1)})" for h, k in placement)
+            raise WorkerFailure(
+                f"mpiexec ended (code {group.mpiexec.returncode}) before every rank started on "
+                f"{where}: a host "
+                "is unreachable, refused the launcher, or could not start Python there; "
+                f"mpiexec's last lines:\n{said}", reason="exit", ranks=exc.ranks,
+                kind=exc.kind, exit_code=group.mpiexec.returncode) from exc
         except BaseException:
             group.stop()
             raise
@@ -446,11 +482,13 @@ class MPILauncher(LocalLauncher):
         main_thread = threading.current_thread() is threading.main_thread()
         try:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, env=env, cwd=cwd, close_fds=True,
+                cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                close_fds=True,
                 preexec_fn=_pdeathsig_setter() if main_thread else None)  # noqa: PLW1509
         except OSError as exc:
             raise RuntimeFailure(f"could not start {' '.join(cmd)}: {exc}; {MPI_FIX}") from exc
         group.mpiexec = proc
+        group.stderr_tail = _tee(proc.stderr)
         group.procs.extend(_RankProc(proc) for _ in range(n))
 
 

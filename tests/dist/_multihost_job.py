@@ -3,6 +3,7 @@ the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one pro
 
     python _multihost_job.py MESH_JSON STRATEGY DB STEPS
     python _multihost_job.py cut RESULT   (see ``cut``)
+    python _multihost_job.py unreachable RESULT
 
 Prints one JSON line: the mesh's and one process's losses, the largest parameter difference
 after the steps, and the host of every rank as telemetry recorded it.
@@ -47,9 +48,31 @@ def cut(result: str) -> None:
         json.dump(out, f)
 
 
+def unreachable(result: str) -> None:
+    """A host list with an address nobody holds beside the first sandbox host: the error,
+    as JSON in ``result``."""
+    import os
+
+    from meshplan._errors import RuntimeFailure
+
+    ex = gpt.build(seed=0)
+    hosts = os.environ["MESHPLAN_HOSTS"].split(",")[:1] + ["10.213.0.99"]
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="mpi", strategy="dp",
+                               telemetry=False, hosts=hosts, timeout_s=60)
+    out: dict = {"type": None}
+    try:
+        step(*ex.batch(0))
+    except RuntimeFailure as exc:
+        out = {"type": type(exc).__name__, "message": str(exc)}
+    with open(result, "w") as f:
+        json.dump(out, f)
+
+
 def main() -> None:
     if sys.argv[1] == "cut":
         return cut(sys.argv[2])
+    if sys.argv[1] == "unreachable":
+        return unreachable(sys.argv[2])
     mesh, strategy, db, steps = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     ex, ref = gpt.build(seed=0), gpt.build(seed=0)
     step = meshplan.distribute(ex.step, mesh=mesh, launcher="mpi", strategy=strategy,

@@ -245,3 +245,26 @@ def test_a_host_that_loses_its_network_is_named_and_nothing_stays_running(box) -
     while _in_netns(h1.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _in_netns(h1.pid) == []
+
+
+@needs_namespaces
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_an_unreachable_host_is_one_error_naming_it(box) -> None:
+    import json
+
+    work = tempfile.mkdtemp(prefix="meshplan-ur-", dir="/var/tmp")
+    try:
+        result = os.path.join(work, "result.json")
+        job = Path(__file__).with_name("_multihost_job.py")
+        box.run([sys.executable, str(job), "unreachable", result], timeout=100,
+                capture_output=True)
+        with open(result) as f:
+            r = json.load(f)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert r["type"] == "WorkerFailure", r
+    assert "mpiexec ended" in r["message"] and "10.213.0.99 (1 rank)" in r["message"]
+    assert f"{box.name}: no host 10.213.0.99" in r["message"]     # the launcher's own words
+    assert _in_netns(box.hosts[0].pid) == []                     # nothing left on h0
