@@ -9,7 +9,14 @@ Each host is a set of Linux namespaces held by one process (``_sandbox_holder.py
 - UTS: its own hostname, ``<name>-h<i>``;
 - mount: its own ``/dev/shm`` and ``/tmp`` (fresh tmpfs), and an ``/etc/hosts`` that names every
   host of the sandbox; the rest of the file system is the machine's (the code, the virtual
-  environment), as on a cluster with a shared home.
+  environment), as on a cluster with a shared home;
+- IPC: its own System V shared memory and semaphores.
+
+What is shared, since it is one machine: the CPUs and memory, the kernel, and the process ids
+(a host can see another's processes in ``/proc``). MPICH's default network module (UCX) uses
+the last to move bytes between hosts through shared memory, past the network, so ``run`` sets
+``MPIR_CVAR_CH4_NETMOD=ofi`` and ``FI_PROVIDER=tcp``: between hosts MPI then goes over the
+sandbox's links (which ``tc`` can shape), inside a host through MPICH's shared memory.
 
 One more host, ``<name>-ctl``, is where ``sandbox run`` runs its command: the controller, on its
 own "login node", with ``MESHPLAN_HOSTS`` (the hosts, comma-separated, which ``hosts=None`` under
@@ -53,7 +60,7 @@ MAX_HOSTS = 200
 DEFAULT_NAME = "meshplan"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _HOLDER = Path(__file__).with_name("_sandbox_holder.py")
-_TOOLS = ("unshare", "nsenter", "ip", "mount")
+_TOOLS = ("unshare", "nsenter", "ip", "mount", "setpriv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +133,8 @@ class Sandbox:
             _ip(["link", "set", "br0", "up"], switch)
             made = []
             for i, (host, addr) in enumerate(zip(names, addrs)):
-                pid = _start_holder(["--net", "--uts", "--mount", "--propagation", "private"],
+                pid = _start_holder(["--net", "--uts", "--ipc", "--mount", "--propagation",
+                                     "private"],
                                     ["--hostname", host, "--hosts-file", str(hosts_file)],
                                     owner, started, timeout_s)
                 port = f"mp{i}"
@@ -206,7 +214,12 @@ class Sandbox:
         """What ``run`` adds to a command's environment."""
         return {"MESHPLAN_HOSTS": ",".join(h.name for h in self.hosts),
                 "MESHPLAN_SANDBOX": self.name,
-                "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(self.shim)}
+                "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(self.shim),
+                # MPICH's default netmod, UCX, sees one kernel (one boot id) and moves bytes
+                # between the "hosts" through shared memory it finds by /proc, past the
+                # sandbox's network; OFI's tcp provider sends them over the hosts' links,
+                # while MPICH's own shared memory still serves ranks inside one host
+                "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
     def argv(self, cmd: Sequence[str], host: str | None = None) -> list[str]:
         """``cmd`` as it runs on ``host`` (default: the controller's), in the current working
@@ -217,7 +230,7 @@ class Sandbox:
                                  f"{h.pid} ended); `meshplan sandbox down --name {self.name}` "
                                  "then `up` again")
         env = [f"{k}={v}" for k, v in self.env().items()]
-        return ["nsenter", "--target", str(h.pid), "--net", "--uts", "--mount",
+        return ["nsenter", "--target", str(h.pid), "--net", "--uts", "--ipc", "--mount",
                 f"--wd={os.getcwd()}", "--", "env", *env, *cmd]
 
     def run(self, cmd: Sequence[str], host: str | None = None,
@@ -239,7 +252,19 @@ host=$1; shift
 case "$host" in
 {cases}  *) echo "meshplan sandbox {self.name}: no host $host" >&2; exit 255 ;;
 esac
-exec nsenter --target "$pid" --net --uts --mount --wd="$PWD" -- /bin/sh -c "$*"
+# as over ssh, the command ends with the launcher that started it (sshd hangs up on a
+# session whose client is gone): a supervising shell gets SIGTERM when its parent (mpiexec)
+# ends, and then kills the command's process group (hydra's proxy makes its own session);
+# a parent gone before that signal was asked for is caught by the check after the trap
+# (this shell's parent is then no longer the one that ran us, or was init already)
+exec nsenter --target "$pid" --net --uts --ipc --mount --wd="$PWD" -- \
+  setpriv --pdeathsig TERM -- /bin/sh -c '
+    /bin/sh -c "exec $1" <&0 &
+    child=$!
+    trap "kill -KILL -$child $child 2>/dev/null; exit 129" TERM HUP INT
+    read -r _ _ _ ppid _ < /proc/$$/stat
+    [ "$ppid" = "$2" ] && [ "$2" != 1 ] || {{ kill -KILL -$child $child 2>/dev/null; exit 129; }}
+    wait $child' supervise "$*" "$PPID"
 """
         _atomic_write(self.shim, text)
         self.shim.chmod(0o755)

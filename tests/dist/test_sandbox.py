@@ -267,4 +267,7 @@ def test_an_unreachable_host_is_one_error_naming_it(box) -> None:
     assert r["type"] == "WorkerFailure", r
     assert "mpiexec ended" in r["message"] and "10.213.0.99 (1 rank)" in r["message"]
     assert f"{box.name}: no host 10.213.0.99" in r["message"]     # the launcher's own words
+    deadline = time.monotonic() + 15          # h0's hydra proxy ends once mpiexec has
+    while _in_netns(box.hosts[0].pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert _in_netns(box.hosts[0].pid) == []                     # nothing left on h0
