@@ -86,6 +86,13 @@ _BEAT_BASE = -1000     # a rank's heartbeat socket signs as _BEAT_BASE - rank (i
 ENV_LOST_AFTER = "MESHPLAN_LOST_AFTER_S"
 DEFAULT_LOST_AFTER_S = 30.0
 BEAT_INTERVAL_S = 1.0
+ENV_RANK = "MESHPLAN_RANK"
+ENV_WORLD_SIZE = "MESHPLAN_WORLD_SIZE"
+ENV_ADDRESS = "MESHPLAN_CONTROLLER"
+ENV_RUN_ID = "MESHPLAN_RUN_ID"
+ENV_PARENT_PID = "MESHPLAN_PARENT_PID"
+ENV_PDEATHSIG = "MESHPLAN_PDEATHSIG"
+ENV_PLUGINS = "MESHPLAN_WORKER_PLUGINS"
 
 
 def lost_after_s(env: Any = None) -> float:
@@ -104,13 +111,7 @@ def lost_after_s(env: Any = None) -> float:
         raise RuntimeFailure(f"${ENV_LOST_AFTER}={raw!r}: give seconds, more than "
                              f"{2 * BEAT_INTERVAL_S:g}")
     return value
-ENV_RANK = "MESHPLAN_RANK"
-ENV_WORLD_SIZE = "MESHPLAN_WORLD_SIZE"
-ENV_ADDRESS = "MESHPLAN_CONTROLLER"
-ENV_RUN_ID = "MESHPLAN_RUN_ID"
-ENV_PARENT_PID = "MESHPLAN_PARENT_PID"
-ENV_PDEATHSIG = "MESHPLAN_PDEATHSIG"
-ENV_PLUGINS = "MESHPLAN_WORKER_PLUGINS"
+
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -563,7 +564,6 @@ class WorkerChannel(_Endpoint):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
 
 
 class _Heartbeat(_Endpoint):

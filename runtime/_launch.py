@@ -479,6 +479,15 @@ class Workers:
             if message.kind == P.ERROR and rank in exited:
                 self._fail(self._error(rank, message.header, message.header.get("kind", "?")))
 
+    def _state(self, rank: int) -> str:
+        """What this host can tell of ``rank``'s process: its state, or where it runs when
+        that is another host (its pid means nothing here)."""
+        proc = self._group.procs[rank]
+        if not getattr(proc, "local", True):
+            host = self.hostnames[rank] if rank < len(self.hostnames) else "another host"
+            return f"on {host}"
+        return _STATES.get(_proc_state(proc.pid), "unknown")
+
     def _check_lost(self, kind: str, got: dict[int, Message], started: float) -> None:
         """Fail at once, naming the hosts, when the awaited ranks of another host have sent no
         heartbeat for ``lost_after_s`` (its network is cut, or it is down): the others wait
@@ -506,8 +515,7 @@ class Workers:
 
     def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
         missing = [r for r in range(self.n) if r not in got]
-        states = [f"rank {r}: {_STATES.get(_proc_state(self._group.procs[r].pid), 'unknown')}"
-                  for r in missing]
+        states = [f"rank {r}: {self._state(r)}" for r in missing]
         self._fail(WorkerFailure(
             f"{_ranks(missing)} did not answer {kind!r} within {timeout_s} s"
             f" ({len(got)} of {self.n} answered; {', '.join(states)})\n"
@@ -523,7 +531,8 @@ class Workers:
             return
         self._stopped_checked = now
         for rank in range(self.n):
-            if rank in got or _proc_state(self._group.procs[rank].pid) != "T":
+            if rank in got or not getattr(self._group.procs[rank], "local", True) \
+                    or _proc_state(self._group.procs[rank].pid) != "T":
                 self._stopped_since.pop(rank, None)
                 continue
             since = self._stopped_since.setdefault(rank, now)

@@ -419,6 +419,7 @@ class MPILauncher(LocalLauncher):
         self.placement = placement = host_slots(self.hosts, n)
         secret_dir = self.secret_dir
         if placement is not None and not all(is_this_host(h) for h, _ in placement):
+            P.lost_after_s()                    # a bad $MESHPLAN_LOST_AFTER_S: say so now
             self.host = controller_address([h for h, _ in placement])
             if secret_dir is None:
                 secret_dir = Path.home() / ".meshplan" / "secrets"
