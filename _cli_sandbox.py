@@ -86,8 +86,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from .runtime._sandbox import Sandbox
+    from .runtime._sandbox import ROOT, Sandbox, _check_name
 
+    _check_name(args.name)
+    if not (ROOT / args.name / "state.json").exists():
+        print(f"no sandbox named {args.name} is up; nothing to do")
+        return 0
     Sandbox.open(args.name).down()
     print(f"sandbox {args.name} is down")
     return 0

@@ -169,16 +169,18 @@ def is_this_host(name: str) -> bool:
                                       for a in theirs)
 
 
-def controller_address(hosts: Sequence[str]) -> str:
+def controller_address(hosts: Sequence[str], where: str = "hosts=") -> str:
     """The address of this machine that the other ``hosts`` reach it on: the source address
-    of its route to the first of them (no packet is sent). Every host must resolve."""
+    of its route to the first of them (no packet is sent). Every host must resolve;
+    ``where`` names the hosts' source in the error."""
     infos = {}
     for name in hosts:
         try:
             infos[name] = socket.getaddrinfo(name, 9, type=socket.SOCK_DGRAM)
         except OSError as exc:
             raise RuntimeFailure(f"host {name!r} does not resolve ({exc}); fix the name in "
-                                 "hosts= (or the hostfile), or add it to DNS / /etc/hosts") from None
+                                 f"{where}, or add it to DNS / /etc/hosts"
+                                 f"{_sandbox_hint(name)}") from None
     for name in hosts:
         if is_this_host(name):
             continue
@@ -191,6 +193,22 @@ def controller_address(hosts: Sequence[str]) -> str:
                                      "the controller must reach every host") from None
             return s.getsockname()[0]
     return "127.0.0.1"
+
+
+def _sandbox_hint(name: str) -> str:
+    """A note when ``name`` is a host of a ``meshplan sandbox`` that is up: its names resolve
+    only inside it."""
+    from ._sandbox import ROOT
+
+    try:
+        for hosts in ROOT.glob("*/hosts"):
+            if name in hosts.read_text().split():
+                return (f" ({name} is a host of the sandbox {hosts.parent.name!r}: its names "
+                        f"resolve inside it; run the script with `meshplan sandbox run --name "
+                        f"{hosts.parent.name} -- ...`)")
+    except OSError:
+        pass
+    return ""
 
 
 class _RankProc:
@@ -420,7 +438,9 @@ class MPILauncher(LocalLauncher):
         secret_dir = self.secret_dir
         if placement is not None and not all(is_this_host(h) for h, _ in placement):
             P.lost_after_s()                    # a bad $MESHPLAN_LOST_AFTER_S: say so now
-            self.host = controller_address([h for h, _ in placement])
+            self.host = controller_address([h for h, _ in placement],
+                                           "hosts=" if self.hosts is not None
+                                           else f"${ENV_HOSTS}")
             if secret_dir is None:
                 secret_dir = Path.home() / ".meshplan" / "secrets"
                 secret_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

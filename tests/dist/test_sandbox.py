@@ -132,6 +132,15 @@ def test_down_stops_what_runs_on_the_hosts() -> None:
     b.down()                                            # twice is fine
     with pytest.raises(RuntimeFailure, match="no sandbox named"):
         Sandbox.open(b.name)
+    # the hint for a sandbox host name used outside the sandbox
+    from meshplan.runtime._mpi_launch import controller_address
+
+    c = Sandbox.up(1, _name("d"))
+    try:
+        with pytest.raises(RuntimeFailure, match=f"is a host of the sandbox '{c.name}'"):
+            controller_address([c.hosts[0].name])
+    finally:
+        c.down()
 
 
 @needs_namespaces
@@ -158,6 +167,8 @@ def test_cli_bad_input(capsys) -> None:
     assert "sandbox name 'Bad'" in capsys.readouterr().err
     assert main(["sandbox", "status", "--name", "nosuchbox"]) == 1
     assert "no sandbox named 'nosuchbox' is up" in capsys.readouterr().err
+    assert main(["sandbox", "down", "--name", "nosuchbox"]) == 0      # cleanup is idempotent
+    assert "nothing to do" in capsys.readouterr().out
     assert main(["sandbox", "up", "--hosts", "2", "--slurm"]) == 1
     assert "not built yet" in capsys.readouterr().err
 

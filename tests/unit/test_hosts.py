@@ -46,6 +46,8 @@ def test_empty_hostfile_and_unknown_host(tmp_path) -> None:
         host_slots(str(f), 2, env={})
     with pytest.raises(RuntimeFailure, match="does not resolve"):
         controller_address(["no-such-host.invalid"])
+    with pytest.raises(RuntimeFailure, match=r"fix the name in \$MESHPLAN_HOSTS"):
+        controller_address(["no-such-host.invalid"], "$MESHPLAN_HOSTS")
     assert controller_address(["localhost"]) == "127.0.0.1"
 
 
