@@ -9,7 +9,9 @@ Each host is a set of Linux namespaces held by one process (``_sandbox_holder.py
 - UTS: its own hostname, ``<name>-h<i>``;
 - mount: its own ``/dev/shm`` and ``/tmp`` (fresh tmpfs), and an ``/etc/hosts`` that names every
   host of the sandbox; the rest of the file system is the machine's (the code, the virtual
-  environment), as on a cluster with a shared home;
+  environment), as on a cluster with a shared home, and so are the top folders under /tmp
+  that hold this project, the working directory or the Python environment at ``up`` (a CI
+  job that cloned into /tmp);
 - IPC: its own System V shared memory and semaphores.
 
 What is shared, since it is one machine: the CPUs and memory, the kernel, and the process ids
@@ -132,10 +134,12 @@ class Sandbox:
             _ip(["link", "add", "br0", "type", "bridge"], switch)
             _ip(["link", "set", "br0", "up"], switch)
             made = []
+            keep = [a for k in _kept() for a in ("--keep", k)]
             for i, (host, addr) in enumerate(zip(names, addrs)):
                 pid = _start_holder(["--net", "--uts", "--ipc", "--mount", "--propagation",
                                      "private"],
-                                    ["--hostname", host, "--hosts-file", str(hosts_file)],
+                                    ["--hostname", host, "--hosts-file", str(hosts_file),
+                                     "--stash", str(where), *keep],
                                     owner, started, timeout_s)
                 port = f"mp{i}"
                 subprocess.run(["ip", "link", "add", "eth0", "netns", str(pid), "type", "veth",
@@ -272,6 +276,21 @@ exec nsenter --target "$pid" --net --uts --ipc --mount --wd="$PWD" -- \
 
 def _host_dict(h: Host) -> dict[str, Any]:
     return {"name": h.name, "address": h.address, "pid": h.pid}
+
+
+def _kept() -> list[str]:
+    """The folders under /tmp that every host keeps seeing (its own /tmp hides the rest): this
+    project, the working directory and the Python environment, when they live there (a CI
+    job cloned into /tmp)."""
+    import meshplan
+
+    tmp = Path("/tmp").resolve()
+    found = []
+    for p in (Path.cwd(), Path(sys.prefix), Path(meshplan.__file__).resolve().parent):
+        p = p.resolve()
+        if p.is_dir() and tmp in p.parents and p.parts[:len(tmp.parts) + 1] not in found:
+            found.append(p.parts[:len(tmp.parts) + 1])     # its top folder under /tmp
+    return [str(Path(*parts)) for parts in found]
 
 
 def _check_name(name: str) -> None:

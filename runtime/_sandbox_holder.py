@@ -2,7 +2,8 @@
 
 Run as a plain script (``python -I _sandbox_holder.py ...``: no meshplan, no torch import),
 already inside the namespaces ``unshare`` made for it. As a host it names itself (UTS), mounts a
-fresh ``/dev/shm`` and ``/tmp`` and binds the sandbox's ``hosts`` file over ``/etc/hosts`` (its
+fresh ``/dev/shm`` and ``/tmp`` (keeping the folders it is told to keep, such as a project
+cloned under /tmp) and binds the sandbox's ``hosts`` file over ``/etc/hosts`` (its
 mount namespace is private: nothing it mounts is seen outside). Then it prints ``ready`` and
 waits until it is told to stop (SIGTERM, SIGINT) or its owner process ends, and on the way out
 kills every process left in its network namespace, so that the namespace, its veth and the
@@ -49,10 +50,23 @@ def kill_namespace_peers() -> None:
         time.sleep(0.05)
 
 
-def _setup_host(hostname: str, hosts_file: str) -> None:
+def _setup_host(hostname: str, hosts_file: str, keep: list[str], stash: str) -> None:
+    """Name the host; a fresh /dev/shm and /tmp, except the folders of ``keep`` (under /tmp:
+    the project, its virtual environment), which are bound back at their paths through
+    ``stash``; the sandbox's hosts file as /etc/hosts."""
     socket.sethostname(hostname)
+    held = []
+    for i, path in enumerate(keep):
+        spot = os.path.join(stash, f"keep{i}")
+        os.makedirs(spot, exist_ok=True)
+        subprocess.run(["mount", "--bind", path, spot], check=True)
+        held.append((path, spot))
     for where in ("/dev/shm", "/tmp"):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", where], check=True)
+    for path, spot in held:
+        os.makedirs(path, exist_ok=True)
+        subprocess.run(["mount", "--bind", spot, path], check=True)
+        subprocess.run(["umount", spot], check=True)
     subprocess.run(["mount", "--bind", hosts_file, "/etc/hosts"], check=True)
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 
@@ -62,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hostname")
     p.add_argument("--hosts-file")
     p.add_argument("--owner", type=int, default=0)
+    p.add_argument("--keep", action="append", default=[])
+    p.add_argument("--stash")
     args = p.parse_args(argv)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     signal.signal(signal.SIGHUP, signal.SIG_IGN)      # the terminal that ran `up` may close
     if args.hostname:
-        _setup_host(args.hostname, args.hosts_file)
+        _setup_host(args.hostname, args.hosts_file, args.keep, args.stash)
     owner = None
     if args.owner:
         try:
