@@ -282,11 +282,10 @@ def _kept() -> list[str]:
     """The folders under /tmp that every host keeps seeing (its own /tmp hides the rest): this
     project, the working directory and the Python environment, when they live there (a CI
     job cloned into /tmp)."""
-    import meshplan
-
     tmp = Path("/tmp").resolve()
     found = []
-    for p in (Path.cwd(), Path(sys.prefix), Path(meshplan.__file__).resolve().parent):
+    package = Path(__file__).resolve().parents[1]           # meshplan's folder
+    for p in (Path.cwd(), Path(sys.prefix), package):
         p = p.resolve()
         if p.is_dir() and tmp in p.parents and p.parts[:len(tmp.parts) + 1] not in found:
             found.append(p.parts[:len(tmp.parts) + 1])     # its top folder under /tmp
