@@ -282,3 +282,38 @@ def test_an_unreachable_host_is_one_error_naming_it(box) -> None:
     while _in_netns(box.hosts[0].pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _in_netns(box.hosts[0].pid) == []                     # nothing left on h0
+
+
+@needs_namespaces
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_files_push_reaches_three_hosts() -> None:
+    """``meshplan files push --launcher mpi`` from the controller's host: one rank per host
+    (``$MESHPLAN_HOSTS``), each host's copy in its own /tmp, byte for byte the source."""
+    import hashlib
+    import json
+
+    b = Sandbox.up(3, _name("f"), owner=os.getpid())
+    work = tempfile.mkdtemp(prefix="meshplan-fp-", dir="/var/tmp")
+    try:
+        src = Path(work, "src")
+        (src / "sub").mkdir(parents=True)
+        (src / "a.bin").write_bytes(os.urandom(3 << 20))
+        (src / "sub" / "b.txt").write_text("hello\n")
+        meshplan = os.path.join(os.path.dirname(sys.executable), "meshplan")
+        done = b.run([meshplan, "files", "push", str(src), "--dest", "/tmp/got/{host}",
+                      "--ranks", "3", "--launcher", "mpi", "--json"],
+                     capture_output=True, text=True, timeout=150)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        want = hashlib.sha256((src / "a.bin").read_bytes()).hexdigest()
+        for h in b.hosts:
+            got = _out(b, ["sh", "-c", f"sha256sum /tmp/got/{h.name}/a.bin; "
+                                       f"cat /tmp/got/{h.name}/sub/b.txt"], h.name)
+            assert got.split() == [want, f"/tmp/got/{h.name}/a.bin", "hello"]
+        assert not os.path.exists("/tmp/got")            # not on this machine's own /tmp
+        assert result["bytes"] == (3 << 20) + 6
+    finally:
+        b.down()
+        shutil.rmtree(work, ignore_errors=True)
