@@ -298,9 +298,9 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _tee(stream) -> list[str]:  # noqa: ANN001 - a binary pipe
+def _tee(stream) -> tuple[list[str], threading.Thread]:  # noqa: ANN001 - a binary pipe
     """Copy mpiexec's stderr (its own messages, and the ranks' without a log_dir) to ours as
-    it comes, keeping its last lines for an error message."""
+    it comes, keeping its last lines for an error message; the thread ends at its end."""
     tail: list[str] = []
 
     def copy() -> None:
@@ -313,8 +313,9 @@ def _tee(stream) -> list[str]:  # noqa: ANN001 - a binary pipe
             del tail[:-20]
         stream.close()
 
-    threading.Thread(target=copy, name="meshplan-mpiexec-stderr", daemon=True).start()
-    return tail
+    thread = threading.Thread(target=copy, name="meshplan-mpiexec-stderr", daemon=True)
+    thread.start()
+    return tail, thread
 
 
 class _MPIGroup(_Group):
@@ -324,6 +325,7 @@ class _MPIGroup(_Group):
         super().__init__(channel)
         self.mpiexec: subprocess.Popen | None = None
         self.stderr_tail: list[str] = []
+        self.stderr_thread: threading.Thread | None = None
         self.secret_dir = secret_dir
         self.mpich_before = _mpich_files()
 
@@ -466,7 +468,9 @@ class MPILauncher(LocalLauncher):
                 raise
             # mpiexec itself gave up: a host it could not reach or start ranks on; what it
             # (and its launcher, ssh) said names the host better than a rank's exit code
-            said = "\n".join(f"    {line}" for line in group.stderr_tail[-6:])
+            if group.stderr_thread is not None:      # its last lines, to the end
+                group.stderr_thread.join(5.0)
+            said = "\n".join(f"    {line}" for line in group.stderr_tail[-10:])
             where = ", ".join(f"{h} ({k} rank{'s' * (k != 1)})" for h, k in placement)
             raise WorkerFailure(
                 f"mpiexec ended (code {group.mpiexec.returncode}) before every rank started on "
@@ -509,7 +513,7 @@ class MPILauncher(LocalLauncher):
         except OSError as exc:
             raise RuntimeFailure(f"could not start {' '.join(cmd)}: {exc}; {MPI_FIX}") from exc
         group.mpiexec = proc
-        group.stderr_tail = _tee(proc.stderr)
+        group.stderr_tail, group.stderr_thread = _tee(proc.stderr)
         group.procs.extend(_RankProc(proc) for _ in range(n))
 
 
