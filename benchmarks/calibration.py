@@ -57,8 +57,8 @@ def _batches(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def calibrate(n: int, strategy: str, db: Path) -> tuple[meshplan.planner.Topology, float]:
-    """The fitted machine from a ``calibrate=True`` (5 steps) run; and the seconds the calibration took
-    (its three mesh steps, the fit and the re-plan)."""
+    """The fitted machine from a ``calibrate=True`` (5 steps) run; and the seconds the
+    calibration took (its mesh steps after the first, the probes, the fit and the re-plan)."""
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
     batches = _batches(5)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",

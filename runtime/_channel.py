@@ -47,6 +47,7 @@ import math
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -93,6 +94,22 @@ ENV_RUN_ID = "MESHPLAN_RUN_ID"
 ENV_PARENT_PID = "MESHPLAN_PARENT_PID"
 ENV_PDEATHSIG = "MESHPLAN_PDEATHSIG"
 ENV_PLUGINS = "MESHPLAN_WORKER_PLUGINS"
+ENV_CONTROLLER_HOST = "MESHPLAN_CONTROLLER_HOST"   # set by launchers that may cross hosts
+
+
+def controller_elsewhere(env: Any = None) -> bool:
+    """Whether this process runs on another host than the controller (``$MESHPLAN_CONTROLLER_
+    HOST`` names a host that is not this one): its pid and stdin are then not ours to watch."""
+    host = (env if env is not None else os.environ).get(ENV_CONTROLLER_HOST)
+    return bool(host) and host != socket.gethostname()
+
+
+def address_toward(family: int, addr: tuple) -> str:
+    """This machine's address on its route to ``addr`` (a UDP connect: no packet is sent);
+    OSError when there is no route."""
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
 
 
 def lost_after_s(env: Any = None) -> float:

@@ -33,6 +33,7 @@ from ._files import (
     hash_file,
     needed_ranges,
 )
+from ._channel import address_toward
 from ._worker import WorkerState, register
 
 _CHECKPOINT_S = 0.5
@@ -115,7 +116,8 @@ class Push:
                 raise
             # the controller's address, on another host: listen on this host's address on
             # the way there, which the other ranks (on that network) reach too
-            bind = _address_toward(bind)
+            bind = address_toward(socket.AF_INET6 if ":" in bind else socket.AF_INET,
+                                  (bind, 9))
             self.listener = socket.create_server((bind, 0))
         self.listener.settimeout(self.io_timeout_s)
         host = socket.gethostname() if bind in ("", "0.0.0.0", "::") else bind
@@ -416,11 +418,3 @@ class _Forwarder:
                 self.sender.put(*item)
         except BaseException as exc:  # noqa: BLE001 - raised in the receiving thread
             self.error = exc
-
-
-def _address_toward(host: str) -> str:
-    """This host's address on its route to ``host`` (a UDP connect: no packet is sent)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]

@@ -66,7 +66,6 @@ __all__ = ["MPILauncher", "find_mpiexec", "host_slots", "worker_start"]
 ENV_MPI = "MESHPLAN_MPI"                  # "1": started by mpiexec; rank from MPI
 ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
 ENV_HOSTS = "MESHPLAN_HOSTS"              # comma-separated hosts when hosts= is not given
-ENV_CONTROLLER_HOST = "MESHPLAN_CONTROLLER_HOST"   # a rank on another host watches no pid
 MPI_FIX = "pip install 'meshplan[mpi]' (mpi4py and the mpich wheel, which brings mpiexec)"
 _EXIT_WAIT_S = 1.5        # after a rank's pid vanished: how long mpiexec may take to end the job
 _WATCH_S = 0.5
@@ -185,13 +184,11 @@ def controller_address(hosts: Sequence[str], where: str = "hosts=") -> str:
         if is_this_host(name):
             continue
         family, _, _, _, addr = infos[name][0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(addr)
-            except OSError as exc:
-                raise RuntimeFailure(f"no route from this host to {name!r} ({addr[0]}: {exc}); "
-                                     "the controller must reach every host") from None
-            return s.getsockname()[0]
+        try:
+            return P.address_toward(family, addr)
+        except OSError as exc:
+            raise RuntimeFailure(f"no route from this host to {name!r} ({addr[0]}: {exc}); "
+                                 "the controller must reach every host") from None
     return "127.0.0.1"
 
 
@@ -427,7 +424,6 @@ class MPILauncher(LocalLauncher):
         super().__init__(**kwargs)
         self.mpiexec_arg, self.mpiexec_args = mpiexec, tuple(mpiexec_args)
         self.secret_dir, self.hosts = secret_dir, hosts
-        self.placement: list[tuple[str, int]] | None = None
 
     def launch(self, n: int, *, env: Mapping[str, str] | None = None,
                cwd: str | os.PathLike | None = None) -> Workers:
@@ -436,7 +432,7 @@ class MPILauncher(LocalLauncher):
         mpiexec = find_mpiexec(self.mpiexec_arg)
         if importlib.util.find_spec("mpi4py") is None:
             raise RuntimeFailure(f"the mpi launcher needs mpi4py in {self.python}; {MPI_FIX}")
-        self.placement = placement = host_slots(self.hosts, n)
+        placement = host_slots(self.hosts, n)
         secret_dir = self.secret_dir
         if placement is not None and not all(is_this_host(h) for h, _ in placement):
             P.lost_after_s()                    # a bad $MESHPLAN_LOST_AFTER_S: say so now
@@ -457,8 +453,8 @@ class MPILauncher(LocalLauncher):
             master_port = 0      # the ranks talk through MPI: no torch.distributed store
             base = self._environment(n, env, run_id, group.channel.address, master_port)
             base.update({ENV_MPI: "1", ENV_SECRET_FILE: str(secret_file),
-                         ENV_CONTROLLER_HOST: socket.gethostname()})
-            self._start_mpiexec(mpiexec, n, base, cwd, group)
+                         P.ENV_CONTROLLER_HOST: socket.gethostname()})
+            self._start_mpiexec(mpiexec, n, placement, base, cwd, group)
             workers = Workers(group, run_id=run_id, master_addr=self.host,
                               master_port=master_port, log_dir=self.log_dir)
             hellos = workers.gather(P.HELLO, timeout_s=self.hello_timeout_s)
@@ -493,11 +489,12 @@ class MPILauncher(LocalLauncher):
         workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
         return workers
 
-    def _start_mpiexec(self, mpiexec: str, n: int, env: dict[str, str],
-                       cwd: str | os.PathLike | None, group: _MPIGroup) -> None:
+    def _start_mpiexec(self, mpiexec: str, n: int, placement: list[tuple[str, int]] | None,
+                       env: dict[str, str], cwd: str | os.PathLike | None,
+                       group: _MPIGroup) -> None:
         cmd = [mpiexec, *self.mpiexec_args]
-        if self.placement is not None:
-            cmd += ["-hosts", ",".join(f"{h}:{k}" for h, k in self.placement)]
+        if placement is not None:
+            cmd += ["-hosts", ",".join(f"{h}:{k}" for h, k in placement)]
         cmd += ["-n", str(n)]
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -543,7 +540,7 @@ def worker_start(env: Mapping[str, str], parent_pid: int | None,
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-    if env.get(ENV_CONTROLLER_HOST, socket.gethostname()) != socket.gethostname():
+    if P.controller_elsewhere(env):
         parent_pid = None     # its pid is another machine's: the hydra proxy's end ends us
     if parent_pid is not None:
         if not _alive(parent_pid):

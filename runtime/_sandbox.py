@@ -48,11 +48,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from .._errors import RuntimeFailure
+from ..ir import atomic_write_text
 
 ROOT = Path(os.environ.get("MESHPLAN_SANDBOX_DIR", "/run/meshplan-sandbox"))
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
@@ -159,13 +160,13 @@ class Sandbox:
             raise
         box = cls(name, made[1:], made[0], switch, owner)
         box._write_shim()
-        _atomic_write(where / "state.json", json.dumps(box.to_dict(), indent=1))
+        atomic_write_text(where / "state.json", json.dumps(box.to_dict(), indent=1))
         return box
 
     def down(self, timeout_s: float = 10.0) -> None:
         """Stop every holder (each kills what still runs on its host) and forget the sandbox.
         Safe to call twice, and on a sandbox whose holders already ended."""
-        pids = [h.pid for h in (*self.hosts, self.ctl)] + [self.switch_pid]
+        pids = self._holders()
         for pid in pids:
             if _is_holder(pid):
                 os.kill(pid, signal.SIGTERM)
@@ -178,8 +179,11 @@ class Sandbox:
         shutil.rmtree(ROOT / self.name, ignore_errors=True)
 
     def alive(self) -> bool:
-        return all(_is_holder(p) for p in (*(h.pid for h in self.hosts), self.ctl.pid,
-                                           self.switch_pid))
+        return all(_is_holder(p) for p in self._holders())
+
+    def _holders(self) -> list[int]:
+        """The pids of the processes that hold the hosts' (and the switch's) namespaces."""
+        return [h.pid for h in (*self.hosts, self.ctl)] + [self.switch_pid]
 
     # ---- finding and using it ---------------------------------------------------------------
 
@@ -199,8 +203,8 @@ class Sandbox:
                    int(d["switch_pid"]), d.get("owner"))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "hosts": [_host_dict(h) for h in self.hosts],
-                "ctl": _host_dict(self.ctl), "switch_pid": self.switch_pid, "owner": self.owner}
+        return {"name": self.name, "hosts": [asdict(h) for h in self.hosts],
+                "ctl": asdict(self.ctl), "switch_pid": self.switch_pid, "owner": self.owner}
 
     def host(self, name: str) -> Host:
         for h in (*self.hosts, self.ctl):
@@ -270,12 +274,8 @@ exec nsenter --target "$pid" --net --uts --ipc --mount --wd="$PWD" -- \
     [ "$ppid" = "$2" ] && [ "$2" != 1 ] || {{ kill -KILL -$child $child 2>/dev/null; exit 129; }}
     wait $child' supervise "$*" "$PPID"
 """
-        _atomic_write(self.shim, text)
+        atomic_write_text(self.shim, text)
         self.shim.chmod(0o755)
-
-
-def _host_dict(h: Host) -> dict[str, Any]:
-    return {"name": h.name, "address": h.address, "pid": h.pid}
 
 
 def _kept() -> list[str]:
@@ -348,7 +348,3 @@ def _is_holder(pid: int) -> bool:
     return _HOLDER.name.encode() in cmd
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -50,6 +50,7 @@ from ._channel import (
     Message,
     Secret,
     WorkerChannel,
+    controller_elsewhere,
     lost_after_s,
     store_prefix,
 )
@@ -259,8 +260,7 @@ def main() -> int:
         channel.close(linger_s=5.0)
         return 1
     channel.send(HELLO, {"rank": rank, "pid": state.pid, "hostname": state.hostname})
-    controller_host = env.get("MESHPLAN_CONTROLLER_HOST")
-    if controller_host and controller_host != state.hostname:
+    if controller_elsewhere(env):
         # on another host than the controller: no pid or stdin to watch; the heartbeat tells
         # the controller this host is alive, and this rank that the controller still is
         channel.start_heartbeat(lost_after_s(env), _controller_lost)
