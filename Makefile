@@ -7,7 +7,7 @@ PY = $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test clean browser
+.PHONY: demo test clean browser slurm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/meshplan demo
 
-test: $(VENV)/.installed browser
+test: $(VENV)/.installed browser slurm
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Headless Chromium for the test of `meshplan plan show --html` (Debian's package). Installed
@@ -28,6 +28,18 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 	  && timeout 600 apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } \
 	  || echo "note: chromium is not installed; the HTML page's browser test will skip"
+
+# Slurm's daemons and client and munge (Debian's packages, about 10 MB) for the tests that run
+# launcher="slurm" against a real slurmctld/slurmd in `meshplan sandbox up --slurm`. Installed
+# when missing and apt-get can (root); otherwise those tests skip and say why. Installing
+# starts no daemon (the sandbox starts its own, in its namespaces).
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 || PATH="$$PATH:/usr/sbin" command -v slurmctld >/dev/null 2>&1 \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && { \
+	    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1 \
+	    || { timeout 300 apt-get update >/dev/null 2>&1 \
+	         && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null 2>&1; }; }; } \
+	  || echo "note: Slurm is not installed; the slurm launcher's cluster tests will skip"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info build/ dist/

@@ -1,6 +1,6 @@
 """``meshplan files push``: ship a file tree (plans, code, checkpoints) to every rank.
 
-    meshplan files push SRC --dest PATH_TEMPLATE --ranks N [--launcher local|mpi]
+    meshplan files push SRC --dest PATH_TEMPLATE --ranks N [--launcher local|mpi|slurm]
                         [--bwlimit RATE] [--json]
 
 ``PATH_TEMPLATE`` may use ``{rank}`` and ``{host}``. The design (pipelined chain broadcast,
@@ -29,7 +29,8 @@ def add_files_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dest", required=True, metavar="PATH_TEMPLATE",
                    help="destination on each rank; may use {rank} and {host}")
     p.add_argument("--ranks", type=int, required=True, help="how many ranks to push to")
-    p.add_argument("--launcher", default="local", help="local (default) or mpi (mpiexec)")
+    p.add_argument("--launcher", default="local", help="local (default), mpi (mpiexec) or "
+                   "slurm (srun: one rank on each of N nodes)")
     p.add_argument("--chunk-size", default="4MiB", help="transfer chunk, e.g. 4MiB (default)")
     p.add_argument("--bwlimit", default=None, metavar="RATE",
                    help="bytes per second each sender may use, e.g. 100MB (default: no limit)")
@@ -42,8 +43,8 @@ def add_files_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_files_push(args: argparse.Namespace) -> int:
     from .runtime._files import check_template, push_files
 
-    if args.launcher not in ("local", "mpi"):
-        raise RuntimeFailure(f"unknown --launcher {args.launcher!r}; use local or mpi")
+    if args.launcher not in ("local", "mpi", "slurm"):
+        raise RuntimeFailure(f"unknown --launcher {args.launcher!r}; use local, mpi or slurm")
     if args.ranks < 1:
         raise RuntimeFailure(f"--ranks {args.ranks}: push to at least one rank")
     check_template(args.dest)

@@ -58,9 +58,14 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--steps", type=int, default=1, help="how many steps to run")
     r.add_argument("--mesh", help="the mesh to run on (checked against the plan's)")
     r.add_argument("--launcher", default="local",
-                   help="local (default) or mpi (mpiexec; pip install 'meshplan[mpi]')")
+                   help="local (default), mpi (mpiexec; pip install 'meshplan[mpi]') or "
+                   "slurm (srun, in the allocation this runs in or a new one from salloc)")
     r.add_argument("--hosts", help="with --launcher mpi: where the ranks run, a,b or a:4,b:4 "
                    "or a hostfile (default: $MESHPLAN_HOSTS, else this host)")
+    r.add_argument("--slurm", metavar="OPTIONS",
+                   help="with --launcher slurm: key=value,... such as nodes=2,partition=gpu,"
+                   "time=30 (nodes, partition, time, account, qos, constraint, overcommit, "
+                   "wait_s)")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
     r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "
@@ -178,11 +183,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from .planner import Plan, parse_mesh
 
-    if args.launcher not in ("local", "mpi"):
-        raise RuntimeFailure(f"launcher {args.launcher!r} is not available yet; use "
-                             "--launcher local or mpi")
+    if args.launcher not in ("local", "mpi", "slurm"):
+        raise RuntimeFailure(f"launcher {args.launcher!r} is not available; use "
+                             "--launcher local, mpi or slurm")
     if args.hosts and args.launcher != "mpi":
         raise RuntimeFailure("--hosts places ranks under --launcher mpi; add --launcher mpi")
+    if args.slurm and args.launcher != "slurm":
+        raise RuntimeFailure("--slurm sets the Slurm launcher's options; add --launcher slurm")
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
     plan = Plan.load(args.plan)                       # truncated, tampered, foreign: PlanError
@@ -199,6 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = _decorator_options(fn)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
                                launcher=args.launcher, hosts=args.hosts or None,
+                               slurm=args.slurm or None,
                                timeout_s=opts["timeout_s"],
                                telemetry=_telemetry(args), checkpoint=args.checkpoint,
                                precision=args.precision or opts["precision"])

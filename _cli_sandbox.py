@@ -1,7 +1,9 @@
 """``meshplan sandbox``: several "hosts" on this machine as Linux namespaces
 (``meshplan/runtime/_sandbox.py``).
 
-    meshplan sandbox up --hosts N [--name NAME]     make NAME-h0 .. NAME-h<N-1> and NAME-ctl
+    meshplan sandbox up --hosts N [--name NAME] [--slurm [--cpus K]]
+                                                    make NAME-h0 .. NAME-h<N-1> and NAME-ctl
+                                                    (--slurm: and a Slurm cluster over them)
     meshplan sandbox run [--name NAME] [--host H] -- CMD...
                                                     run CMD on NAME-ctl (or H), MESHPLAN_HOSTS set
     meshplan sandbox status [--name NAME] [--json]  the hosts, their addresses, whether up
@@ -35,7 +37,10 @@ def add_sandbox_commands(sub: argparse._SubParsersAction) -> None:
                                  "bridge (needs root)"))
     up.add_argument("--hosts", type=int, required=True, help="how many hosts")
     up.add_argument("--slurm", action="store_true",
-                    help="also start slurmctld and one slurmd per host (not built yet)")
+                    help="also run a Slurm cluster: slurmctld on NAME-ctl, a slurmd per host "
+                    "(Debian's slurm-wlm and munge)")
+    up.add_argument("--cpus", type=int, default=None,
+                    help="with --slurm: the CPUs each node declares (default: this machine's)")
     up.set_defaults(func=_guarded(cmd_up))
     run = named(sb_sub.add_parser("run", help="run CMD as the controller (on NAME-ctl) with "
                                   "MESHPLAN_HOSTS and mpiexec's launcher set"))
@@ -53,11 +58,10 @@ def add_sandbox_commands(sub: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from .runtime._sandbox import Sandbox
 
-    if args.slurm:
-        raise RuntimeFailure("meshplan sandbox up --slurm: Slurm daemons in the sandbox are not "
-                             "built yet; `up` without --slurm makes the hosts, and "
-                             "`mpiexec -hosts` inside `sandbox run` runs across them")
-    box = Sandbox.up(args.hosts, args.name)
+    if args.cpus is not None and not args.slurm:
+        raise RuntimeFailure("meshplan sandbox up: --cpus sets the Slurm nodes' CPUs; add "
+                             "--slurm")
+    box = Sandbox.up(args.hosts, args.name, slurm=args.slurm, cpus=args.cpus)
     _print(box)
     print(f"run a command as the controller: meshplan sandbox run --name {box.name} -- CMD")
     return 0
@@ -99,7 +103,9 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def _print(box: object) -> None:
     state = "up" if box.alive() else "down (its holders ended; `down` clears it)"
-    print(f"sandbox {box.name}: {state}")
+    slurm = (f"; Slurm: partition main over every host, SLURM_CONF={box.slurm_dir}/slurm.conf"
+             if box.slurm else "")
+    print(f"sandbox {box.name}: {state}{slurm}")
     for h in (box.ctl, *box.hosts):
         role = "controller" if h is box.ctl else "host"
         print(f"  {h.name:<20} {h.address:<15} {role}", file=sys.stdout)

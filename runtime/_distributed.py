@@ -37,11 +37,22 @@ from ..telemetry import Level, TelemetryConfig
 from ._files import FILES_PLUGIN
 from ._launch import LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
-from ._telemetry import ControllerTelemetry, QueryResult, ingest, merge_answers, steps_timer
+from ._slurm_launch import SlurmLauncher, SlurmOptions
+from ._telemetry import (
+    ControllerTelemetry,
+    QueryResult,
+    SegmentShipper,
+    ingest,
+    merge_answers,
+    steps_timer,
+)
 from ._checks import check_indices
 from ._variants import MAX_VARIANTS, Variant, call_inputs, what_changed
 
 logger = logging.getLogger(__name__)
+
+LAUNCHERS = ("local", "mpi", "slurm")
+SHIP_EVERY_S = 10.0     # how often ranks on a disk this host does not see send their segments
 
 _HANDLERS = "meshplan.runtime._handlers"
 _STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
@@ -56,15 +67,26 @@ class DistributedStep:
                  telemetry: Any = None, kernels: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                  precision: str | None = None, recompute: Any = "auto",
-                 calibrate: bool | int = False, hosts: Any = None) -> None:
-        if launcher not in ("local", "mpi"):
-            raise RuntimeFailure(f"launcher {launcher!r} is not available yet; use "
-                                 "launcher='local' or 'mpi'")
+                 calibrate: bool | int = False, hosts: Any = None, slurm: Any = None) -> None:
+        if launcher not in LAUNCHERS:
+            raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
+                                 f"{', '.join(map(repr, LAUNCHERS))}")
         if hosts is not None and launcher != "mpi":
-            raise RuntimeFailure(f"hosts= places ranks under launcher='mpi'; launcher="
-                                 f"{launcher!r} runs every rank on this host (drop hosts=, or "
-                                 "pass launcher='mpi')")
+            where = ("launcher='slurm' runs the ranks on the Slurm allocation's nodes"
+                     if launcher == "slurm" else
+                     f"launcher={launcher!r} runs every rank on this host")
+            raise RuntimeFailure(f"hosts= places ranks under launcher='mpi'; {where} (drop "
+                                 "hosts=, or pass launcher='mpi')")
+        if slurm is not None and launcher != "slurm":
+            raise RuntimeFailure(f"slurm= sets the Slurm launcher's options; launcher="
+                                 f"{launcher!r} does not use Slurm (pass launcher='slurm', or "
+                                 "drop slurm=)")
+        if launcher == "local" and os.environ.get("MESHPLAN_HOSTS"):
+            logger.warning("meshplan: $MESHPLAN_HOSTS names hosts (%s), and launcher='local' "
+                           "runs every rank on this one; pass launcher='mpi' to use them",
+                           os.environ["MESHPLAN_HOSTS"])
         self.launcher, self.hosts = launcher, hosts
+        self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
@@ -87,6 +109,7 @@ class DistributedStep:
         self.last_comm: list[list[dict[str, Any]]] = []
         self.telemetry: TelemetryConfig | None = TelemetryConfig.resolve(telemetry)
         self._tel: ControllerTelemetry | None = None
+        self._shipper: SegmentShipper | None = None
         self._step_no = 0
         if seed is not None and not isinstance(seed, int):
             raise RuntimeFailure(f"distribute(seed={seed!r}): the seed must be an int or None")
@@ -285,17 +308,44 @@ class DistributedStep:
                            {r: f"{h.get('type')}: {h.get('message')}" for r, h in errors.items()})
 
     def flush_telemetry(self, timeout_s: float = 30.0) -> None:
-        """Make every rank (and the controller) write its pending telemetry rows now."""
+        """Make every rank (and the controller) write its pending telemetry rows now (and
+        fetch those of ranks whose disk this host does not see)."""
         if self._workers is not None and self.telemetry is not None:
             self._workers.broadcast("telemetry_flush")
             self._workers.gather("telemetry_flush", timeout_s)
+            self._ship_segments(timeout_s)
         if self._tel is not None:
             self._tel.rec.flush()
 
+    def _ship_segments(self, timeout_s: float | None = None) -> None:
+        """Fetch the finished telemetry segments of the ranks that write them on another
+        host's disk (``SegmentShipper``) into this host's folder, where ``ingest`` finds them:
+        every ``SHIP_EVERY_S`` between steps, at ``flush_telemetry`` and before shutdown. A
+        rank that fails keeps what it wrote since the last fetch on its host."""
+        shipper, workers = self._shipper, self._workers
+        if shipper is None or not shipper.ranks or workers is None:
+            return
+        wanted = set(shipper.ranks)
+        more = True
+        while more:
+            for rank in range(workers.n):
+                workers.send(rank, "telemetry_ship", {"ship": rank in wanted})
+            replies = workers.gather("telemetry_ship", timeout_s or self.timeout_s)
+            for rank, reply in enumerate(replies):
+                shipper.write(rank, reply.header["names"], reply.tensors)
+            more = any(r.header.get("more") for r in replies)
+        shipper.shipped_at = time.monotonic()
+
     def shutdown(self) -> None:
         if self._workers is not None:
+            try:
+                self._ship_segments()
+            except RuntimeFailure as exc:
+                logger.warning("meshplan: could not fetch the ranks' last telemetry segments "
+                               "before shutdown: %s", exc)
             self._workers.shutdown()       # workers flush their telemetry as they exit
             self._workers = None
+            self._shipper = None
         if self._tel is not None:
             self._tel.close()
             self._tel = None
@@ -387,7 +437,7 @@ class DistributedStep:
             return [{"plan_path": p} for p in self._on_every_host(path, "plans")]
 
     def _send_state(self, kind: str, values: Mapping[str, Any],
-                    header: Callable[[int, list[str]], dict[str, Any]]) -> None:
+                    header: Callable[[int, list[str]], dict[str, Any]]) -> list[Any]:
         """Send every rank its pieces of ``values`` with the message ``kind`` (``header(rank,
         names)`` is its header; the pieces follow in ``names`` order) and wait for all. Under
         the mpi launcher each distinct piece goes once, to its owner, and the ranks holding a
@@ -399,8 +449,9 @@ class DistributedStep:
             pieces = split_inputs(plan, rank, _owned(values, owners, rank))
             names = sorted(pieces)
             workers.send(rank, kind, header(rank, names), [pieces[n] for n in names])
-        workers.gather(kind, self.timeout_s)
+        replies = workers.gather(kind, self.timeout_s)
         self._share_replicas(owners)
+        return replies
 
     def _replica_owners(self, values: Mapping[str, Any]) -> dict[tuple[int, str], int] | None:
         """Under the mpi launcher: (rank, name) -> the lowest rank that holds the same piece of
@@ -483,6 +534,7 @@ class DistributedStep:
                                                    dtype=getattr(torch, n.meta.dtype)))
         data = call_inputs(plan)
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
+                    else SlurmLauncher(self.slurm) if self.launcher == "slurm"
                     else LocalLauncher())
         self._workers = workers = launcher.launch(
             world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
@@ -512,8 +564,15 @@ class DistributedStep:
         self._step_no, self._resume_step = self._resume_step, 0
         with self._recording_failures():
             plans = self._plan_for_ranks(plan.to_json())
-            self._send_state("setup", state, lambda rank, names: {
+            replies = self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
+        if self.telemetry is not None:
+            self._shipper = SegmentShipper(self.telemetry, workers.run_id, [
+                r.header.get("segments_marker") for r in replies])
+            if self._shipper.ranks:
+                logger.info("meshplan: %d ranks record telemetry on disks this host does not "
+                            "see; the controller fetches their segments every %g s and at "
+                            "the end", len(self._shipper.ranks), SHIP_EVERY_S)
         assert self._primary_key is not None
         self._variants = {self._primary_key: Variant.of(0, plan, tuple(data))}
 
@@ -587,6 +646,11 @@ class DistributedStep:
         if self._tel is not None:
             self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6),
                            results)
+        shipper = self._shipper
+        if shipper is not None and shipper.ranks and \
+                time.monotonic() - shipper.shipped_at >= SHIP_EVERY_S:
+            with self._recording_failures():
+                self._ship_segments()
         self._step_no += 1
         return self._traced.pack_results(results, plan.graph)
 
@@ -701,7 +765,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                telemetry: Any = None, kernels: bool | None = None,
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                precision: str | None = None, recompute: Any = "auto",
-               calibrate: bool | int = False, hosts: Any = None) -> Any:
+               calibrate: bool | int = False, hosts: Any = None, slurm: Any = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -734,6 +798,10 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``"a:4,b:4"`` with slots) or a hostfile (``host[:slots]`` per line); consecutive ranks
     share a host, so the innermost mesh axes stay inside one. None (the default) reads
     ``$MESHPLAN_HOSTS`` (``meshplan sandbox run`` sets it), else runs every rank here.
+    ``launcher="slurm"``: the ranks start with ``srun`` on the nodes of the Slurm allocation the
+    controller runs in (``salloc``, ``sbatch``), or, outside one, of one it asks ``salloc`` for
+    and gives back at shutdown; ``slurm``: its options, e.g. ``{"nodes": 2, "partition": "gpu",
+    "time": 30}`` (``runtime._slurm_launch.SlurmOptions``).
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -741,7 +809,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
                                seed=seed, precision=precision, recompute=recompute,
-                               calibrate=calibrate, hosts=hosts)
+                               calibrate=calibrate, hosts=hosts, slurm=slurm)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -493,8 +493,9 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
     """Copy the tree ``src`` to ``dest_template`` (may use ``{rank}``, ``{host}``) on every rank.
 
     Pass running ``workers`` (launched with ``FILES_PLUGIN`` in ``MESHPLAN_WORKER_PLUGINS``) or
-    ``ranks=N`` to launch N workers for this push only (``launcher``: ``"local"`` subprocesses
-    or ``"mpi"``, started by ``mpiexec``). Raises RuntimeFailure on bad input
+    ``ranks=N`` to launch N workers for this push only (``launcher``: ``"local"`` subprocesses,
+    ``"mpi"``, started by ``mpiexec``, or ``"slurm"``: one rank on each of N nodes of the Slurm
+    allocation this runs in, or of a new one). Raises RuntimeFailure on bad input
     or a failed rank (after which, per the launcher's contract, all workers are stopped).
     ``progress(done, total)`` gets the bytes rank 0 has verified, from a background thread.
     ``bwlimit``: bytes/s each sender (the controller and every forwarding rank) may put on its
@@ -505,8 +506,9 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
     """
     if (workers is None) == (ranks is None):
         raise RuntimeFailure("files push: pass either workers= (running workers) or ranks=N")
-    if launcher not in ("local", "mpi"):
-        raise RuntimeFailure(f"files push: unknown launcher {launcher!r}; use 'local' or 'mpi'")
+    if launcher not in ("local", "mpi", "slurm"):
+        raise RuntimeFailure(f"files push: unknown launcher {launcher!r}; use 'local', 'mpi' "
+                             "or 'slurm'")
     if not isinstance(chunk_bytes, int) or chunk_bytes < 4096 or window < 1:
         raise RuntimeFailure(f"files push: chunk_bytes={chunk_bytes!r} (at least 4096) and "
                              f"window={window!r} (at least 1) are out of range")
@@ -525,9 +527,11 @@ def push_files(src: str | os.PathLike, dest_template: str, *, workers: Any = Non
     from ._channel import ENV_PLUGINS
     from ._launch import LocalLauncher
     from ._mpi_launch import MPILauncher
+    from ._slurm_launch import SlurmLauncher
 
     plugins = ",".join(filter(None, (os.environ.get(ENV_PLUGINS, ""), FILES_PLUGIN)))
-    starter = MPILauncher() if launcher == "mpi" else LocalLauncher()
+    starter = (MPILauncher() if launcher == "mpi"
+               else SlurmLauncher({"nodes": ranks}) if launcher == "slurm" else LocalLauncher())
     with starter.launch(ranks, env={ENV_PLUGINS: plugins}) as launched:
         return _push(tree, dest_template, launched, t0, scan_s, **opts)
 

@@ -53,10 +53,12 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
             state.rank, state.world_size, all_axis_groups(plan.mesh.sizes),
             timeout_s=timeout_s, store=_rendezvous(state, timeout_s))
     tel = header.get("telemetry")
+    reply: dict[str, Any] = {"rank": state.rank}
     if tel is not None and getattr(ns, "telemetry", None) is None:
         ns.telemetry = WorkerTelemetry(TelemetryConfig.from_json(tel), tel["run_id"],
                                        state.rank, plan, state_device(ns.state))
-    return {"rank": state.rank}, []
+        reply["segments_marker"] = ns.telemetry.mark_folder()
+    return reply, []
 
 
 def _rendezvous(state: WorkerState, timeout_s: float) -> Any:
@@ -222,6 +224,19 @@ def _telemetry_query(state: WorkerState, header: dict[str, Any], tensors: list[t
         writer.write_table(table)
     data = sink.getvalue().to_pybytes()
     return {"rows": table.num_rows}, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+
+
+@register("telemetry_ship")
+def _telemetry_ship(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """This rank's finished segments the controller has not had yet (its folder is on a disk
+    the controller does not see): flushed first, then at most ``limit`` bytes of them, whole
+    files as uint8 tensors; ``more`` says that others wait for the next call."""
+    tel: WorkerTelemetry | None = getattr(state.ns, "telemetry", None)
+    if tel is None or not header.get("ship"):
+        return {"names": [], "more": False}, []
+    names, files = tel.unshipped(int(header.get("limit", 32 << 20)))
+    return {"names": names, "more": tel.has_unshipped()}, [
+        torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files]
 
 
 @register("telemetry_flush")

@@ -419,11 +419,15 @@ class Workers:
             time.sleep(0.02)
         if not dead:
             return None
-        code = self._group.procs[dead[0]].returncode
+        first = self._first_exited(dead)
+        code = self._group.procs[first].returncode
+        host = self._host_of(first)
+        on = f" (on {host})" if host else ""
         return WorkerFailure(
-            f"rank {dead[0]} {_describe_exit(code)} while the controller waited for {kind!r} "
+            f"rank {first}{on} {_describe_exit(code)} while the controller waited for {kind!r} "
             f"(rank {rank} then failed talking to it)\n  all {self.n} workers were stopped",
-            reason="exit", ranks=[dead[0]], kind=kind, exit_code=code)
+            reason="exit", ranks=[first], kind=kind, exit_code=code,
+            hosts=[host] if host else [])
 
     def _error(self, rank: int, header: dict[str, Any], kind: str) -> WorkerFailure:
         lines, remote = _remote_error(f"rank {rank} failed in {header.get('kind', kind)!r}: ",
@@ -451,13 +455,13 @@ class Workers:
         exited = [r for r, p in enumerate(self._group.procs) if p.poll() is not None]
         if not exited:
             return
-        # the first to end is the cause (mpiexec ends every rank once one dies)
-        exited.sort(key=lambda r: (getattr(self._group.procs[r], "exit_order", None)
-                                   is None, getattr(self._group.procs[r], "exit_order", 0), r))
-        rank = exited[0]
+        rank = self._first_exited(exited)
         self._drain_errors(exited)  # an error a rank sent before dying explains more than its exit
         code = self._group.procs[rank].returncode
-        lines = [f"rank {rank} {_describe_exit(code)} while the controller waited for {kind!r}"]
+        host = self._host_of(rank)
+        on = f" (on {host})" if host else ""
+        lines = [f"rank {rank}{on} {_describe_exit(code)} while the controller waited for "
+                 f"{kind!r}"]
         tail = _tail(self.log_dir / f"rank{rank}.err" if self.log_dir else None)
         if tail:
             lines += [f"  stderr of rank {rank} (last lines, {self.log_dir}/rank{rank}.err):", tail]
@@ -465,7 +469,26 @@ class Workers:
             lines.append("  (its stderr went to the controller's stderr above)")
         lines.append(f"  all {self.n} workers were stopped")
         self._fail(WorkerFailure("\n".join(lines), reason="exit", ranks=[rank], kind=kind,
-                                 exit_code=code))
+                                 exit_code=code, hosts=[host] if host else []))
+
+    def _first_exited(self, ranks: Sequence[int]) -> int:
+        """The cause among exited ``ranks``: the first to end where the launcher knows the
+        order (mpiexec and srun end every rank once one dies), else the lowest."""
+        def order(r: int) -> tuple[bool, int, int]:
+            seen = getattr(self._group.procs[r], "exit_order", None)
+            return seen is None, seen or 0, r
+
+        return min(ranks, key=order)
+
+    def _host_of(self, rank: int) -> str | None:
+        """Where ``rank`` ran when the ranks span hosts (the launcher's word for a rank that
+        ended first, else its hello's hostname); None on one host."""
+        named = getattr(self._group, "failed_nodes", {}).get(rank)
+        if named:
+            return named
+        if len(set(self.hostnames)) > 1 and rank < len(self.hostnames):
+            return self.hostnames[rank]
+        return None
 
     def _drain_errors(self, exited: Sequence[int]) -> None:
         """Report an error an exited rank sent before it died. Errors of ranks still alive

@@ -209,13 +209,14 @@ def _sandbox_hint(name: str) -> str:
 
 
 class _RankProc:
-    """What ``Workers`` sees of one rank: a Popen-like view over the shared mpiexec process.
-    A rank on another host (``local`` False) has no pid here: only mpiexec's end ends it."""
+    """What ``Workers`` sees of one rank: a Popen-like view over the one process that started
+    every rank (``job``: mpiexec, srun). A rank on another host (``local`` False) has no pid
+    here: only the job's end ends it."""
 
     stdin = None
 
-    def __init__(self, mpiexec: subprocess.Popen) -> None:
-        self.mpiexec = mpiexec
+    def __init__(self, job: subprocess.Popen) -> None:
+        self.job = job
         self.local = True
         self.pid: int | None = None         # known after hello
         self.returncode: int | None = None
@@ -225,7 +226,7 @@ class _RankProc:
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        code = self.mpiexec.poll()
+        code = self.job.poll()
         if code is not None:
             self.returncode = code
         elif self.local and self.pid is not None and not _alive(self.pid):
@@ -236,16 +237,16 @@ class _RankProc:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        self.mpiexec.wait(timeout)
+        self.job.wait(timeout)
         return self.poll() or 0
 
     def terminate(self) -> None:
-        if self.mpiexec.poll() is None:
-            self.mpiexec.terminate()
+        if self.job.poll() is None:
+            self.job.terminate()
 
     def kill(self) -> None:
-        if self.mpiexec.poll() is None:
-            self.mpiexec.kill()
+        if self.job.poll() is None:
+            self.job.kill()
 
 
 def _watch_exits(procs: list[_RankProc]) -> None:
@@ -295,9 +296,10 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _tee(stream) -> tuple[list[str], threading.Thread]:  # noqa: ANN001 - a binary pipe
-    """Copy mpiexec's stderr (its own messages, and the ranks' without a log_dir) to ours as
-    it comes, keeping its last lines for an error message; the thread ends at its end."""
+def _tee(stream, on_line=None) -> tuple[list[str], threading.Thread]:  # noqa: ANN001
+    """Copy a launcher's stderr (mpiexec's or srun's own messages, and the ranks' without a
+    log_dir) to ours as it comes, keeping its last lines for an error message and passing each
+    to ``on_line``; the thread ends at its end."""
     tail: list[str] = []
 
     def copy() -> None:
@@ -308,6 +310,8 @@ def _tee(stream) -> tuple[list[str], threading.Thread]:  # noqa: ANN001 - a bina
                 pass
             tail.append(raw.decode(errors="replace").rstrip())
             del tail[:-20]
+            if on_line is not None:
+                on_line(tail[-1])
         stream.close()
 
     thread = threading.Thread(target=copy, name="meshplan-mpiexec-stderr", daemon=True)

@@ -32,8 +32,18 @@ files. The state file (``/run/meshplan-sandbox/<name>/state.json``) records the 
 way out, so the namespaces, veths and addresses go with them. With ``owner=`` (the test fixture
 passes its own pid) the holders also end by themselves when the owner ends, however it ends.
 
+With ``--slurm`` the sandbox is also a Slurm cluster: ``munged`` (one, with a key made for this
+sandbox, its socket in the state folder that every host sees), ``slurmctld`` on ``<name>-ctl``
+and one ``slurmd`` per host, each in its host's namespaces, from the machine's own Slurm
+(Debian's ``slurm-wlm`` and ``munge``). The configuration (``<state>/slurm/slurm.conf``, which
+``run`` names in ``SLURM_CONF``) has one partition, ``main``, with every host; each node
+declares ``--cpus`` CPUs (default: this machine's count; they are the same CPUs). No cgroups,
+no accounting database: process tracking by ``/proc`` (``proctrack/linuxproc``). The daemons
+live in the hosts' network namespaces, so ``down`` (and the owner's end) stops them with the
+rest.
+
 Needs root (``CAP_SYS_ADMIN``, ``CAP_NET_ADMIN``), ``unshare``, ``nsenter`` and ``ip``; ``Sandbox.
-check()`` says which is missing. Slurm daemons in the sandbox (``--slurm``) are not built yet.
+check()`` says which is missing (``check(slurm=True)``: and Slurm's daemons).
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ DEFAULT_NAME = "meshplan"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _HOLDER = Path(__file__).with_name("_sandbox_holder.py")
 _TOOLS = ("unshare", "nsenter", "ip", "mount", "setpriv")
+_SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "srun", "salloc", "sinfo", "scontrol")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +88,16 @@ class Sandbox:
     """A running sandbox (``Sandbox.up``), or one found by name (``Sandbox.open``)."""
 
     def __init__(self, name: str, hosts: list[Host], ctl: Host, switch_pid: int,
-                 owner: int | None) -> None:
+                 owner: int | None, slurm: bool = False) -> None:
         self.name, self.hosts, self.ctl = name, hosts, ctl
-        self.switch_pid, self.owner = switch_pid, owner
+        self.switch_pid, self.owner, self.slurm = switch_pid, owner, slurm
 
     # ---- bringing it up and down ------------------------------------------------------------
 
     @staticmethod
-    def check() -> None:
-        """Raise RuntimeFailure naming what this machine lacks for a sandbox."""
+    def check(slurm: bool = False) -> None:
+        """Raise RuntimeFailure naming what this machine lacks for a sandbox (``slurm``: one
+        with Slurm's daemons)."""
         if not sys.platform.startswith("linux"):
             raise RuntimeFailure("meshplan sandbox needs Linux namespaces; this is "
                                  f"{sys.platform}")
@@ -96,6 +108,11 @@ class Sandbox:
         if missing:
             raise RuntimeFailure(f"meshplan sandbox needs {', '.join(missing)} on PATH "
                                  "(Debian: apt-get install util-linux iproute2)")
+        missing = [t for t in _SLURM_TOOLS if slurm and _which(t) is None]
+        if missing:
+            raise RuntimeFailure(f"meshplan sandbox up --slurm needs {', '.join(missing)} "
+                                 "(Slurm's daemons and client, and munge; Debian: apt-get "
+                                 "install slurmctld slurmd slurm-client munge)")
         try:
             subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], check=True,
                            capture_output=True, timeout=30)
@@ -107,14 +124,18 @@ class Sandbox:
 
     @classmethod
     def up(cls, hosts: int, name: str = DEFAULT_NAME, *, owner: int | None = None,
-           timeout_s: float = 30.0) -> Sandbox:
+           timeout_s: float = 30.0, slurm: bool = False, cpus: int | None = None) -> Sandbox:
         """Make ``hosts`` hosts (and the controller's) on a private bridge. ``owner``: a pid
-        whose end takes the sandbox down by itself (default: none; ``down`` does)."""
+        whose end takes the sandbox down by itself (default: none; ``down`` does); ``slurm``:
+        also run a Slurm cluster over them, each node with ``cpus`` CPUs (module docstring)."""
         _check_name(name)
         if not 1 <= hosts <= MAX_HOSTS:
             raise RuntimeFailure(f"meshplan sandbox up: --hosts {hosts}: make 1 to "
                                  f"{MAX_HOSTS} hosts")
-        cls.check()
+        cpus = cpus or os.cpu_count() or 1
+        if cpus < 1:
+            raise RuntimeFailure(f"meshplan sandbox up: --cpus {cpus}: give 1 or more")
+        cls.check(slurm)
         where = ROOT / name
         if (where / "state.json").exists():
             old = cls.open(name)
@@ -158,10 +179,69 @@ class Sandbox:
                 _reap(proc, 5.0)
             shutil.rmtree(where, ignore_errors=True)
             raise
-        box = cls(name, made[1:], made[0], switch, owner)
+        box = cls(name, made[1:], made[0], switch, owner, slurm)
         box._write_shim()
         atomic_write_text(where / "state.json", json.dumps(box.to_dict(), indent=1))
+        if slurm:
+            try:
+                box._start_slurm(cpus, timeout_s)
+            except BaseException:
+                box.down()
+                raise
         return box
+
+    # ---- Slurm ------------------------------------------------------------------------------
+
+    @property
+    def slurm_dir(self) -> Path:
+        return ROOT / self.name / "slurm"
+
+    def _start_slurm(self, cpus: int, timeout_s: float) -> None:
+        """munged, slurmctld on the controller's host, a slurmd on every host; returns when
+        every node is idle (module docstring)."""
+        d = self.slurm_dir
+        d.mkdir(mode=0o755)
+        d.chmod(0o755)                  # munged wants every folder above its socket searchable
+        (d / "state").mkdir(mode=0o700)
+        fd = os.open(d / "munge.key", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(1024))
+        conf = d / "slurm.conf"
+        atomic_write_text(conf, _slurm_conf(self, d, cpus))
+        self._daemon(self.ctl, ["munged", f"--socket={d / 'munge.socket'}",
+                                f"--key-file={d / 'munge.key'}",
+                                f"--pid-file={d / 'munged.pid'}",
+                                f"--log-file={d / 'munged.log'}",
+                                f"--seed-file={d / 'munged.seed'}"])
+        self._daemon(self.ctl, ["slurmctld", "-f", str(conf)])
+        for h in self.hosts:
+            self._daemon(h, ["slurmd", "-f", str(conf), "-N", h.name])
+        deadline = time.monotonic() + max(timeout_s, 30.0)
+        states = ""
+        while time.monotonic() < deadline:
+            done = subprocess.run(self.argv(["sinfo", "-h", "-N", "-o", "%N %t"]),
+                                  capture_output=True, text=True, timeout=30)
+            states = done.stdout.strip() or done.stderr.strip()
+            found = dict(line.split()[:2] for line in done.stdout.splitlines()
+                         if len(line.split()) >= 2)
+            if len(found) == len(self.hosts) and all(v == "idle" for v in found.values()):
+                return
+            time.sleep(0.3)
+        logs = "".join(f"\n  {p.name}: {_last_line(p)}" for p in sorted(d.glob("*.log")))
+        raise RuntimeFailure(f"meshplan sandbox up --slurm: the nodes did not come up within "
+                             f"{max(timeout_s, 30.0):g} s (sinfo: {states or 'nothing'}); the "
+                             f"daemons' last words:{logs}")
+
+    def _daemon(self, host: Host, cmd: list[str]) -> None:
+        """Start a daemon (it forks into the background) in ``host``'s namespaces."""
+        argv = ["nsenter", "--target", str(host.pid), "--net", "--uts", "--ipc", "--mount",
+                "--", _which(cmd[0]) or cmd[0], *cmd[1:]]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        if done.returncode:
+            raise RuntimeFailure(f"meshplan sandbox up --slurm: `{shlex.join(cmd)}` on "
+                                 f"{host.name} failed (exit {done.returncode}): "
+                                 f"{(done.stderr or done.stdout).strip()}")
 
     def down(self, timeout_s: float = 10.0) -> None:
         """Stop every holder (each kills what still runs on its host) and forget the sandbox.
@@ -200,11 +280,12 @@ class Sandbox:
             raise RuntimeFailure(f"sandbox state {path} is unreadable ({exc}); remove "
                                  f"{path.parent} and run `meshplan sandbox up` again") from None
         return cls(d["name"], [Host(**h) for h in d["hosts"]], Host(**d["ctl"]),
-                   int(d["switch_pid"]), d.get("owner"))
+                   int(d["switch_pid"]), d.get("owner"), bool(d.get("slurm")))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "hosts": [asdict(h) for h in self.hosts],
-                "ctl": asdict(self.ctl), "switch_pid": self.switch_pid, "owner": self.owner}
+                "ctl": asdict(self.ctl), "switch_pid": self.switch_pid, "owner": self.owner,
+                "slurm": self.slurm}
 
     def host(self, name: str) -> Host:
         for h in (*self.hosts, self.ctl):
@@ -220,7 +301,8 @@ class Sandbox:
 
     def env(self) -> dict[str, str]:
         """What ``run`` adds to a command's environment."""
-        return {"MESHPLAN_HOSTS": ",".join(h.name for h in self.hosts),
+        slurm = {"SLURM_CONF": str(self.slurm_dir / "slurm.conf")} if self.slurm else {}
+        return {**slurm, "MESHPLAN_HOSTS": ",".join(h.name for h in self.hosts),
                 "MESHPLAN_SANDBOX": self.name,
                 "HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(self.shim),
                 # MPICH's default netmod, UCX, sees one kernel (one boot id) and moves bytes
@@ -276,6 +358,53 @@ exec nsenter --target "$pid" --net --uts --ipc --mount --wd="$PWD" -- \
 """
         atomic_write_text(self.shim, text)
         self.shim.chmod(0o755)
+
+
+def _slurm_conf(box: Sandbox, d: Path, cpus: int) -> str:
+    nodes = "".join(f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN\n"
+                    for h in box.hosts)
+    return f"""# meshplan sandbox {box.name!r}: a Slurm cluster of {len(box.hosts)} node(s), one machine
+ClusterName={box.name}
+SlurmctldHost={box.ctl.name}({box.ctl.address})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d / 'munge.socket'}
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={d / 'state'}
+SlurmdSpoolDir={d / 'spool-%n'}
+SlurmctldPidFile={d / 'slurmctld.pid'}
+SlurmdPidFile={d / 'slurmd-%n.pid'}
+SlurmctldLogFile={d / 'slurmctld.log'}
+SlurmdLogFile={d / 'slurmd-%n.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+{nodes}PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _which(tool: str) -> str | None:
+    """A tool on PATH or in the sbin folders (daemons live there, and a user's PATH may lack
+    them)."""
+    return shutil.which(tool) or shutil.which(tool, path="/usr/sbin:/sbin:/usr/local/sbin")
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(unreadable)"
+    return lines[-1] if lines else "(empty)"
 
 
 def _kept() -> list[str]:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -33,6 +34,7 @@ from ..planner._calibrate import node_work
 from ..planner._comm import Collective, collective_time
 from ..planner._plan import layout_str
 from ..telemetry import Level, Recorder, TelemetryConfig, now_us
+from ..telemetry._recorder import rank_dir
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,38 @@ class WorkerTelemetry:
         self._ops: list[tuple[str, str, float, float]] = []
         coords = ",".join(f"{a}={c}" for a, c in zip(self.names, self.coords))
         self.rec.add("ranks", (socket.gethostname(), os.getpid(), coords, device, now_us()))
+        self._shipped: set[str] = set()
+
+    # shipping to a controller that does not see this rank's folder (runtime/_distributed.py)
+    def mark_folder(self) -> str:
+        """Leave a file in this rank's segment folder whose name the controller looks for at
+        its own path of that folder: found, they share the disk; not, it fetches segments."""
+        import secrets
+
+        name = f".here-{secrets.token_hex(8)}"
+        (self.rec.dir / name).touch()
+        return name
+
+    def unshipped(self, limit: int) -> tuple[list[str], list[bytes]]:
+        """Flush, then the names and bytes of finished segments not shipped yet, up to
+        ``limit`` bytes (at least one file)."""
+        self.rec.flush()
+        names, files, size = [], [], 0
+        for path in sorted(self.rec.dir.glob("*.parquet")):
+            if path.name in self._shipped:
+                continue
+            data = path.read_bytes()
+            if files and size + len(data) > limit:
+                break
+            self._shipped.add(path.name)
+            if data:
+                names.append(path.name)
+                files.append(data)
+                size += len(data)
+        return names, files
+
+    def has_unshipped(self) -> bool:
+        return any(p.name not in self._shipped for p in self.rec.dir.glob("*.parquet"))
 
     # RunObserver
     def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None:
@@ -310,6 +344,46 @@ class QueryResult:
     @property
     def complete(self) -> bool:
         return not self.missing and not self.errors
+
+
+_SEGMENT_NAME = re.compile(r"^[a-z_]+-\d+-\d+\.parquet$")      # Recorder._write's names
+
+
+class SegmentShipper:
+    """The controller's side of shipping: which ranks write their segments on a disk it does
+    not see (their marker file is not at its own path of their folder), and writing what
+    they send into its folder, as the Recorder would have (atomically, under the same name)."""
+
+    def __init__(self, config: TelemetryConfig, run_id: str,
+                 markers: Sequence[str | None]) -> None:
+        self.config, self.run_id = config, run_id
+        self.ranks: list[int] = []
+        for rank, marker in enumerate(markers):
+            if not marker or not _SEGMENT_MARKER.match(marker):
+                continue
+            seen = config.segments / run_id / rank_dir(rank) / marker
+            if seen.exists():
+                seen.unlink()
+            else:
+                self.ranks.append(rank)
+        self.shipped_at = time.monotonic()
+        self.files = self.bytes = 0
+
+    def write(self, rank: int, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+        folder = self.config.segments / self.run_id / rank_dir(rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in zip(names, tensors):
+            if not _SEGMENT_NAME.match(str(name)):
+                raise ValueError(f"rank {rank} shipped a telemetry segment named {name!r}")
+            raw = data.numpy().tobytes()
+            tmp = folder / f".{name}.tmp"
+            tmp.write_bytes(raw)
+            os.replace(tmp, folder / name)
+            self.files += 1
+            self.bytes += len(raw)
+
+
+_SEGMENT_MARKER = re.compile(r"^\.here-[0-9a-f]{16}$")
 
 
 def ingest(config: TelemetryConfig | None) -> None:

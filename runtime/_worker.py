@@ -3,7 +3,8 @@
 A launcher starts it with its rank, the world size, the controller's address and the run id in
 the environment (``MESHPLAN_*``) and the channel secret as the first line (hex) of stdin, never in
 argv or the environment. Under the ``mpi`` launcher (``MESHPLAN_MPI=1``) the rank comes from MPI
-and the secret from a private file instead (``_mpi_launch.worker_start``). The worker connects,
+and the secret from a private file instead (``_mpi_launch.worker_start``); under ``slurm``
+(``MESHPLAN_SLURM=1``) the rank is ``$SLURM_PROCID`` and srun passes stdin to every task. The worker connects,
 says ``hello``, then serves: receive a message, dispatch on its kind to a handler, send the reply.
 
 A handler is ``fn(state, header, tensors) -> (reply_header, reply_tensors)`` registered with
@@ -238,6 +239,11 @@ def main() -> int:
             from ._mpi_launch import worker_start
 
             secret, rank = worker_start(env, parent, env.get(ENV_PDEATHSIG) == "1")
+        elif env.get("MESHPLAN_SLURM") == "1":  # started by srun: see _slurm_launch
+            from ._slurm_launch import worker_rank
+
+            rank = worker_rank(env)
+            secret = _guard_against_orphaning(None, env.get(ENV_PDEATHSIG) == "1")
         else:
             secret = _guard_against_orphaning(parent, env.get(ENV_PDEATHSIG) == "1")
             rank = int(env[ENV_RANK])

@@ -1,9 +1,12 @@
 """Run by ``test_sandbox.py`` as the controller inside a sandbox (``meshplan sandbox run``):
 the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one process.
 
-    python _multihost_job.py MESH_JSON STRATEGY DB STEPS
+    python _multihost_job.py MESH_JSON STRATEGY DB STEPS [LAUNCHER [SLURM_JSON]]
     python _multihost_job.py cut RESULT   (see ``cut``)
     python _multihost_job.py unreachable RESULT
+    python _multihost_job.py die RESULT             (slurm: a rank is killed; see ``die``)
+    python _multihost_job.py hold                   (slurm: one step, ``ready``, then sleep)
+    python _multihost_job.py refused MESH SLURM RESULT  (slurm: the launch's error)
 
 Prints one JSON line: the mesh's and one process's losses, the largest parameter difference
 after the steps, and the host of every rank as telemetry recorded it.
@@ -68,15 +71,89 @@ def unreachable(result: str) -> None:
         json.dump(out, f)
 
 
+def _failure(exc: BaseException, t0: float) -> dict:
+    import time
+
+    return {"type": type(exc).__name__, "reason": getattr(exc, "reason", None),
+            "hosts": list(getattr(exc, "hosts", ())), "ranks": list(getattr(exc, "ranks", ())),
+            "exit_code": getattr(exc, "exit_code", None), "message": str(exc),
+            "after_s": time.monotonic() - t0}
+
+
+def die(result: str) -> None:
+    """Under the slurm launcher, in the allocation it runs in: one step, then rank 3 is
+    killed (SIGKILL) and the next step's failure goes to ``result``."""
+    import os
+    import signal
+    import time
+
+    from meshplan._errors import RuntimeFailure
+
+    ex = gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="slurm", strategy="dp",
+                               telemetry=False, timeout_s=60)
+    out: dict = {"type": None}
+    with step:
+        step(*ex.batch(0))
+        out["hostnames"] = list(step._workers.hostnames)
+        os.kill(step._workers.pids[3], signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            step(*ex.batch(1))
+        except RuntimeFailure as exc:
+            out.update(_failure(exc, t0))
+    with open(result, "w") as f:
+        json.dump(out, f)
+
+
+def hold() -> None:
+    import time
+
+    ex = gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="slurm", strategy="dp",
+                               telemetry=False, timeout_s=60, slurm={"nodes": 2})
+    step(*ex.batch(0))
+    print("ready", " ".join(map(str, step._workers.pids)), flush=True)
+    time.sleep(300)
+
+
+def refused(mesh: str, slurm: str, result: str) -> None:
+    import time
+
+    from meshplan._errors import RuntimeFailure
+
+    ex = gpt.build(seed=0)
+    out: dict = {"type": None}
+    t0 = time.monotonic()
+    try:
+        step = meshplan.distribute(ex.step, mesh=json.loads(mesh), launcher="slurm",
+                                   strategy="dp", telemetry=False, timeout_s=60,
+                                   slurm=json.loads(slurm))
+        with step:
+            step(*ex.batch(0))
+    except RuntimeFailure as exc:
+        out = _failure(exc, t0)
+    with open(result, "w") as f:
+        json.dump(out, f)
+
+
 def main() -> None:
     if sys.argv[1] == "cut":
         return cut(sys.argv[2])
     if sys.argv[1] == "unreachable":
         return unreachable(sys.argv[2])
+    if sys.argv[1] == "die":
+        return die(sys.argv[2])
+    if sys.argv[1] == "hold":
+        return hold()
+    if sys.argv[1] == "refused":
+        return refused(*sys.argv[2:5])
     mesh, strategy, db, steps = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    launcher = sys.argv[5] if len(sys.argv) > 5 else "mpi"
+    slurm = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
     ex, ref = gpt.build(seed=0), gpt.build(seed=0)
-    step = meshplan.distribute(ex.step, mesh=mesh, launcher="mpi", strategy=strategy,
-                               telemetry=db, timeout_s=120)
+    step = meshplan.distribute(ex.step, mesh=mesh, launcher=launcher, strategy=strategy,
+                               telemetry=db, timeout_s=120, slurm=slurm)
     got, want = [], []
     with step:
         for i in range(steps):

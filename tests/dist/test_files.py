@@ -341,7 +341,7 @@ def test_cli_push_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("args, text", [
-    (["--launcher", "slurm"], "unknown --launcher 'slurm'"),
+    (["--launcher", "k8s"], "unknown --launcher 'k8s'"),
     (["--dest", "/tmp/{foo}"], "uses {foo}"),
     (["--src", "/nonexistent/meshplan-src"], "does not exist"),
     (["--chunk-size", "lots"], "--chunk-size 'lots'"),

@@ -169,8 +169,19 @@ def test_cli_bad_input(capsys) -> None:
     assert "no sandbox named 'nosuchbox' is up" in capsys.readouterr().err
     assert main(["sandbox", "down", "--name", "nosuchbox"]) == 0      # cleanup is idempotent
     assert "nothing to do" in capsys.readouterr().out
-    assert main(["sandbox", "up", "--hosts", "2", "--slurm"]) == 1
-    assert "not built yet" in capsys.readouterr().err
+    assert main(["sandbox", "up", "--hosts", "2", "--cpus", "2"]) == 1
+    assert "--cpus sets the Slurm nodes' CPUs; add --slurm" in capsys.readouterr().err
+
+
+@needs_namespaces
+def test_slurm_without_its_daemons_is_one_error(monkeypatch) -> None:
+    import meshplan.runtime._sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "_which", lambda tool: None)
+    with pytest.raises(RuntimeFailure, match="--slurm needs munged, slurmctld, slurmd, srun.*"
+                       "apt-get install slurmctld slurmd slurm-client munge"):
+        Sandbox.up(2, _name("x"), owner=os.getpid(), slurm=True)
+    assert not (ROOT / _name("x")).exists()                 # nothing was made
 
 
 @needs_namespaces
@@ -317,3 +328,163 @@ def test_files_push_reaches_three_hosts() -> None:
     finally:
         b.down()
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- Slurm: `sandbox up --slurm` and launcher="slurm" ------------------------------------------
+
+def _why_no_slurm() -> str | None:
+    try:
+        Sandbox.check(slurm=True)
+    except RuntimeFailure as exc:
+        return str(exc)
+    return None
+
+
+_NO_SLURM = _why_no_slurm()
+needs_slurm = pytest.mark.skipif(_NO_SLURM is not None, reason=_NO_SLURM or "")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two hosts with a real slurmctld (on NAME-ctl) and a slurmd each, 2 CPUs per node."""
+    b = Sandbox.up(2, _name("s"), owner=os.getpid(), slurm=True, cpus=2)
+    try:
+        yield b
+    finally:
+        b.down()
+
+
+def _job(b: Sandbox, *args: str, timeout: float = 150, salloc: list[str] | None = None,
+         env: list[str] = ()) -> dict:
+    """Run ``_multihost_job.py ARGS... RESULT`` as the controller (under ``salloc`` when
+    given); the JSON it wrote to RESULT."""
+    import json
+
+    work = tempfile.mkdtemp(prefix="meshplan-sl-", dir="/var/tmp")
+    try:
+        result = os.path.join(work, "result.json")
+        job = Path(__file__).with_name("_multihost_job.py")
+        done = b.run(["env", *env, *(salloc or []), sys.executable, str(job), *args, result],
+                     capture_output=True, text=True, timeout=timeout)
+        assert os.path.exists(result), done.stderr[-3000:]
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _queue_empty(b: Sandbox, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _out(b, ["squeue", "-h"]) == "":
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@needs_namespaces
+@needs_slurm
+@pytest.mark.timeout(240)
+def test_gpt_on_two_slurm_nodes_equals_one_process(cluster) -> None:
+    """Outside an allocation, ``slurm={"nodes": 2}``: salloc grants the two nodes, srun starts
+    ranks 0-1 on h0 and 2-3 on h1, the losses and parameters match one process, and the
+    allocation is given back at shutdown. The telemetry store is in the controller's own
+    /tmp, which the nodes do not see: their segments reach it through the channel."""
+    import json
+
+    job = Path(__file__).with_name("_multihost_job.py")
+    out = _out(cluster, [sys.executable, str(job), json.dumps({"dp": 2, "tp": 2}), "auto",
+                         "/tmp/tel/t.duckdb", "3", "slurm", json.dumps({"nodes": 2})])
+    assert not os.path.exists("/tmp/tel/t.duckdb")        # the ctl host's /tmp, not ours
+    r = json.loads(out.splitlines()[-1])
+    h0, h1 = (h.name for h in cluster.hosts)
+    assert r["controller"] == cluster.ctl.name
+    assert r["hosts"] == [h0, h0, h1, h1]          # telemetry's ranks.host, as srun placed them
+    assert r["got"] == pytest.approx(r["want"], rel=1e-5)   # as under mpi (same tolerance)
+    assert r["param_diff"] < 3e-5
+    assert _queue_empty(cluster)
+
+
+@needs_namespaces
+@needs_slurm
+@pytest.mark.timeout(180)
+def test_in_an_allocation_a_killed_rank_is_named_with_its_node(cluster) -> None:
+    """Inside ``salloc -N2 -n4`` the launcher uses that allocation; rank 3 killed between
+    steps: one WorkerFailure naming rank 3, h1 and SIGKILL (srun's own report), not rank 0
+    (srun ends every task at once)."""
+    r = _job(cluster, "die", salloc=["salloc", "-N2", "-n4"])
+    h0, h1 = (h.name for h in cluster.hosts)
+    assert r["hostnames"] == [h0, h0, h1, h1]
+    assert r["type"] == "WorkerFailure" and r["reason"] == "exit", r
+    assert r["ranks"] == [3] and r["hosts"] == [h1] and r["exit_code"] == -9, r
+    assert f"rank 3 (on {h1}) was killed by SIGKILL" in r["message"]
+    assert r["after_s"] < 30
+    assert _queue_empty(cluster)
+
+
+@needs_namespaces
+@needs_slurm
+@pytest.mark.timeout(120)
+def test_a_killed_controller_gives_its_allocation_back(cluster) -> None:
+    """``kill -9`` of the controller: salloc's holding shell sees its stdin close and srun's
+    tasks see theirs close, so the allocation ends and nothing runs on the nodes."""
+    job = Path(__file__).with_name("_multihost_job.py")
+    proc = subprocess.Popen(cluster.argv([sys.executable, str(job), "hold"]),
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["ready"], line
+        assert _out(cluster, ["squeue", "-h", "-o", "%T"]) == "RUNNING"
+        ctl = [p for p in _pids_in_netns(cluster.ctl.pid) if "_multihost_job" in _cmdline(p)]
+        assert ctl
+        for pid in ctl:
+            os.kill(pid, signal.SIGKILL)
+        assert _queue_empty(cluster, 15)
+
+        def left() -> list[list[str]]:          # what runs on the nodes but their slurmd
+            return [[c for c in _in_netns(h.pid) if c != "slurmd"] for h in cluster.hosts]
+
+        deadline = time.monotonic() + 15
+        while any(left()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left() == [[], []]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def _pids_in_netns(holder: int) -> list[int]:
+    st = os.stat(f"/proc/{holder}/ns/net")
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            mine = os.stat(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino) and int(pid) != holder:
+            out.append(int(pid))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@needs_namespaces
+@needs_slurm
+@pytest.mark.timeout(120)
+def test_slurm_requests_that_cannot_run_are_one_error_each(cluster) -> None:
+    """More nodes than the partition has (Slurm would queue it for ever: the launcher reads
+    squeue's reason and cancels it), and an allocation with fewer CPUs per node than ranks."""
+    r = _job(cluster, "refused", '{"dp": 4}', '{"nodes": 4}')
+    assert r["type"] == "RuntimeFailure" and "PartitionNodeLimit" in r["message"], r
+    assert "it was cancelled" in r["message"] and r["after_s"] < 20
+    assert _queue_empty(cluster)
+    r = _job(cluster, "refused", '{"dp": 4}', "{}", salloc=["salloc", "-N2"])
+    assert r["type"] == "RuntimeFailure", r
+    assert "is too small for the mesh: 4 ranks over 2 nodes need 2 CPUs on each" in r["message"]
+    assert _queue_empty(cluster)

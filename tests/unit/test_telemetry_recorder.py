@@ -105,3 +105,31 @@ def test_step_comm_time_counts_overlapping_collectives_once() -> None:
     assert _busy_us([rec(10.0, 0.002), rec(10.001, 0.002), rec(10.010, 0.001)]) == 4000
     assert _busy_us([rec(10.0, 0.005), rec(10.001, 0.001)]) == 5000      # one inside another
     assert _busy_us([rec(10.002, 0.001), rec(10.0, 0.001)]) == 2000      # any order
+
+
+def test_segments_of_ranks_on_a_disk_the_controller_does_not_see_are_shipped(tmp_path) -> None:
+    """``runtime._telemetry.SegmentShipper``: a rank whose marker the controller finds at its
+    own path shares the disk (marker removed, nothing shipped); one whose marker it does not
+    find is fetched, and what it sends lands as the Recorder would have written it."""
+    import torch
+
+    from meshplan.runtime._telemetry import SegmentShipper
+    from meshplan.telemetry import Store
+
+    config = TelemetryConfig(db=tmp_path / "ctl" / "t.duckdb")
+    here = Recorder(config.segments, "run1", 0, flush_interval_s=None)
+    (here.dir / ".here-00112233445566ff").touch()
+    far = Recorder(tmp_path / "other-host", "run1", 1, flush_interval_s=None)
+    far.add("ranks", ("hostB", 1, "dp=1", "cpu", 0))
+    far.flush()
+    shipper = SegmentShipper(config, "run1", [".here-00112233445566ff", ".here-aabbccddeeff0011"])
+    assert shipper.ranks == [1]
+    assert not (here.dir / ".here-00112233445566ff").exists()
+    files = sorted(far.dir.glob("*.parquet"))
+    shipper.write(1, [f.name for f in files],
+                  [torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8) for f in files])
+    with Store.open(config.db) as store:
+        assert store.sql("SELECT host FROM ranks WHERE rank = 1").column(0).to_pylist() == \
+            ["hostB"]
+    with pytest.raises(ValueError, match="shipped a telemetry segment named '../x.parquet'"):
+        shipper.write(1, ["../x.parquet"], [torch.zeros(1, dtype=torch.uint8)])
