@@ -6,7 +6,13 @@ kernels) and the communicators and transfers: torch.distributed (gloo on CPU, NC
 `meshplan.kernels` (and `meshplan._errors`, `meshplan.telemetry`).
 """
 
-from ._comm import CollectiveKind, CommRecord, Communicator, TorchCommunicator
+from ._comm import (
+    CollectiveKind,
+    CommRecord,
+    Communicator,
+    HostStagedCommunicator,
+    TorchCommunicator,
+)
 from ._layout import all_axis_groups, assemble, holds_zeros, local_part, local_slices, rank_coords
 from ._lower import Program, RunObserver, StepAborted, lower, run, split_inputs
 from ._mpi import MPICommunicator
@@ -25,6 +31,7 @@ __all__: list[str] = [
     "StepRNG",
     "ThreadMesh",
     "TorchCommunicator",
+    "HostStagedCommunicator",
     "Transfer",
     "TransferRecord",
     "all_axis_groups",

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -640,5 +640,47 @@ class TorchCommunicator(CommBase):
                 dist.destroy_process_group()
 
     def __repr__(self) -> str:
-        return (f"TorchCommunicator(rank={self.rank}, world_size={self.world_size}, "
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, groups={list(self._declared)})")
+
+
+class HostStagedCommunicator(TorchCommunicator):
+    """gloo for ranks whose tensors live on a GPU another rank of the host also uses (NCCL
+    refuses two ranks on one device): every call copies its input to host memory, runs the
+    collective there (gloo, shared memory inside the host) and copies the result back to the
+    tensor's device. Slower than NCCL by the two copies and the host collective; what it is
+    for is running several ranks on one GPU at all (tests, a small machine)."""
+
+    def __init__(self, rank: int, world_size: int, groups: Sequence[tuple[int, ...]], *,
+                 device: torch.device | str, **kwargs: Any) -> None:
+        super().__init__(rank, world_size, groups, backend="gloo", **kwargs)
+        self.gpu = torch.device(device)
+
+    def all_reduce(self, t: torch.Tensor, group: tuple[int, ...], op: str = "sum") -> torch.Tensor:
+        return super().all_reduce(t.cpu(), group, op).to(t.device)
+
+    def all_reduce_start(self, t: torch.Tensor, group: tuple[int, ...],
+                         op: str = "sum", *, donate: bool = False) -> PendingReduce:
+        host = t.cpu()
+        pending = super().all_reduce_start(host, group, op, donate=donate or host is not t)
+        return PendingReduce(lambda: pending.wait().to(t.device))
+
+    def all_gather(self, t: torch.Tensor, group: tuple[int, ...], dim: int) -> torch.Tensor:
+        return super().all_gather(t.cpu(), group, dim).to(t.device)
+
+    def reduce_scatter(self, t: torch.Tensor, group: tuple[int, ...], dim: int,
+                       op: str = "sum") -> torch.Tensor:
+        return super().reduce_scatter(t.cpu(), group, dim, op).to(t.device)
+
+    def all_to_all(self, t: torch.Tensor, group: tuple[int, ...], split_dim: int,
+                   cat_dim: int) -> torch.Tensor:
+        return super().all_to_all(t.cpu(), group, split_dim, cat_dim).to(t.device)
+
+    def broadcast(self, t: torch.Tensor, src: int, group: tuple[int, ...]) -> torch.Tensor:
+        return super().broadcast(t.cpu(), src, group).to(t.device)
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        super().send(t.cpu(), dst)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        return super().recv(shape, dtype, src).to(self.gpu)

@@ -2,7 +2,7 @@
 ranks, and the control channel's round trip with and without encryption.
 
     python benchmarks/multihost.py [--steps 6] [--rates none 1gbit] [--strategies dp fsdp]
-                                   [--skip-steps] [--skip-channel]
+                                   [--skip-steps] [--skip-channel] [--slurm]
 
 Needs root (``meshplan sandbox``: the hosts are Linux namespaces on this machine, so every
 variant shares the same CPU cores, and only the path between ranks differs: MPICH's shared
@@ -20,6 +20,15 @@ memory inside a host, TCP over a veth pair and a bridge between hosts).
    with CURVE (another host: encrypted and authenticated), and a bare ZeroMQ TCP pair without
    CURVE and without the channel's signature (what encryption and signing cost), on loopback,
    for a 0-byte header, 1 MiB and 64 MiB; median of 20 (5 for 64 MiB).
+3. **Slurm** (``--slurm``; needs Slurm's daemons, ``meshplan sandbox up --slurm``): the same
+   GPT, ``{"dp": 4}`` on 2 nodes x 2 ranks, started from the controller's host by
+   ``launcher="slurm"`` in a new allocation (``slurm={"nodes": 2}``: salloc, then srun), by
+   ``launcher="slurm"`` inside ``salloc -N2 -n4``, and by ``launcher="mpi"`` with the two
+   hosts, against what people run under Slurm today: ``srun -N2 -n4 python`` of a script
+   with torch's ``DistributedDataParallel`` on gloo (the same model, optimizer and batches,
+   each rank its quarter of the batch). For each, the wall time of the whole command
+   (start-up, ``--steps`` + 2 steps, shutdown: a new Python, torch's import, tracing and
+   planning for meshplan, the allocation) and the median step after two warm-up steps.
 """
 
 from __future__ import annotations
@@ -41,15 +50,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def job(hosts: str, strategy: str, steps: int, out: str) -> None:
-    """Run inside the sandbox, as the controller: median step time, to ``out`` as JSON."""
+    """Run inside the sandbox, as the controller: median step time, to ``out`` as JSON.
+    ``hosts``: mpiexec's host list, or ``slurm``: ``launcher="slurm"`` on 2 nodes."""
     import meshplan
     from calibration import CONFIG, _batches
     from meshplan.examples import gpt
 
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
     batches = _batches(steps + 2)
-    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy=strategy,
-                               hosts=hosts, telemetry=False, timeout_s=300)
+    where = ({"launcher": "slurm", "slurm": {"nodes": 2}} if hosts == "slurm"
+             else {"launcher": "mpi", "hosts": hosts})
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, strategy=strategy, telemetry=False,
+                               timeout_s=300, **where)
     times = []
     with step:
         for i, b in enumerate(batches):
@@ -98,6 +110,84 @@ def steps_table(strategies: list[str], rates: list[str], steps: int) -> list[dic
                                  "ms": r["median_s"] * 1e3, "hosts": r["hosts"]})
                     print(f"  {rate:>6} {strategy:<5} {label:<12} {r['median_s'] * 1e3:8.1f} ms "
                           f"({', '.join(sorted(set(r['hosts'])))})", flush=True)
+    finally:
+        box.down()
+    return rows
+
+
+def ddp_job(steps: int, out: str) -> None:
+    """One rank of the baseline under ``srun``: torch DDP on gloo, the same GPT, optimizer,
+    clipping and batches as ``job`` (each rank its quarter); rank 0 writes the median step."""
+    import subprocess as sp
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from calibration import CONFIG, _batches
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from meshplan.examples import gpt
+
+    rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
+    first = sp.check_output(["scontrol", "show", "hostnames",
+                             os.environ["SLURM_JOB_NODELIST"]], text=True).split()[0]
+    dist.init_process_group("gloo", init_method=f"tcp://{first}:29517", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
+    model = DDP(ex.model)
+    times = []
+    for i, (x, y) in enumerate(_batches(steps + 2)):
+        t0 = time.perf_counter()
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ex.opt.step()
+        ex.opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss)        # the loss every rank's step ends with, as meshplan's does
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"median_s": statistics.median(times)}, f)
+
+
+def slurm_table(steps: int) -> list[dict]:
+    from meshplan.runtime._sandbox import Sandbox
+
+    box = Sandbox.up(2, "mpbench", owner=os.getpid(), slurm=True, cpus=2)
+    me, rows = os.path.abspath(__file__), []
+    try:
+        h0, h1 = (h.name for h in box.hosts)
+        work = tempfile.mkdtemp(prefix="meshplan-bench-", dir="/var/tmp")
+        out = os.path.join(work, "r.json")
+        variants = [
+            ("meshplan, launcher=slurm, new allocation",
+             [sys.executable, me, "--job", "slurm", "dp", str(steps), out]),
+            ("meshplan, launcher=slurm, inside salloc",
+             ["salloc", "-N2", "-n4", sys.executable, me, "--job", "slurm", "dp", str(steps),
+              out]),
+            ("meshplan, launcher=mpi, 2 hosts",
+             [sys.executable, me, "--job", f"{h0}:2,{h1}:2", "dp", str(steps), out]),
+            ("torch DDP (gloo) under srun -N2 -n4",
+             ["srun", "-N2", "-n4", "--mpi=none", "--export=ALL,OMP_NUM_THREADS=1",
+              sys.executable, me, "--ddp-job", str(steps), out]),
+        ]
+        for label, cmd in variants:
+            t0 = time.perf_counter()
+            done = box.run(cmd, capture_output=True, text=True, timeout=900)
+            wall = time.perf_counter() - t0
+            if done.returncode:
+                raise SystemExit(f"{label} failed:\n{done.stderr[-3000:]}")
+            with open(out) as f:
+                r = json.load(f)
+            os.unlink(out)
+            rows.append({"variant": label, "wall_s": wall, "step_ms": r["median_s"] * 1e3})
+            print(f"  {label:<42} wall {wall:6.1f} s   step {r['median_s'] * 1e3:7.1f} ms",
+                  flush=True)
     finally:
         box.down()
     return rows
@@ -179,10 +269,14 @@ def main() -> None:
     p.add_argument("--strategies", nargs="+", default=["dp", "fsdp"])
     p.add_argument("--skip-steps", action="store_true")
     p.add_argument("--skip-channel", action="store_true")
+    p.add_argument("--slurm", action="store_true", help="also the Slurm table (section 3)")
+    p.add_argument("--ddp-job", nargs=2, metavar=("STEPS", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.job:
         hosts, strategy, steps, out = args.job
         return job(hosts, strategy, int(steps), out)
+    if args.ddp_job:
+        return ddp_job(int(args.ddp_job[0]), args.ddp_job[1])
     if not args.skip_channel:
         print("control channel round trip (median):")
         for r in channel_table():
@@ -190,6 +284,9 @@ def main() -> None:
     if not args.skip_steps:
         print(f"GPT step, mesh {{'dp': 4}}, launcher mpi, median of {args.steps}:")
         steps_table(args.strategies, args.rates, args.steps)
+    if args.slurm:
+        print(f"GPT on 2 Slurm nodes x 2 ranks, dp, {args.steps} + 2 steps:")
+        slurm_table(args.steps)
 
 
 if __name__ == "__main__":

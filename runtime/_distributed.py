@@ -67,7 +67,8 @@ class DistributedStep:
                  telemetry: Any = None, kernels: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                  precision: str | None = None, recompute: Any = "auto",
-                 calibrate: bool | int = False, hosts: Any = None, slurm: Any = None) -> None:
+                 calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
+                 device: str | None = None) -> None:
         if launcher not in LAUNCHERS:
             raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
                                  f"{', '.join(map(repr, LAUNCHERS))}")
@@ -87,10 +88,11 @@ class DistributedStep:
                            os.environ["MESHPLAN_HOSTS"])
         self.launcher, self.hosts = launcher, hosts
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
+        self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
-        self.topology = topology or "cpu"
+        self.topology = topology or (gpu_topology() if self.device == "cuda" else "cpu")
         self.strategy = strategy
         check_precision(precision)
         self.precision = precision
@@ -378,6 +380,7 @@ class DistributedStep:
                                     strategy=self.strategy,
                                     memory_limit_bytes=self.memory_limit_bytes,
                                     recompute=self.recompute)
+        self._plan.solver["device"] = self._device_note
 
     def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
         from ._checkpoint import check_matches, read_info, read_whole
@@ -551,7 +554,7 @@ class DistributedStep:
                             for p in self._checkpoint_on_ranks(path, push)]
                 state = {k: v for k, v in state.items() if k not in in_file}
         header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s,
-                                  "kernels": self.kernels}
+                                  "kernels": self.kernels, "device": self.device}
         if self.telemetry is not None:
             self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
                                             step_name=self.__name__, strategy=plan.strategy)
@@ -758,6 +761,55 @@ class DistributedStep:
         self._traced.write_state(dict(values), *self._example_data())
 
 
+def resolve_device(device: str | None, launcher: str) -> tuple[str, str]:
+    """``distribute(device=)`` -> ("cpu" | "cuda", the plan summary's note on it)."""
+    seen = torch.cuda.is_available()
+    if device is None:
+        device = "cuda" if seen and launcher != "mpi" else "cpu"
+        how = ("the default under launcher='mpi', whose MPI takes host memory"
+               if seen and launcher == "mpi" else "the default")
+    else:
+        how = "as asked"
+    if device not in ("cpu", "cuda"):
+        raise RuntimeFailure(f"distribute(device={device!r}): pass 'cuda' (each rank takes "
+                             "the GPU of its local rank) or 'cpu'; a rank's GPU is chosen by "
+                             "its launcher, not by an index here")
+    if device == "cuda" and not seen:
+        build = torch.version.cuda or "none: a CPU build"
+        raise RuntimeFailure(f"distribute(device='cuda'): torch sees no GPU on this host "
+                             f"(torch {torch.__version__}, CUDA {build}; "
+                             "torch.cuda.is_available() is False); pass device='cpu', or run "
+                             "where a GPU and a CUDA build of torch are")
+    if device == "cuda" and launcher == "mpi":
+        raise RuntimeFailure("distribute(device='cuda', launcher='mpi'): the mpi launcher's "
+                             "collectives and one-sided transfers take host memory (meshplan's "
+                             "MPI is not CUDA-aware); use launcher='local' or 'slurm' (NCCL "
+                             "between GPUs), or device='cpu'")
+    if device == "cuda":
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        return device, (f"cuda ({how}; this host sees {torch.cuda.device_count()} GPU"
+                        f"{'s' * (torch.cuda.device_count() != 1)}: {', '.join(names)}); "
+                        "each rank takes the GPU of its local rank, NCCL between ranks with "
+                        "their own GPU, gloo through host memory between ranks that share one")
+    between = "MPI" if launcher == "mpi" else "gloo"
+    return device, (f"cpu ({how}{'' if seen else '; this host sees no GPU'}), {between} "
+                    "between ranks")
+
+
+def gpu_topology() -> str:
+    """The cost model's machine for ranks on this host's GPUs: the preset named like the
+    GPU (a100, h100, h200, b200), else h100 with a warning."""
+    from ..planner._mesh import PRESETS
+
+    name = torch.cuda.get_device_name(0).lower()
+    for preset in ("b200", "h200", "h100", "a100"):
+        if preset in name and preset in PRESETS:
+            return preset
+    logger.warning("meshplan: no cost-model preset for %s; planning with h100's numbers "
+                   "(pass topology=, or calibrate=True to fit this machine)", name)
+    return "h100"
+
+
 def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                launcher: str = "local", topology: Any = None, strategy: str = "auto",
                plan: str | Plan | None = None, example_inputs: Any = None,
@@ -765,7 +817,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                telemetry: Any = None, kernels: bool | None = None,
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                precision: str | None = None, recompute: Any = "auto",
-               calibrate: bool | int = False, hosts: Any = None, slurm: Any = None) -> Any:
+               calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
+               device: str | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -801,7 +854,11 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``launcher="slurm"``: the ranks start with ``srun`` on the nodes of the Slurm allocation the
     controller runs in (``salloc``, ``sbatch``), or, outside one, of one it asks ``salloc`` for
     and gives back at shutdown; ``slurm``: its options, e.g. ``{"nodes": 2, "partition": "gpu",
-    "time": 30}`` (``runtime._slurm_launch.SlurmOptions``).
+    "time": 30}`` (``runtime._slurm_launch.SlurmOptions``). ``device``: where the ranks compute,
+    ``"cuda"`` (each rank takes ``cuda:<local rank>``; its state moves there once, batches once
+    per step, losses come back; NCCL between ranks with a GPU each, gloo through host memory
+    between ranks that share one) or ``"cpu"``; None (the default): ``"cuda"`` when this host
+    sees a GPU, else ``"cpu"``; the plan summary says which. Not under ``launcher="mpi"``.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -809,7 +866,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
                                seed=seed, precision=precision, recompute=recompute,
-                               calibrate=calibrate, hosts=hosts, slurm=slurm)
+                               calibrate=calibrate, hosts=hosts, slurm=slurm, device=device)
 
     return wrap(fn) if fn is not None else wrap
 

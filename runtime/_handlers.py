@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..backends import (
+    HostStagedCommunicator,
     MPICommunicator,
     StepAborted,
     StepRNG,
@@ -38,27 +39,54 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
         plan = Plan.from_json(header["plan"], where="the plan the controller sent")
     ns = state.ns
     ns.plan = plan
-    ns.state = dict(zip(header["state"], tensors))
+    ns.device, shared_gpu = _rank_device(state, str(header.get("device", "cpu")))
+    ns.state = {k: v.to(ns.device) for k, v in zip(header["state"], tensors)}
     if header.get("checkpoint"):          # the rest of the state: this rank's pieces of a file
-        ns.state.update(_checkpoint_pieces(state.rank, plan, header["checkpoint"]))
+        ns.state.update({k: v.to(ns.device) for k, v in
+                         _checkpoint_pieces(state.rank, plan, header["checkpoint"]).items()})
     ns.kernels = bool(header.get("kernels", True))
-    ns.program = lower(plan, state.rank, device=state_device(ns.state), kernels=ns.kernels)
+    ns.program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
     ns.programs = {0: (ns.program, list(header["data"]))}
     if getattr(ns, "comm", None) is None and state.env.get("MESHPLAN_MPI") == "1":
         ns.comm = MPICommunicator(all_axis_groups(plan.mesh.sizes),     # the mpi launcher
                                   timeout_s=float(header.get("timeout_s", 300.0)))
     elif getattr(ns, "comm", None) is None:
         timeout_s = float(header.get("timeout_s", 300.0))
-        ns.comm = TorchCommunicator(
-            state.rank, state.world_size, all_axis_groups(plan.mesh.sizes),
-            timeout_s=timeout_s, store=_rendezvous(state, timeout_s))
+        groups, store = all_axis_groups(plan.mesh.sizes), _rendezvous(state, timeout_s)
+        if ns.device.type == "cuda" and shared_gpu:
+            ns.comm = HostStagedCommunicator(state.rank, state.world_size, groups,
+                                             device=ns.device, timeout_s=timeout_s, store=store)
+        else:
+            ns.comm = TorchCommunicator(
+                state.rank, state.world_size, groups, timeout_s=timeout_s, store=store,
+                backend="nccl" if ns.device.type == "cuda" else "gloo")
     tel = header.get("telemetry")
     reply: dict[str, Any] = {"rank": state.rank}
     if tel is not None and getattr(ns, "telemetry", None) is None:
         ns.telemetry = WorkerTelemetry(TelemetryConfig.from_json(tel), tel["run_id"],
-                                       state.rank, plan, state_device(ns.state))
+                                       state.rank, plan, str(ns.device))
         reply["segments_marker"] = ns.telemetry.mark_folder()
     return reply, []
+
+
+def _rank_device(state: WorkerState, want: str) -> tuple[torch.device, bool]:
+    """This rank's device for ``distribute(device=want)``, and whether it shares its GPU with
+    another rank of this host (NCCL refuses that: the collectives then go through host
+    memory). A rank takes ``cuda:<local rank % GPUs seen>``; a launcher that hands each rank
+    one GPU through ``CUDA_VISIBLE_DEVICES`` makes that ``cuda:0``."""
+    if want != "cuda":
+        return torch.device("cpu"), False
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeFailure(
+            f"rank {state.rank} on {state.hostname}: device='cuda' but torch sees no GPU on "
+            f"this host (CUDA_VISIBLE_DEVICES={state.env.get('CUDA_VISIBLE_DEVICES', 'unset')},"
+            f" torch {torch.__version__}, CUDA {torch.version.cuda or 'none: a CPU build'})")
+    local = int(state.env.get("LOCAL_RANK", state.rank))
+    ranks_here = int(state.env.get("LOCAL_WORLD_SIZE", state.world_size))
+    device = torch.device("cuda", local % count)
+    torch.cuda.set_device(device)
+    return device, ranks_here > count
 
 
 def _rendezvous(state: WorkerState, timeout_s: float) -> Any:
@@ -107,7 +135,7 @@ def _add_program(state: WorkerState, header: dict[str, Any], tensors: list[torch
         plan = Plan.load(header["plan_path"])
     else:
         plan = Plan.from_json(header["plan"], where="the plan the controller sent")
-    program = lower(plan, state.rank, device=state_device(ns.state), kernels=ns.kernels)
+    program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
     ns.programs[int(header["variant"])] = (program, list(header["data"]))
     return {"rank": state.rank}, []
 
@@ -116,7 +144,7 @@ def _add_program(state: WorkerState, header: dict[str, Any], tensors: list[torch
 def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     ns = state.ns
     program, names = ns.programs[int(header.get("variant", 0))]
-    data = dict(zip(names, tensors))
+    data = dict(zip(names, (t.to(ns.device, non_blocking=True) for t in tensors)))
     tel: WorkerTelemetry | None = getattr(ns, "telemetry", None)
     ns.comm.records.clear()
     if tel is not None:
@@ -140,7 +168,7 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     comm = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,
              "dur_s": r.dur_s} for r in ns.comm.records]
     if state.rank == 0:
-        return {"comm": comm}, [r for r in results if isinstance(r, torch.Tensor)]
+        return {"comm": comm}, [r.cpu() for r in results if isinstance(r, torch.Tensor)]
     return {"comm": comm}, []
 
 
@@ -165,7 +193,7 @@ def _get_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.T
     comm = getattr(state.ns, "comm", None)
     if header.get("rma") and isinstance(comm, MPICommunicator):
         return _get_state_rma(comm, state.ns.state, names)
-    return {"names": names}, [state.ns.state[n] for n in names]
+    return {"names": names}, [state.ns.state[n].cpu() for n in names]
 
 
 def _get_state_rma(comm: MPICommunicator, held: dict[str, torch.Tensor], names: list[str]):
@@ -205,7 +233,8 @@ def _share_state(state: WorkerState, header: dict[str, Any], tensors: list[torch
 
 @register("set_state")
 def _set_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
-    state.ns.state.update(dict(zip(header["names"], tensors)))
+    device = getattr(state.ns, "device", torch.device("cpu"))
+    state.ns.state.update({k: v.to(device) for k, v in zip(header["names"], tensors)})
     return {}, []
 
 

@@ -553,6 +553,9 @@ class SlurmLauncher(LocalLauncher):
                    f"--ntasks-per-node={per}", "--distribution=block", "--kill-on-bad-exit=1",
                    "--input=all", "--mpi=none", f"--job-name={self.options.job_name}",
                    *(["--overcommit"] if self.options.overcommit else []),
+                   # the controller itself runs in a step (`srun python train.py`): its CPUs
+                   # are that step's, and a new step would wait for them for ever
+                   *(["--overlap"] if "SLURM_STEP_ID" in self.env else []),
                    *self.options.srun_args]
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ gpu_tests() {
   PYTHONPATH=tests/gpu${PYTHONPATH:+:$PYTHONPATH} timeout "${TEST_S:-300}" python3 -m pytest \
     -p no:cacheprovider -p no:logging -p require_gpu_tests -q -rs \
     tests/unit/test_kernels_triton.py tests/unit/test_kernels_registry.py \
-    tests/dist/test_lower_kernels.py --junitxml "$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+    tests/dist/test_lower_kernels.py tests/dist/test_device.py --junitxml "$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   local rc=$?; tail -30 "$OUT/tests.log"; return $rc
 }
 
