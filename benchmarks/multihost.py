@@ -149,10 +149,12 @@ def ddp_job(steps: int, out: str) -> None:
         dist.all_reduce(loss)        # the loss every rank's step ends with, as meshplan's does
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    dist.destroy_process_group()
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"median_s": statistics.median(times)}, f)
+    dist.barrier()
+    del model                 # before the group it uses: the other order hangs its teardown
+    dist.destroy_process_group()
 
 
 def slurm_table(steps: int) -> list[dict]:
