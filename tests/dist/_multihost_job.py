@@ -24,7 +24,7 @@ from meshplan.examples import gpt
 from meshplan.telemetry import Store
 
 
-def cut(result: str) -> None:
+def cut(result: str, launcher: str = "mpi") -> None:
     """Two steps, then ``cut-now`` on stdout; after a line on stdin (the test has cut a host's
     link), one more step, whose failure is written to ``result`` as JSON."""
     import time
@@ -32,8 +32,9 @@ def cut(result: str) -> None:
     from meshplan._errors import RuntimeFailure
 
     ex = gpt.build(seed=0)
-    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy="dp",
-                               telemetry=False, timeout_s=120)
+    more = {"slurm": {"nodes": 2}} if launcher == "slurm" else {}
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher=launcher, strategy="dp",
+                               telemetry=False, timeout_s=120, **more)
     out: dict = {"type": None}
     with step:
         for i in range(2):
@@ -139,7 +140,7 @@ def refused(mesh: str, slurm: str, result: str) -> None:
 
 def main() -> None:
     if sys.argv[1] == "cut":
-        return cut(sys.argv[2])
+        return cut(*sys.argv[2:4])
     if sys.argv[1] == "unreachable":
         return unreachable(sys.argv[2])
     if sys.argv[1] == "die":
