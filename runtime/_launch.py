@@ -109,12 +109,17 @@ class _Group:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.close_ends()
+        _remove_leftovers(self.channel.run_id)
+
+    def close_ends(self) -> None:
+        """Close what the controller holds of the launch once its processes are gone: the
+        log files, the channel and the rendezvous store."""
         for log in self.logs:
             log.close()
         self.channel.close()
         if self.store is not None:
             self.store.close()
-        _remove_leftovers(self.channel.run_id)
 
 
 def _remove_leftovers(run_id: str) -> None:

@@ -345,21 +345,10 @@ class _MPIGroup(_Group):
         self.closed = True
         self.forget_secret()
         proc = self.mpiexec
-        if proc is not None and proc.poll() is None:
-            try:                            # ranks that were asked to exit finalize MPI
-                proc.wait(min(grace_s, 2.0))   # first: MPICH unlinks its /dev/shm file then
-            except subprocess.TimeoutExpired:
-                pass
-        if proc is not None and proc.poll() is None:
-            proc.terminate()                # hydra forwards it to every rank and cleans up
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self.logs:
-            log.close()
-        self.channel.close()
+        # ranks that were asked to exit finalize MPI first (MPICH unlinks its /dev/shm file
+        # then); SIGTERM after that: hydra forwards it to every rank and cleans up
+        end_job(proc, grace_s)
+        self.close_ends()
         if proc is not None and proc.poll() is not None:
             for name in _unmapped(_mpich_files() - self.mpich_before):
                 try:
@@ -505,17 +494,52 @@ class MPILauncher(LocalLauncher):
             cmd += ["-outfile-pattern", str(self.log_dir / "rank%r.out"),
                     "-errfile-pattern", str(self.log_dir / "rank%r.err")]
         cmd += [self.python, "-m", "meshplan.runtime._worker"]
-        main_thread = threading.current_thread() is threading.main_thread()
-        try:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd,
-                close_fds=True,
-                preexec_fn=_pdeathsig_setter() if main_thread else None)  # noqa: PLW1509
-        except OSError as exc:
-            raise RuntimeFailure(f"could not start {' '.join(cmd)}: {exc}; {MPI_FIX}") from exc
+        proc, group.stderr_tail, group.stderr_thread = start_job(cmd, env, cwd,
+                                                                 subprocess.DEVNULL, MPI_FIX)
         group.mpiexec = proc
-        group.stderr_tail, group.stderr_thread = _tee(proc.stderr)
         group.procs.extend(_RankProc(proc) for _ in range(n))
+
+
+def end_job(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """End the one process that started every rank: up to 2 s for it to end by itself (its
+    ranks were asked to exit), then EOF on its stdin when we hold it (the ranks' guard), then
+    SIGTERM (it signals its ranks) and ``grace_s`` more, then SIGKILL."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        try:
+            proc.wait(min(grace_s, 2.0))
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_job(cmd: list[str], env: Mapping[str, str], cwd: str | os.PathLike | None,
+              stdin: int, fix: str, on_line=None,  # noqa: ANN001 - a callable or None
+              ) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """Start the one process that starts every rank (mpiexec, srun): its stderr copied to ours
+    and its last lines kept (``_tee``), and SIGTERM for it when the controller dies (when
+    launched from the main thread: Linux sends it when the launching thread ends)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    try:
+        proc = subprocess.Popen(
+            cmd, stdin=stdin, stderr=subprocess.PIPE, env=env, cwd=cwd, close_fds=True,
+            preexec_fn=_pdeathsig_setter() if main_thread else None)  # noqa: PLW1509
+    except OSError as exc:
+        raise RuntimeFailure(f"could not start {' '.join(cmd)}: {exc}; {fix}") from exc
+    tail, thread = _tee(proc.stderr, on_line)
+    return proc, tail, thread
 
 
 # ---- the worker's side -----------------------------------------------------------------------

@@ -57,10 +57,11 @@ from ._launch import LocalLauncher, RendezvousStore, WorkerFailure, Workers, _Gr
 from ._mpi_launch import (
     _pdeathsig_setter,
     _RankProc,
-    _tee,
     _watch_exits,
     controller_address,
+    end_job,
     is_this_host,
+    start_job,
 )
 
 __all__ = ["Allocation", "SlurmLauncher", "SlurmOptions", "worker_rank"]
@@ -467,29 +468,8 @@ class _SlurmGroup(_Group):
         if self.closed:
             return
         self.closed = True
-        proc = self.srun
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.wait(min(grace_s, 2.0))         # ranks that were asked to exit do
-            except subprocess.TimeoutExpired:
-                pass
-        if proc is not None and proc.stdin is not None:
-            try:
-                proc.stdin.close()                   # EOF: every rank's guard exits
-            except OSError:
-                pass
-        if proc is not None and proc.poll() is None:
-            proc.terminate()                         # srun signals the step's tasks
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for log in self.logs:
-            log.close()
-        self.channel.close()
-        if self.store is not None:
-            self.store.close()
+        end_job(self.srun, grace_s)        # EOF on srun's stdin ends every rank's guard
+        self.close_ends()
         self.allocation.release()
 
 
@@ -562,16 +542,9 @@ class SlurmLauncher(LocalLauncher):
                 cmd += [f"--output={self.log_dir / 'rank%t.out'}",
                         f"--error={self.log_dir / 'rank%t.err'}"]
             cmd += [self.python, "-m", "meshplan.runtime._worker"]
-            main_thread = threading.current_thread() is threading.main_thread()
-            try:
-                proc = subprocess.Popen(
-                    cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=base, cwd=cwd,
-                    close_fds=True,
-                    preexec_fn=_pdeathsig_setter() if main_thread else None)  # noqa: PLW1509
-            except OSError as exc:
-                raise RuntimeFailure(f"could not start {' '.join(cmd)}: {exc}") from exc
+            proc, group.stderr_tail, group.stderr_thread = start_job(
+                cmd, base, cwd, subprocess.PIPE, SLURM_FIX, group.on_stderr)
             group.srun = proc
-            group.stderr_tail, group.stderr_thread = _tee(proc.stderr, group.on_stderr)
             group.procs.extend(_TaskProc(proc, group) for _ in range(n))
             assert proc.stdin is not None
             try:
