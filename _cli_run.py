@@ -65,7 +65,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--slurm", metavar="OPTIONS",
                    help="with --launcher slurm: key=value,... such as nodes=2,partition=gpu,"
                    "time=30 (nodes, partition, time, account, qos, constraint, overcommit, "
-                   "wait_s)")
+                   "wait_s, job_name; args and srun_args: more salloc / srun arguments, "
+                   "space-separated)")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
     r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "

@@ -82,10 +82,6 @@ class DistributedStep:
             raise RuntimeFailure(f"slurm= sets the Slurm launcher's options; launcher="
                                  f"{launcher!r} does not use Slurm (pass launcher='slurm', or "
                                  "drop slurm=)")
-        if launcher == "local" and os.environ.get("MESHPLAN_HOSTS"):
-            logger.warning("meshplan: $MESHPLAN_HOSTS names hosts (%s), and launcher='local' "
-                           "runs every rank on this one; pass launcher='mpi' to use them",
-                           os.environ["MESHPLAN_HOSTS"])
         self.launcher, self.hosts = launcher, hosts
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         self.device, self._device_note = resolve_device(device, launcher)
@@ -536,6 +532,10 @@ class DistributedStep:
             state.setdefault(n.target, torch.zeros(n.meta.shape,
                                                    dtype=getattr(torch, n.meta.dtype)))
         data = call_inputs(plan)
+        if self.launcher == "local" and os.environ.get("MESHPLAN_HOSTS"):
+            logger.warning("meshplan: $MESHPLAN_HOSTS names hosts (%s), and launcher='local' "
+                           "runs every rank on this one; pass launcher='mpi' or 'slurm' to "
+                           "use them", os.environ["MESHPLAN_HOSTS"])
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
                     else SlurmLauncher(self.slurm) if self.launcher == "slurm"
                     else LocalLauncher())
@@ -774,6 +774,11 @@ def resolve_device(device: str | None, launcher: str) -> tuple[str, str]:
         raise RuntimeFailure(f"distribute(device={device!r}): pass 'cuda' (each rank takes "
                              "the GPU of its local rank) or 'cpu'; a rank's GPU is chosen by "
                              "its launcher, not by an index here")
+    if device == "cuda" and not seen and launcher == "slurm":
+        # a login node often has no GPU: each rank checks its own node (handlers._rank_device)
+        return device, (f"cuda ({how}; the controller sees no GPU, each rank needs one on its "
+                        "node), NCCL between ranks with their own GPU, gloo through host "
+                        "memory between ranks that share one")
     if device == "cuda" and not seen:
         build = torch.version.cuda or "none: a CPU build"
         raise RuntimeFailure(f"distribute(device='cuda'): torch sees no GPU on this host "
@@ -801,7 +806,8 @@ def gpu_topology() -> str:
     GPU (a100, h100, h200, b200), else h100 with a warning."""
     from ..planner._mesh import PRESETS
 
-    name = torch.cuda.get_device_name(0).lower()
+    name = torch.cuda.get_device_name(0).lower() if torch.cuda.is_available() else \
+        "GPUs the controller does not see"
     for preset in ("b200", "h200", "h100", "a100"):
         if preset in name and preset in PRESETS:
             return preset

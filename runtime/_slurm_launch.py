@@ -87,6 +87,7 @@ _NEVER = {"PartitionNodeLimit": "more nodes than the partition allows",
           "AssocMaxNodesPerJobLimit": "more nodes than the account may use in a job",
           "AssocMaxWallDurationPerJobLimit": "a longer time than the account may use"}
 _POLL_S = 2.0             # how often a pending request's reason is read
+_NODES = "slurm={'nodes': N}, on the command line --slurm nodes=N"
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,8 +256,9 @@ class Allocation:
                     f"Slurm cannot start the request for {nodes} node{'s' * (nodes != 1)} x "
                     f"{per_node} task{'s' * (per_node != 1)} (job {alloc.job_id} pending: "
                     f"{alloc.pending_reason}, {_NEVER[alloc.pending_reason]}); it was "
-                    "cancelled. Ask for less (slurm={'nodes': ...}, a smaller mesh) or "
-                    "another partition/account (`sinfo` lists the partitions)")
+                    "cancelled. Ask for fewer nodes (slurm={'nodes': N}; on the command "
+                    "line --slurm nodes=N, or files push --ranks N), or another partition or "
+                    "account (`sinfo` lists the partitions)")
             if waited_out:
                 raise RuntimeFailure(
                     f"Slurm did not grant {nodes} node{'s' * (nodes != 1)} within wait_s="
@@ -264,8 +266,8 @@ class Allocation:
                     f"{f': {alloc.pending_reason}' if alloc.pending_reason else ''}); it was "
                     f"cancelled. salloc said:\n{text}")
             raise RuntimeFailure(
-                f"salloc could not allocate {nodes} node{'s' * (nodes != 1)} x {per_node} "
-                f"task{'s' * (per_node != 1)} (exit {proc.returncode}): {_why(said)}; "
+                f"salloc failed (exit {proc.returncode}) asked for {nodes} node"
+                f"{'s' * (nodes != 1)} x {per_node} task{'s' * (per_node != 1)}: {_why(said)}; "
                 f"salloc said:\n{text}")
         _, job, nodelist, cpus = (line.split() + ["", "", "", ""])[:4]
         alloc.job_id = job
@@ -355,8 +357,7 @@ def _why(said: list[str]) -> str:
                 "or point $SLURM_CONF at its slurm.conf")
     if "unable to contact slurm controller" in text or "connection refused" in text:
         return "the Slurm controller (slurmctld) does not answer"
-    return ("the request is larger than the cluster or its limits, or a partition, account "
-            "or time is wrong")
+    return "Slurm refused the request (its reason is in salloc's words below)"
 
 
 def _pending_reason(job: str) -> str:
@@ -498,7 +499,7 @@ class SlurmLauncher(LocalLauncher):
             _check_fits(alloc, nodes, per, opts.overcommit)
         else:
             nodes = opts.nodes or 1
-            per = _per_node(n, nodes, "slurm={'nodes': ...}")
+            per = _per_node(n, nodes, _NODES)
             alloc = Allocation.request(opts, nodes, per)
         try:
             return self._start(srun, alloc, n, nodes, per, env, cwd)
@@ -587,7 +588,7 @@ class SlurmLauncher(LocalLauncher):
 def _per_node(n: int, nodes: int, where: str) -> int:
     if n % nodes:
         raise RuntimeFailure(f"the mesh's {n} ranks do not split evenly over {nodes} nodes; "
-                             f"pass {where} a number of nodes that divides {n}")
+                             f"ask for a number of nodes that divides {n} ({where})")
     return n // nodes
 
 
@@ -597,10 +598,11 @@ def _nodes_in(alloc: Allocation, n: int, asked: int | None) -> int:
     if asked is not None:
         if asked > have:
             raise RuntimeFailure(
-                f"slurm={{'nodes': {asked}}} but Slurm job {alloc.job_id} has {have} node"
+                f"{asked} nodes asked (slurm={{'nodes': {asked}}} or --slurm nodes={asked}) "
+                f"but Slurm job {alloc.job_id} has {have} node"
                 f"{'s' * (have != 1)} ({', '.join(alloc.nodes)}); ask salloc/sbatch for "
                 f"--nodes={asked}, or use fewer")
-        _per_node(n, asked, "slurm={'nodes': ...}")
+        _per_node(n, asked, _NODES)
         return asked
     return max(d for d in range(1, min(have, n) + 1) if n % d == 0)
 

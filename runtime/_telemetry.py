@@ -156,7 +156,10 @@ class WorkerTelemetry:
 
     def unshipped(self, limit: int) -> tuple[list[str], list[bytes]]:
         """Flush, then the names and bytes of finished segments not shipped yet, up to
-        ``limit`` bytes (at least one file)."""
+        ``limit`` bytes (at least one file). The copies stay here: this rank's own record."""
+        if not self._shipped:            # asked: the controller did not see the marker
+            for marker in self.rec.dir.glob(".here-*"):
+                marker.unlink(missing_ok=True)
         self.rec.flush()
         names, files, size = [], [], 0
         for path in sorted(self.rec.dir.glob("*.parquet")):

@@ -35,6 +35,9 @@ def test_on_a_host_without_a_gpu() -> None:
 def test_devices_that_cannot_be_had(monkeypatch) -> None:
     with pytest.raises(RuntimeFailure, match="device='cuda:1'.*pass 'cuda'.*or 'cpu'"):
         resolve_device("cuda:1", "local")
+    if not torch.cuda.is_available():    # a login node without a GPU: the ranks' nodes check
+        device, note = resolve_device("cuda", "slurm")
+        assert device == "cuda" and "the controller sees no GPU, each rank needs one" in note
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeFailure, match="launcher='mpi'.*not CUDA-aware.*'local' or "
                        "'slurm'"):

@@ -61,7 +61,8 @@ def test_nodes_used_and_whether_the_ranks_fit() -> None:
     assert _nodes_in(alloc, 8, None) == 4            # every node the ranks split evenly over
     assert _nodes_in(alloc, 6, None) == 3
     assert _nodes_in(alloc, 2, 1) == 1
-    with pytest.raises(RuntimeFailure, match="has 4 nodes .*ask salloc/sbatch for --nodes=5"):
+    with pytest.raises(RuntimeFailure, match="5 nodes asked .*--slurm nodes=5.* has 4 nodes "
+                       ".*ask salloc/sbatch for --nodes=5"):
         _nodes_in(alloc, 10, 5)
     with pytest.raises(RuntimeFailure, match="6 ranks do not split evenly over 4 nodes"):
         _nodes_in(alloc, 6, 4)
