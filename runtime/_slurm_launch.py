@@ -35,6 +35,7 @@ failures) does not change. What does:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -65,6 +66,8 @@ from ._mpi_launch import (
 )
 
 __all__ = ["Allocation", "SlurmLauncher", "SlurmOptions", "worker_rank"]
+
+logger = logging.getLogger("meshplan.runtime")
 
 ENV_SLURM = "MESHPLAN_SLURM"              # "1": started by srun; rank from $SLURM_PROCID
 SLURM_FIX = ("install Slurm's client commands (Debian: apt-get install slurm-client) or run "
@@ -333,7 +336,9 @@ def _wait_granted(proc: subprocess.Popen, said: list[str], wait_s: float | None,
                     streams.remove(stream)
                 elif stream is proc.stdout:
                     out += chunk
-                    for line in out.decode(errors="replace").splitlines():
+                    *lines, out = out.split(b"\n")      # whole lines only: a nodelist may
+                    for raw in lines:                   # come in two reads
+                        line = raw.decode(errors="replace")
                         if line.startswith("meshplan-allocation "):
                             return line
                 else:
@@ -604,7 +609,12 @@ def _nodes_in(alloc: Allocation, n: int, asked: int | None) -> int:
                 f"--nodes={asked}, or use fewer")
         _per_node(n, asked, _NODES)
         return asked
-    return max(d for d in range(1, min(have, n) + 1) if n % d == 0)
+    nodes = max(d for d in range(1, min(have, n) + 1) if n % d == 0)
+    if nodes < have:
+        logger.warning("meshplan: %d ranks over %d of Slurm job %s's %d nodes (the most that "
+                       "split them evenly); %s sets another count", n, nodes, alloc.job_id,
+                       have, _NODES)
+    return nodes
 
 
 def _check_fits(alloc: Allocation, nodes: int, per: int, overcommit: bool) -> None:

@@ -97,3 +97,24 @@ def test_run_cli_slurm_options_need_the_slurm_launcher(capsys) -> None:
                  "nodes=2"]) == 1
     assert "--slurm sets the Slurm launcher's options; add --launcher slurm" in \
         capsys.readouterr().err
+
+
+def test_the_allocation_line_is_read_whole(capsys) -> None:
+    """salloc's holding shell says what was granted in one line; a line that arrives in two
+    reads is taken whole, not cut at the first read (a nodelist cut short names other nodes)."""
+    import subprocess
+
+    from meshplan.runtime._slurm_launch import _wait_granted
+
+    proc = subprocess.Popen(
+        ["sh", "-c", "echo 'salloc: Granted job allocation 12' >&2; "
+         "printf 'meshplan-allocation 12 n[01-0'; sleep 0.3; printf '2] 4(x2)\\n'; sleep 30"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    alloc = Allocation("", [], [], proc)
+    try:
+        said: list[str] = []
+        assert _wait_granted(proc, said, 10.0, 2, alloc) == "meshplan-allocation 12 n[01-02] 4(x2)"
+        assert alloc.job_id == "12" and said == ["salloc: Granted job allocation 12"]
+    finally:
+        proc.kill()
+        proc.wait()
