@@ -263,8 +263,8 @@ def _telemetry_ship(state: WorkerState, header: dict[str, Any], tensors: list[to
     tel: WorkerTelemetry | None = getattr(state.ns, "telemetry", None)
     if tel is None or not header.get("ship"):
         return {"names": [], "more": False}, []
-    names, files = tel.unshipped(int(header.get("limit", 32 << 20)))
-    return {"names": names, "more": tel.has_unshipped()}, [
+    names, files, more = tel.unshipped(int(header.get("limit", 32 << 20)))
+    return {"names": names, "more": more}, [
         torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files]
 
 

@@ -488,7 +488,7 @@ class Workers:
     def _host_of(self, rank: int) -> str | None:
         """Where ``rank`` ran when the ranks span hosts (the launcher's word for a rank that
         ended first, else its hello's hostname); None on one host."""
-        named = getattr(self._group, "failed_nodes", {}).get(rank)
+        named = getattr(self._group.procs[rank], "node", None)
         if named:
             return named
         if len(set(self.hostnames)) > 1 and rank < len(self.hostnames):

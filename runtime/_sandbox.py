@@ -234,8 +234,7 @@ class Sandbox:
 
     def _daemon(self, host: Host, cmd: list[str]) -> None:
         """Start a daemon (it forks into the background) in ``host``'s namespaces."""
-        argv = ["nsenter", "--target", str(host.pid), "--net", "--uts", "--ipc", "--mount",
-                "--", _which(cmd[0]) or cmd[0], *cmd[1:]]
+        argv = [*_enter(host.pid), "--", _which(cmd[0]) or cmd[0], *cmd[1:]]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
                               stdin=subprocess.DEVNULL)
         if done.returncode:
@@ -320,8 +319,7 @@ class Sandbox:
                                  f"{h.pid} ended); `meshplan sandbox down --name {self.name}` "
                                  "then `up` again")
         env = [f"{k}={v}" for k, v in self.env().items()]
-        return ["nsenter", "--target", str(h.pid), "--net", "--uts", "--ipc", "--mount",
-                f"--wd={os.getcwd()}", "--", "env", *env, *cmd]
+        return [*_enter(h.pid), f"--wd={os.getcwd()}", "--", "env", *env, *cmd]
 
     def run(self, cmd: Sequence[str], host: str | None = None,
             **kwargs: Any) -> subprocess.CompletedProcess:
@@ -405,6 +403,11 @@ def _last_line(path: Path) -> str:
     except OSError:
         return "(unreadable)"
     return lines[-1] if lines else "(empty)"
+
+
+def _enter(pid: int) -> list[str]:
+    """``nsenter`` into every namespace of the host that ``pid`` holds."""
+    return ["nsenter", "--target", str(pid), "--net", "--uts", "--ipc", "--mount"]
 
 
 def _kept() -> list[str]:

@@ -278,10 +278,6 @@ class Allocation:
         alloc.cpus = cpus_per_node(cpus, len(alloc.nodes))
         return alloc
 
-    @property
-    def owned(self) -> bool:
-        return self.holder is not None
-
     def release(self, grace_s: float = 10.0) -> None:
         """Give back an allocation we asked for (nothing for one we run in). Idempotent."""
         proc, self.holder = self.holder, None
@@ -412,6 +408,7 @@ class _TaskProc(_RankProc):
         super().__init__(job)
         self.group = group
         self.task_code: int | None = None      # as srun reported this task's end
+        self.node: str | None = None           # where srun said it ended
 
     def poll(self) -> int | None:
         if self.returncode is None and self.job.poll() is not None:
@@ -446,7 +443,6 @@ class _SlurmGroup(_Group):
         self.srun: subprocess.Popen | None = None
         self.stderr_tail: list[str] = []
         self.stderr_thread: threading.Thread | None = None
-        self.failed_nodes: dict[int, str] = {}     # task -> node, from srun's error lines
         self._order = 0
 
     def running(self) -> bool:
@@ -466,7 +462,7 @@ class _SlurmGroup(_Group):
                 if task < len(self.procs) and self.procs[task].exit_order is None:
                     self.procs[task].exit_order = self._order
                     self.procs[task].task_code = code
-                    self.failed_nodes[task] = node
+                    self.procs[task].node = node
                     named = True
         self._order += named
 
@@ -574,7 +570,7 @@ class SlurmLauncher(LocalLauncher):
                 f"{alloc.job_id}): a node could not start Python there or reach this "
                 f"controller; srun's last lines:\n{said}", reason="exit", ranks=exc.ranks,
                 kind=exc.kind, exit_code=group.srun.returncode,
-                hosts=sorted(set(group.failed_nodes.values()))) from exc
+                hosts=sorted({p.node for p in group.procs if p.node})) from exc
         except BaseException:
             group.stop()
             raise

@@ -154,9 +154,10 @@ class WorkerTelemetry:
         (self.rec.dir / name).touch()
         return name
 
-    def unshipped(self, limit: int) -> tuple[list[str], list[bytes]]:
+    def unshipped(self, limit: int) -> tuple[list[str], list[bytes], bool]:
         """Flush, then the names and bytes of finished segments not shipped yet, up to
-        ``limit`` bytes (at least one file). The copies stay here: this rank's own record."""
+        ``limit`` bytes (at least one file), and whether others wait for the next call. The
+        copies stay here: this rank's own record."""
         if not self._shipped:            # asked: the controller did not see the marker
             for marker in self.rec.dir.glob(".here-*"):
                 marker.unlink(missing_ok=True)
@@ -167,16 +168,13 @@ class WorkerTelemetry:
                 continue
             data = path.read_bytes()
             if files and size + len(data) > limit:
-                break
+                return names, files, True
             self._shipped.add(path.name)
             if data:
                 names.append(path.name)
                 files.append(data)
                 size += len(data)
-        return names, files
-
-    def has_unshipped(self) -> bool:
-        return any(p.name not in self._shipped for p in self.rec.dir.glob("*.parquet"))
+        return names, files, False
 
     # RunObserver
     def reshard(self, ins: Reshard | Bucket, first: int, last: int) -> None:
@@ -370,7 +368,6 @@ class SegmentShipper:
             else:
                 self.ranks.append(rank)
         self.shipped_at = time.monotonic()
-        self.files = self.bytes = 0
 
     def write(self, rank: int, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
         folder = self.config.segments / self.run_id / rank_dir(rank)
@@ -378,12 +375,9 @@ class SegmentShipper:
         for name, data in zip(names, tensors):
             if not _SEGMENT_NAME.match(str(name)):
                 raise ValueError(f"rank {rank} shipped a telemetry segment named {name!r}")
-            raw = data.numpy().tobytes()
-            tmp = folder / f".{name}.tmp"
-            tmp.write_bytes(raw)
+            tmp = folder / f".{name}.tmp"            # as Recorder._write names its own
+            tmp.write_bytes(data.numpy().tobytes())
             os.replace(tmp, folder / name)
-            self.files += 1
-            self.bytes += len(raw)
 
 
 _SEGMENT_MARKER = re.compile(r"^\.here-[0-9a-f]{16}$")
