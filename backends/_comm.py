@@ -417,8 +417,9 @@ class TorchCommunicator(CommBase):
     inside gloo/NCCL is theirs (ring, halving-doubling), so sums match a rank-order sum only up
     to floating-point reassociation.
 
-    With NCCL the communicator uses ``cuda:(LOCAL_RANK or rank) % device_count`` and sets it as
-    the current device; ``recv`` allocates there (``self.device``).
+    With NCCL the communicator uses ``device`` (a worker passes the one it placed its state on),
+    else ``cuda:(LOCAL_RANK or rank) % device_count``, and sets it as the current device;
+    ``recv`` allocates there (``self.device``).
 
     Shared memory (``shm``): on gloo, all-reduces (blocking and started), all-gathers and
     reduce-scatters of a group whose members share this host's ``/dev/shm`` go through a
@@ -435,7 +436,8 @@ class TorchCommunicator(CommBase):
     def __init__(self, rank: int, world_size: int, groups: Sequence[tuple[int, ...]], *,
                  backend: str | None = None, timeout_s: float = 300.0,
                  init_method: str | None = None, shm: bool | None = None,
-                 store: dist.Store | None = None) -> None:
+                 store: dist.Store | None = None,
+                 device: torch.device | str | None = None) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise LoweringError(f"TorchCommunicator: world_size must be >= 1, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -453,8 +455,10 @@ class TorchCommunicator(CommBase):
         self.timeout_s = float(timeout_s)
         self.device = torch.device("cpu")
         if self.backend == "nccl":
-            local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
-            self.device = torch.device("cuda", local)
+            if device is None:
+                local = int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count())
+                device = torch.device("cuda", local)
+            self.device = torch.device(device)
             torch.cuda.set_device(self.device)
         timeout = timedelta(seconds=timeout_s)
         try:

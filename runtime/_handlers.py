@@ -59,7 +59,7 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
         else:
             ns.comm = TorchCommunicator(
                 state.rank, state.world_size, groups, timeout_s=timeout_s, store=store,
-                backend="nccl" if ns.device.type == "cuda" else "gloo")
+                backend="nccl" if ns.device.type == "cuda" else "gloo", device=ns.device)
     tel = header.get("telemetry")
     reply: dict[str, Any] = {"rank": state.rank}
     if tel is not None and getattr(ns, "telemetry", None) is None:
