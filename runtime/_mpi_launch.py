@@ -314,7 +314,7 @@ def _tee(stream, on_line=None) -> tuple[list[str], threading.Thread]:  # noqa: A
                 on_line(tail[-1])
         stream.close()
 
-    thread = threading.Thread(target=copy, name="meshplan-mpiexec-stderr", daemon=True)
+    thread = threading.Thread(target=copy, name="meshplan-launcher-stderr", daemon=True)
     thread.start()
     return tail, thread
 
