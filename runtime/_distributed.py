@@ -35,8 +35,9 @@ from ..ir import RANDOM_SEMANTICS, Role
 from ..planner import Plan, check_recompute, plan_graph
 from ..telemetry import Level, TelemetryConfig
 from ._files import FILES_PLUGIN
-from ._launch import LocalLauncher, StepFailed, WorkerFailure, Workers
+from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
+from ._recovery import RECOVERABLE, Recovery
 from ._slurm_launch import SlurmLauncher, SlurmOptions
 from ._telemetry import (
     ControllerTelemetry,
@@ -68,7 +69,9 @@ class DistributedStep:
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                  precision: str | None = None, recompute: Any = "auto",
                  calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, fault_tolerance: bool = False,
+                 max_restarts: int = 3, snapshot_every: int = 1,
+                 hang_s: float = STOPPED_S) -> None:
         if launcher not in LAUNCHERS:
             raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
                                  f"{', '.join(map(repr, LAUNCHERS))}")
@@ -83,6 +86,9 @@ class DistributedStep:
                                  f"{launcher!r} does not use Slurm (pass launcher='slurm', or "
                                  "drop slurm=)")
         self.launcher, self.hosts = launcher, hosts
+        self.hang_s = _positive("hang_s", hang_s)
+        self._ft = _fault_tolerance(fault_tolerance, launcher, max_restarts, snapshot_every,
+                                    self.hang_s)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
@@ -269,8 +275,16 @@ class DistributedStep:
 
     @property
     def run_id(self) -> str | None:
-        """The running mesh's id (the ``run_id`` of its telemetry rows); None before launch."""
-        return None if self._workers is None else self._workers.run_id
+        """The running mesh's id (the ``run_id`` of its telemetry rows, which a restart after a
+        rank failure keeps); None before launch."""
+        if self._workers is None:
+            return None
+        return self._tel.run_id if self._tel is not None else self._workers.run_id
+
+    @property
+    def restarts(self) -> int:
+        """How many times ``fault_tolerance=True`` restarted the mesh after a rank failed."""
+        return 0 if self._ft is None else self._ft.restarts
 
     def query(self, sql: str, *, merge: str | None = None,
               timeout_s: float = 10.0) -> QueryResult:
@@ -344,6 +358,8 @@ class DistributedStep:
             self._workers.shutdown()       # workers flush their telemetry as they exit
             self._workers = None
             self._shipper = None
+        if self._ft is not None:
+            self._ft.close()               # the snapshots go with the mesh
         if self._tel is not None:
             self._tel.close()
             self._tel = None
@@ -521,28 +537,30 @@ class DistributedStep:
                          for n in self.plan.graph.inputs_with_role(Role.DATA))
         return tuple(ex() if callable(ex) else ex)
 
-    def _launch(self) -> None:
+    def _launch(self, *, restore: bool = False) -> list[Any]:
+        """Start the workers and set every rank up: its plan, its pieces of the state (from
+        the controller, or from a checkpoint file the ranks read themselves) and its telemetry.
+        ``restore``: a restart after a rank failure (``_recover``): the ranks get no state,
+        they read it back from their snapshots; the run's telemetry and step numbers go on.
+        Returns the setup replies."""
         plan = self.plan
         world = math.prod(plan.mesh.sizes)
-        state = self._local_state()
-        for n in plan.graph.inputs_with_role(Role.GRAD):
-            # a gradient the steady step reads that does not exist yet (None before the first
-            # backward, or zero_grad() at the start of the step): zeros, which the backward's
-            # accumulation into it leaves exactly as a fresh gradient
-            state.setdefault(n.target, torch.zeros(n.meta.shape,
-                                                   dtype=getattr(torch, n.meta.dtype)))
+        state = {} if restore else self._launch_state()
         data = call_inputs(plan)
-        if self.launcher == "local" and os.environ.get("MESHPLAN_HOSTS"):
+        if self.launcher == "local" and os.environ.get("MESHPLAN_HOSTS") and not restore:
             logger.warning("meshplan: $MESHPLAN_HOSTS names hosts (%s), and launcher='local' "
                            "runs every rank on this one; pass launcher='mpi' or 'slurm' to "
                            "use them", os.environ["MESHPLAN_HOSTS"])
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
                     else SlurmLauncher(self.slurm) if self.launcher == "slurm"
                     else LocalLauncher())
-        self._workers = workers = launcher.launch(
-            world, env={"MESHPLAN_WORKER_PLUGINS": f"{_HANDLERS},{FILES_PLUGIN}"})
+        plugins = ",".join(filter(None, (_HANDLERS, FILES_PLUGIN,
+                                         os.environ.get("MESHPLAN_WORKER_PLUGINS"))))
+        self._workers = workers = launcher.launch(world,
+                                                  env={"MESHPLAN_WORKER_PLUGINS": plugins})
+        workers.stopped_s = self.hang_s
         ckpt: list[dict[str, Any]] = [{}] * world
-        if self._launch_from is not None:
+        if self._launch_from is not None and not restore:
             path, in_file, push, stamp = self._launch_from
             self._launch_from = None
             if _stamp(path) != stamp:
@@ -556,28 +574,112 @@ class DistributedStep:
         header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s,
                                   "kernels": self.kernels, "device": self.device}
         if self.telemetry is not None:
-            self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
-                                            step_name=self.__name__, strategy=plan.strategy)
+            if self._tel is None:
+                self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
+                                                step_name=self.__name__,
+                                                strategy=plan.strategy)
             config = self.telemetry
             if self._calibrate_left:      # time every op of the steps the fit reads, only them
                 config = dataclasses.replace(
                     config, level=max(config.level, Level.OPS), ops_first=self._calibrate_left,
                     ops_every=config.ops_every if config.level >= Level.OPS else 2**62)
-            header["telemetry"] = {**config.to_json(), "run_id": workers.run_id}
-        self._step_no, self._resume_step = self._resume_step, 0
+            header["telemetry"] = {**config.to_json(), "run_id": self._tel.run_id}
+        if not restore:
+            self._step_no, self._resume_step = self._resume_step, 0
+        snaps: list[dict[str, Any]] = [{}] * world
+        if self._ft is not None:
+            files = self._ft.open(world)
+            snaps = [{"path": files.path(rank), "restore": restore, "step": self._step_no - 1}
+                     for rank in range(world)]
+            if not restore:
+                self._ft.started(self._step_no)
         with self._recording_failures():
             plans = self._plan_for_ranks(plan.to_json())
             replies = self._send_state("setup", state, lambda rank, names: {
-                **header, **plans[rank], "state": names, "checkpoint": ckpt[rank]})
+                **header, **plans[rank], "state": names, "checkpoint": ckpt[rank],
+                "snapshot": snaps[rank]})
         if self.telemetry is not None:
-            self._shipper = SegmentShipper(self.telemetry, workers.run_id, [
+            self._shipper = SegmentShipper(self.telemetry, self._tel.run_id, [
                 r.header.get("segments_marker") for r in replies])
             if self._shipper.ranks:
                 logger.info("meshplan: %d ranks record telemetry on disks this host does not "
                             "see; the controller fetches their segments every %g s and at "
                             "the end", len(self._shipper.ranks), SHIP_EVERY_S)
-        assert self._primary_key is not None
-        self._variants = {self._primary_key: Variant.of(0, plan, tuple(data))}
+        if not restore:
+            assert self._primary_key is not None
+            self._variants = {self._primary_key: Variant.of(0, plan, tuple(data))}
+        return replies
+
+    def _launch_state(self) -> dict[str, torch.Tensor]:
+        """The state a fresh mesh starts from: the live model's and optimizer's."""
+        state = self._local_state()
+        for n in self.plan.graph.inputs_with_role(Role.GRAD):
+            # a gradient the steady step reads that does not exist yet (None before the first
+            # backward, or zero_grad() at the start of the step): zeros, which the backward's
+            # accumulation into it leaves exactly as a fresh gradient
+            state.setdefault(n.target, torch.zeros(n.meta.shape,
+                                                   dtype=getattr(torch, n.meta.dtype)))
+        return state
+
+    def _recover(self, failure: WorkerFailure, in_flight: int
+                 ) -> tuple[WorkerFailure, int, float]:
+        """``fault_tolerance=True``: the mesh failed (``failure``, the workers stopped) while
+        the controller ran step ``in_flight`` (or between steps, before it): start it again,
+        every rank back at the newest snapshot all of them hold, and re-run the kept steps
+        after it, up to (not including) ``in_flight``, which the caller sends again. A failure
+        while doing so is one more restart. Raises ``failure`` when a restart cannot cure it
+        (a handler's error) or the ``max_restarts`` budget is spent."""
+        ft = self._ft
+        if ft is None or failure.reason not in RECOVERABLE:
+            raise failure
+        started = time.monotonic()
+        while True:
+            if ft.restarts >= ft.max_restarts:
+                raise RuntimeFailure(
+                    f"{self.__name__}: the mesh failed again after {ft.restarts} restart"
+                    f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
+                    f"failure:\n{failure}") from failure
+            ft.restarts += 1
+            logger.warning("meshplan: %s: %s; restarting the mesh from its in-memory snapshots "
+                           "(restart %d of at most %d)", self.__name__,
+                           str(failure).splitlines()[0], ft.restarts, ft.max_restarts)
+            self._workers = None
+            try:
+                with self._recording_failures():
+                    restored = self._restart(in_flight)
+                break
+            except WorkerFailure as again:
+                if again.reason not in RECOVERABLE:
+                    raise
+                failure = again
+        return failure, restored, started
+
+    def _restart(self, in_flight: int) -> int:
+        """Launch, restore every rank to the newest common snapshot before ``in_flight``,
+        re-add the programs of the other call signatures, replay the kept steps; returns the
+        snapshot's step."""
+        ft = self._ft
+        assert ft is not None
+        replies = self._launch(restore=True)
+        workers = self._workers
+        assert workers is not None
+        restored = ft.restore_point([r.header.get("snapshots", []) for r in replies], in_flight)
+        if restored is None:
+            held = {rank: r.header.get("snapshots", []) for rank, r in enumerate(replies)}
+            raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a snapshot "
+                                 f"on every rank (they hold {held}); the run cannot go on "
+                                 "from memory: load the last checkpoint")
+        workers.broadcast("restore_snapshot", {"step": restored})
+        workers.gather("restore_snapshot", self.timeout_s)
+        for variant in sorted(self._variants.values(), key=lambda v: v.id):
+            if variant.id != 0:
+                self._add_program(variant)
+        by_id = {v.id: v for v in self._variants.values()}
+        for kept in ft.replay(restored, in_flight):
+            self._send_step(by_id[kept.variant], kept.header, kept.batch)
+            workers.gather("step", self.timeout_s)
+            ft.committed(kept.step, None)
+        return restored
 
     def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> Variant:
         """The mesh's program for a call with these arguments: traced, planned and sent to
@@ -613,20 +715,22 @@ class DistributedStep:
                           memory_limit_bytes=self.memory_limit_bytes, pins=pins,
                           recompute=self.recompute)
         variant = Variant.of(len(self._variants), plan, tuple(call_inputs(plan)))
-        workers = self._workers
-        assert workers is not None
         with self._recording_failures():
-            plans = self._plan_for_ranks(plan.to_json())
-            for rank in range(workers.n):
-                workers.send(rank, "add_program", {**plans[rank], "variant": variant.id,
-                                                   "data": list(variant.inputs)})
-            workers.gather("add_program", self.timeout_s)
+            self._add_program(variant)
         self._variants[key] = variant
         return variant
 
-    def _step(self, variant: Variant, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-        plan, workers, names = variant.plan, self._workers, list(variant.inputs)
+    def _add_program(self, variant: Variant) -> None:
+        workers = self._workers
         assert workers is not None
+        plans = self._plan_for_ranks(variant.plan.to_json())
+        for rank in range(workers.n):
+            workers.send(rank, "add_program", {**plans[rank], "variant": variant.id,
+                                               "data": list(variant.inputs)})
+        workers.gather("add_program", self.timeout_s)
+
+    def _step(self, variant: Variant, args: tuple, kwargs: Mapping[str, Any]) -> Any:
+        plan, names = variant.plan, list(variant.inputs)
         data = [n.target for n in plan.graph.inputs_with_role(Role.DATA)]
         flat = self._traced.data_tensors(*args, **kwargs)
         if len(flat) != len(data):
@@ -635,20 +739,34 @@ class DistributedStep:
         batch = {**dict(zip(data, flat)), **self._traced.hyper_values()}
         if variant.id != 0:         # the first program's checks ran before it was chosen
             check_indices(variant.checks, batch, self.__name__)
+        batch = {n: batch[n] for n in names}
         header = {"step": self._step_no, "variant": variant.id}
         if variant.random:
             header["seed"] = self._random_seed(variant)
+        ft = self._ft
+        if ft is not None:
+            header["snapshot"] = ft.wants_snapshot(self._step_no)
+            ft.remember(self._step_no, variant.id, header, batch)
         start_us, t0 = steps_timer()
-        with self._recording_failures():
-            for rank in range(workers.n):
-                pieces = split_inputs(plan, rank, {n: batch[n] for n in names})
-                workers.send(rank, "step", header, [pieces[n] for n in names])
-            replies = workers.gather("step", self.timeout_s)
+        recovered = None
+        while True:
+            try:
+                with self._recording_failures():
+                    self._send_step(variant, header, batch)
+                    replies = self._workers.gather(
+                        "step", self.timeout_s if ft is None else ft.deadline(self.timeout_s))
+                break
+            except WorkerFailure as exc:
+                recovered = self._recover(exc, self._step_no)
+        dur_s = time.perf_counter() - t0
+        if ft is not None:
+            ft.committed(self._step_no, None if recovered else dur_s)
+            if recovered:
+                self._said_recovered(*recovered, step=self._step_no)
         self.last_comm = [list(r.header["comm"]) for r in replies]
         results = list(replies[0].tensors)
         if self._tel is not None:
-            self._tel.step(self._step_no, start_us, int((time.perf_counter() - t0) * 1e6),
-                           results)
+            self._tel.step(self._step_no, start_us, int(dur_s * 1e6), results)
         shipper = self._shipper
         if shipper is not None and shipper.ranks and \
                 time.monotonic() - shipper.shipped_at >= SHIP_EVERY_S:
@@ -656,6 +774,28 @@ class DistributedStep:
                 self._ship_segments()
         self._step_no += 1
         return self._traced.pack_results(results, plan.graph)
+
+    def _send_step(self, variant: Variant, header: Mapping[str, Any],
+                   batch: Mapping[str, torch.Tensor]) -> None:
+        """Send every rank its pieces of ``batch`` for one step of ``variant``."""
+        workers, names = self._workers, list(variant.inputs)
+        assert workers is not None
+        for rank in range(workers.n):
+            pieces = split_inputs(variant.plan, rank, batch)
+            workers.send(rank, "step", dict(header), [pieces[n] for n in names])
+
+    def _said_recovered(self, failure: WorkerFailure, restored: int, started: float,
+                        step: int | None = None) -> None:
+        """One line and one ``recoveries`` row once the interrupted call has gone through
+        (``step``: the step it was, None between steps)."""
+        took = time.monotonic() - started
+        replayed = self._step_no - restored - (step is None)
+        logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: every rank "
+                       "went back to its snapshot after step %d and re-ran %d step%s",
+                       self.__name__, took, restored, replayed, "s" * (replayed != 1))
+        if self._tel is not None:
+            self._tel.recovery(failure, step=step, restart=self.restarts, restored=restored,
+                               replayed=replayed, took_s=took)
 
     def _recalibrate(self) -> None:
         """``distribute(calibrate=)``: fit the cost model to the steps just run (their op times
@@ -742,6 +882,14 @@ class DistributedStep:
             raise
 
     def _gather_state(self) -> dict[str, torch.Tensor]:
+        while True:
+            try:
+                with self._recording_failures():
+                    return self._gather_state_once()
+            except WorkerFailure as exc:
+                self._said_recovered(*self._recover(exc, self._step_no))
+
+    def _gather_state_once(self) -> dict[str, torch.Tensor]:
         workers, plan = self._workers, self.plan
         assert workers is not None
         workers.broadcast("get_state", {"rma": self.launcher == "mpi"})
@@ -824,7 +972,9 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                precision: str | None = None, recompute: Any = "auto",
                calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
-               device: str | None = None) -> Any:
+               device: str | None = None, fault_tolerance: bool = False,
+               max_restarts: int = 3, snapshot_every: int = 1,
+               hang_s: float = STOPPED_S) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -865,6 +1015,16 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     per step, losses come back; NCCL between ranks with a GPU each, gloo through host memory
     between ranks that share one) or ``"cpu"``; None (the default): ``"cuda"`` when this host
     sees a GPU, else ``"cpu"``; the plan summary says which. Not under ``launcher="mpi"``.
+    ``fault_tolerance``: True keeps every rank's state in memory after every
+    ``snapshot_every``-th step (a copy per rank, in memory files the controller holds) and the
+    batches since; when a rank exits, is killed, stays stopped for ``hang_s`` or a step outlives
+    ten times the usual step time (never less than ``hang_s``), the controller restarts the
+    mesh, brings every rank back to the newest snapshot and re-runs the steps since: the call
+    returns what it would have, the state is bit for bit the fault-free run's, and a warning
+    line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
+    ``max_restarts`` restarts in one run, ``RuntimeFailure``. Local launcher only for now
+    (README, "Fault tolerance"). ``hang_s``: how long a rank may stay stopped (SIGSTOP) while
+    the controller waits for it before it counts as failed (default 10 s).
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -872,7 +1032,9 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                memory_limit_bytes=memory_limit_bytes, timeout_s=timeout_s,
                                telemetry=telemetry, kernels=kernels, checkpoint=checkpoint,
                                seed=seed, precision=precision, recompute=recompute,
-                               calibrate=calibrate, hosts=hosts, slurm=slurm, device=device)
+                               calibrate=calibrate, hosts=hosts, slurm=slurm, device=device,
+                               fault_tolerance=fault_tolerance, max_restarts=max_restarts,
+                               snapshot_every=snapshot_every, hang_s=hang_s)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -898,6 +1060,32 @@ class RunCalibration:
         return (f"calibrated on run {self.run_id}: {got}estimated "
                 f"{self.before.estimated_step_time_s * 1e3:.1f} ms before, "
                 f"{self.after.estimated_step_time_s * 1e3:.1f} ms with the fitted machine; {what}")
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise RuntimeFailure(f"distribute({name}={value!r}): pass a positive number of seconds")
+    return float(value)
+
+
+def _fault_tolerance(on: Any, launcher: str, max_restarts: Any, snapshot_every: Any,
+                     hang_s: float) -> Recovery | None:
+    if on is False or on is None:
+        return None
+    if on is not True:
+        raise RuntimeFailure(f"distribute(fault_tolerance={on!r}): pass True or False")
+    if launcher != "local":
+        raise RuntimeFailure(
+            f"distribute(fault_tolerance=True, launcher={launcher!r}): restarting from "
+            "in-memory snapshots needs every rank on the controller's host for now (its "
+            "snapshots live in memory files the controller holds); use launcher='local', or "
+            "save_checkpoint() every few steps and load_checkpoint() after a failure")
+    for name, value in (("max_restarts", max_restarts), ("snapshot_every", snapshot_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (
+                0 if name == "max_restarts" else 1):
+            least = 0 if name == "max_restarts" else 1
+            raise RuntimeFailure(f"distribute({name}={value!r}): pass an int >= {least}")
+    return Recovery(max_restarts=max_restarts, snapshot_every=snapshot_every, hang_s=hang_s)
 
 
 def _calibration_steps(calibrate: Any, telemetry: TelemetryConfig | None,

@@ -25,6 +25,7 @@ from ..backends import (
     run,
 )
 from .._errors import RuntimeFailure
+from ..ir import Role
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
@@ -44,6 +45,9 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     if header.get("checkpoint"):          # the rest of the state: this rank's pieces of a file
         ns.state.update({k: v.to(ns.device) for k, v in
                          _checkpoint_pieces(state.rank, plan, header["checkpoint"]).items()})
+    snap = header.get("snapshot")
+    if snap:                              # distribute(fault_tolerance=True): _snapshot.py
+        _open_snapshot(state, snap)
     ns.kernels = bool(header.get("kernels", True))
     ns.program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
     ns.programs = {0: (ns.program, list(header["data"]))}
@@ -66,7 +70,41 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
         ns.telemetry = WorkerTelemetry(TelemetryConfig.from_json(tel), tel["run_id"],
                                        state.rank, plan, str(ns.device))
         reply["segments_marker"] = ns.telemetry.mark_folder()
+    if snap:
+        reply["snapshots"] = ns.snapshot.steps()
     return reply, []
+
+
+_STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
+
+
+def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
+    """Map this rank's snapshot file (the controller's, ``_snapshot.py``), laid out for the
+    state pieces its plan gives it. A first launch writes the state it was given as the
+    snapshot of the step before its first; a replacement (``restore``) only checks that the
+    file holds its pieces: ``restore_snapshot`` then reads them."""
+    from ._snapshot import Snapshot
+
+    ns = state.ns
+    plan, sizes = ns.plan, ns.plan.mesh.sizes
+    coords = rank_coords(state.rank, sizes)
+    pieces = {}
+    for n in plan.graph.inputs:
+        if n.meta.role in _STATE_ROLES:
+            slices = local_slices(n.meta.shape, plan.input_layouts[n.target], sizes, coords)
+            pieces[n.target] = (tuple(s.stop - s.start for s in slices),
+                                getattr(torch, n.meta.dtype))
+    ns.snapshot = Snapshot(str(snap["path"]), pieces, rank=state.rank)
+    if not snap.get("restore"):
+        ns.snapshot.write(int(snap["step"]), ns.state)
+
+
+@register("restore_snapshot")
+def _restore_snapshot(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Take the state of snapshot ``step`` (every rank the same step) and drop newer ones."""
+    ns = state.ns
+    ns.state = {k: v.to(ns.device) for k, v in ns.snapshot.read(int(header["step"])).items()}
+    return {"rank": state.rank}, []
 
 
 def _rank_device(state: WorkerState, want: str) -> tuple[torch.device, bool]:
@@ -163,6 +201,8 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
         raise
     dur_us = int((time.perf_counter() - perf0) * 1e6)
     ns.state.update(new_state)
+    if header.get("snapshot"):            # the state after this step, for a restart
+        ns.snapshot.write(int(header["step"]), ns.state)
     if tel is not None:
         tel.end(ns.comm.records, start_us, perf0, dur_us, results, ns.state)
     comm = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,

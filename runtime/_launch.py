@@ -249,6 +249,7 @@ class Workers:
         self.hostnames: tuple[str, ...] = ()
         self._late: dict[int, list[str]] = {}   # per rank: kinds of replies given up on
         self._stopped_since: dict[int, float] = {}
+        self.stopped_s = STOPPED_S     # how long an awaited rank may stay stopped (state T)
         self._stopped_checked = 0.0
         self._finalizer = weakref.finalize(self, group.stop)
 
@@ -564,7 +565,7 @@ class Workers:
                 self._stopped_since.pop(rank, None)
                 continue
             since = self._stopped_since.setdefault(rank, now)
-            if now - since >= STOPPED_S:
+            if now - since >= self.stopped_s:
                 self._fail(WorkerFailure(
                     f"rank {rank} is stopped (state T: SIGSTOP or SIGTSTP; pid "
                     f"{self._group.procs[rank].pid}) and has been for {now - since:.0f} s while "

@@ -77,6 +77,14 @@ class ControllerTelemetry:
                                       tb), rank=rank)
         self.rec.flush()
 
+    def recovery(self, failure: BaseException, *, step: int | None, restart: int,
+                 restored: int, replayed: int, took_s: float) -> None:
+        """The mesh is running again after ``failure`` (``distribute(fault_tolerance=True)``)."""
+        ranks = ",".join(map(str, getattr(failure, "ranks", ()) or ()))
+        self.rec.add("recoveries", (now_us(), step, ranks, getattr(failure, "reason", "error"),
+                                    restart, restored, replayed, int(took_s * 1e6)))
+        self.rec.flush()
+
     def close(self) -> None:
         self.rec.close()
 

@@ -48,6 +48,10 @@ TABLES: dict[str, pa.Schema] = {
     "failures": _schema(
         ("run_id", _s), ("rank", _i32), ("time_us", _i64), ("step", _i64), ("kind", _s),
         ("error", _s), ("source", _s), ("traceback", _s)),
+    "recoveries": _schema(
+        ("run_id", _s), ("rank", _i32), ("time_us", _i64), ("step", _i64), ("ranks", _s),
+        ("kind", _s), ("restart", _i32), ("restored_step", _i64), ("replayed", _i32),
+        ("recover_us", _i64)),
     "plan_nodes": _schema(
         ("run_id", _s), ("node", _s), ("target", _s), ("kind", _s), ("phase", _s),
         ("module", _s), ("source", _s), ("inputs", _s), ("outputs", _s),
@@ -94,8 +98,8 @@ class Level(enum.IntEnum):
     """What a run records. Each level includes the ones before it."""
 
     OFF = 0
-    STEPS = 1          # runs, ranks, steps, memory, failures, plan_nodes, plan_collectives,
-                       # link_probes
+    STEPS = 1          # runs, ranks, steps, memory, failures, recoveries, plan_nodes,
+                       # plan_collectives, link_probes
     COLLECTIVES = 2    # + one row per collective call (the default)
     OPS = 3            # + per-node op timings on sampled steps
 

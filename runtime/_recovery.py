@@ -1,0 +1,119 @@
+"""What the controller keeps to go on after a rank fails (``distribute(fault_tolerance=True)``).
+
+On a rank that exits, is killed, stays stopped or goes silent, the controller stops the mesh,
+starts it again with the same launcher, every rank takes back its pieces of the newest
+snapshot all ranks hold (``_snapshot.py``: in memory, kept by the controller), the steps after
+that snapshot run again from the batches kept here (the interrupted one last), and the call
+returns as if nothing happened. Every step is deterministic given its batch, its
+hyperparameters, the run's seed and its number (``backends/_rng.py``), and collectives sum in
+the same order on the same mesh, so the state after the replay is bit for bit the state the
+fault-free run reaches.
+
+This module is the bookkeeping: which steps a snapshot covers, the batches since the last
+one, the restart budget, the step deadline derived from measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._errors import RuntimeFailure
+from ._snapshot import SnapshotFiles
+
+__all__ = ["RECOVERABLE", "Recovery", "Remembered"]
+
+# WorkerFailure reasons a restart can cure: a process that ended, stopped, went silent or broke
+# the protocol. "error" (a handler raised: the user's code, an index out of range) would raise
+# again on the replay, and is raised to the caller as it is.
+RECOVERABLE = ("exit", "stopped", "lost", "timeout", "protocol")
+
+_DEADLINE_STEPS = 3       # measured steps before the step deadline follows the step time
+_DEADLINE_FACTOR = 10.0   # a step may take this many times the median step before it hangs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Remembered:
+    """A step the mesh ran since the newest snapshot: what re-runs it exactly."""
+
+    step: int
+    variant: int
+    header: dict[str, Any]
+    batch: dict[str, torch.Tensor]        # data and hyperparameter tensors, cloned
+
+
+class Recovery:
+    """The controller's fault-tolerance state for one ``DistributedStep``."""
+
+    def __init__(self, *, max_restarts: int, snapshot_every: int, hang_s: float) -> None:
+        self.max_restarts, self.snapshot_every, self.hang_s = max_restarts, snapshot_every, hang_s
+        self.files: SnapshotFiles | None = None
+        self.restarts = 0
+        self.last_snapshot: int | None = None     # newest step every rank snapshotted
+        self._since: dict[int, Remembered] = {}    # steps after it, by number
+        self._durations: deque[float] = deque(maxlen=20)
+
+    def open(self, n: int) -> SnapshotFiles:
+        if self.files is None:
+            self.files = SnapshotFiles(n)
+        return self.files
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
+            self.files = None
+        self.last_snapshot = None
+        self._since.clear()
+        self._durations.clear()
+
+    def started(self, first_step: int) -> None:
+        """A fresh launch wrote the state it got as the snapshot of ``first_step - 1``."""
+        self.last_snapshot = first_step - 1
+        self._since.clear()
+
+    def wants_snapshot(self, step: int) -> bool:
+        return (step + 1) % self.snapshot_every == 0
+
+    def remember(self, step: int, variant: int, header: Mapping[str, Any],
+                 batch: Mapping[str, torch.Tensor]) -> Remembered:
+        """Keep what re-runs ``step`` (the batch cloned: the caller may reuse its tensors)."""
+        kept = Remembered(step, variant, dict(header),
+                          {k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in batch.items()})
+        self._since[step] = kept
+        return kept
+
+    def committed(self, step: int, dur_s: float | None) -> None:
+        """Every rank ran ``step``; when it snapshotted, the kept batches up to it go."""
+        if dur_s is not None:
+            self._durations.append(dur_s)
+        if self._since.get(step) is not None and self._since[step].header.get("snapshot"):
+            self.last_snapshot = step
+            self._since = {s: r for s, r in self._since.items() if s > step}
+
+    def replay(self, restored: int, in_flight: int) -> list[Remembered]:
+        """The kept steps after ``restored`` and before ``in_flight``, in order."""
+        missing = [s for s in range(restored + 1, in_flight) if s not in self._since]
+        if missing:
+            raise RuntimeFailure(f"cannot replay steps {missing}: their batches were not kept")
+        return [self._since[s] for s in range(restored + 1, in_flight)]
+
+    def restore_point(self, held: Sequence[Sequence[int]], in_flight: int) -> int | None:
+        """The newest step before ``in_flight`` whose snapshot every rank holds."""
+        common = set(held[0]).intersection(*held[1:]) if held else set()
+        usable = [s for s in common if s < in_flight]
+        return max(usable) if usable else None
+
+    def deadline(self, timeout_s: float) -> float:
+        """How long a step may take before the ranks that have not answered count as hung:
+        ``_DEADLINE_FACTOR`` times the median of the recent steps once a few were measured,
+        never under ``hang_s`` nor over ``timeout_s``."""
+        if len(self._durations) < _DEADLINE_STEPS:
+            return timeout_s
+        return min(timeout_s, max(self.hang_s,
+                                  _DEADLINE_FACTOR * statistics.median(self._durations)))

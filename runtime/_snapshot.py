@@ -1,0 +1,164 @@
+"""In-memory snapshots of every rank's state, from which a mesh restarts after a rank failure.
+
+``distribute(fault_tolerance=True)``: the controller creates one memory file per rank
+(``memfd_create``: RAM, no name in any file system) and keeps it open for the run; each rank
+opens its own through ``/proc/<controller pid>/fd/<fd>`` and, after every ``snapshot_every``-th
+step, copies its state pieces into it. The file outlives the rank's process (the controller
+holds it), so the rank that replaces a dead one reads its predecessor's pieces back; and it
+dies with the controller, even by ``kill -9``, so nothing is left behind in ``/dev/shm`` or
+anywhere else.
+
+A file holds two slots. A snapshot goes into the older one: its step is marked invalid
+(``-1``), the pieces are copied, then the step is written. A rank killed in the middle of a
+copy leaves that slot invalid and the other (one snapshot older) intact, so every rank always
+holds a snapshot of a step every other rank holds too; the controller restores the newest such
+step and replays the steps after it (it keeps their batches, ``_distributed``).
+
+Layout: a header (``MAGIC``, the index's length, the two slots' steps, the index as JSON: every
+piece's name, dtype, shape and offset inside a slot), padded to 4 KiB, then the two slots. The
+index is written once, by the first rank that uses the file; a replacement checks it against
+the pieces its plan says it holds (``check``).
+
+Same host only: the ranks must see the controller's ``/proc``, which the local launcher gives
+(and the mpi launcher when every rank runs on the controller's host). Ranks on other hosts
+need the peer copies of issue 22's point 2, not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+
+import torch
+
+from .._errors import RuntimeFailure
+
+__all__ = ["SnapshotFiles", "Snapshot"]
+
+MAGIC = b"MPSNAP01"
+_HEAD = struct.Struct("<8sQqq")          # magic, index length, step of slot 0, step of slot 1
+_PAGE = 4096
+_ALIGN = 64
+INVALID = -1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SnapshotFiles:
+    """The controller's side: one memory file per rank, open for as long as the run."""
+
+    def __init__(self, n: int) -> None:
+        if not hasattr(os, "memfd_create"):
+            raise RuntimeFailure("fault_tolerance=True keeps each rank's snapshots in memory "
+                                 "files (memfd_create), which this platform lacks (Linux only)")
+        self.fds = [os.memfd_create(f"meshplan-snapshot-r{r}", os.MFD_CLOEXEC) for r in range(n)]
+
+    def path(self, rank: int) -> str:
+        """Where rank ``rank`` opens its file (any process of this host, as this user)."""
+        return f"/proc/{os.getpid()}/fd/{self.fds[rank]}"
+
+    def nbytes(self) -> int:
+        return sum(os.fstat(fd).st_size for fd in self.fds)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+
+class Snapshot:
+    """A rank's side: its file, mapped. ``pieces``: name -> (shape, dtype) of every state piece
+    it holds; a fresh file is laid out for them, a used one must hold exactly them."""
+
+    def __init__(self, path: str, pieces: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 *, rank: int) -> None:
+        self.rank = rank
+        index, offset = [], 0
+        for name in sorted(pieces):
+            shape, dtype = pieces[name]
+            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            index.append({"name": name, "dtype": _dtype_name(dtype), "shape": list(shape),
+                          "offset": offset, "nbytes": nbytes})
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        self.index, self.slot_bytes = index, max(offset, _ALIGN)
+        text = json.dumps(index, separators=(",", ":")).encode()
+        self.header_bytes = -(-(_HEAD.size + len(text)) // _PAGE) * _PAGE
+        size = self.header_bytes + 2 * self.slot_bytes
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise RuntimeFailure(f"rank {rank}: cannot open its snapshot file {path} ({exc}); "
+                                 "the controller must run on this host") from exc
+        try:
+            have = os.fstat(fd).st_size
+            if have == 0:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, max(have, size))
+        finally:
+            os.close(fd)
+        if have == 0:
+            self._map[:_HEAD.size + len(text)] = _HEAD.pack(MAGIC, len(text), INVALID,
+                                                            INVALID) + text
+        else:
+            self.check(text)
+
+    def check(self, text: bytes) -> None:
+        magic, length, *_ = _HEAD.unpack_from(self._map, 0)
+        held = bytes(self._map[_HEAD.size:_HEAD.size + length])
+        if magic != MAGIC or held != text:
+            raise RuntimeFailure(
+                f"rank {self.rank}: its snapshot file holds other pieces than its plan gives it "
+                f"({'not a snapshot' if magic != MAGIC else 'another layout'}); the run cannot "
+                "restore from it")
+
+    def steps(self) -> list[int]:
+        """The steps whose state the valid slots hold."""
+        return [s for s in _HEAD.unpack_from(self._map, 0)[2:] if s != INVALID]
+
+    def _set(self, slot: int, step: int) -> None:
+        struct.pack_into("<q", self._map, 16 + 8 * slot, step)
+
+    def _views(self, slot: int) -> dict[str, torch.Tensor]:
+        base = self.header_bytes + slot * self.slot_bytes
+        out = {}
+        for e in self.index:
+            dtype = getattr(torch, e["dtype"])
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=e["nbytes"],
+                                   offset=base + e["offset"]) if e["nbytes"] else \
+                torch.empty(0, dtype=torch.uint8)
+            out[e["name"]] = raw.view(dtype).view(e["shape"])
+        return out
+
+    def write(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state`` (every piece of the index) into the older slot, as ``step``."""
+        steps = _HEAD.unpack_from(self._map, 0)[2:]
+        slot = 0 if steps[0] == INVALID else 1 if steps[1] == INVALID else \
+            int(steps[1] < steps[0])
+        self._set(slot, INVALID)           # a copy cut short leaves this slot invalid
+        for name, view in self._views(slot).items():
+            view.copy_(state[name])
+        self._set(slot, step)
+
+    def read(self, step: int) -> dict[str, torch.Tensor]:
+        """The pieces of ``step`` (copies), and drop any newer slot: the run goes on from
+        ``step``, so what came after it is another timeline's."""
+        steps = _HEAD.unpack_from(self._map, 0)[2:]
+        if step not in steps:
+            raise RuntimeFailure(f"rank {self.rank}: no snapshot of step {step} (it holds "
+                                 f"{[s for s in steps if s != INVALID] or 'none'})")
+        slot = steps.index(step)
+        for other, s in enumerate(steps):
+            if other != slot and s > step:
+                self._set(other, INVALID)
+        return {name: v.clone() for name, v in self._views(slot).items()}
+
+    def close(self) -> None:
+        self._map.close()

@@ -1,0 +1,89 @@
+"""The in-memory snapshot files (``runtime/_snapshot.py``) and the controller's recovery
+bookkeeping (``runtime/_recovery.py``), without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshplan import RuntimeFailure
+from meshplan.runtime._recovery import Recovery
+from meshplan.runtime._snapshot import Snapshot, SnapshotFiles
+
+PIECES = {"w": ((3, 4), torch.float32), "step": ((), torch.float32),
+          "ids": ((5,), torch.int64), "h": ((2, 2), torch.bfloat16)}
+
+
+def _state(k: float) -> dict[str, torch.Tensor]:
+    k = float(k)
+    return {"w": torch.full((3, 4), k), "step": torch.tensor(k),
+            "ids": torch.arange(5) * int(k), "h": torch.full((2, 2), k, dtype=torch.bfloat16)}
+
+
+@pytest.fixture
+def files():
+    f = SnapshotFiles(2)
+    yield f
+    f.close()
+
+
+def test_two_slots_keep_the_last_two_steps_and_a_replacement_reads_them(files) -> None:
+    snap = Snapshot(files.path(0), PIECES, rank=0)
+    for step in (-1, 0, 1):
+        snap.write(step, _state(step + 10))
+    assert sorted(snap.steps()) == [0, 1]
+    again = Snapshot(files.path(0), PIECES, rank=0)       # what a replacement rank opens
+    got = again.read(0)
+    for k, v in _state(10).items():
+        assert torch.equal(got[k], v) and got[k].dtype == v.dtype, k
+    assert again.steps() == [0], "a newer snapshot is another timeline once restored"
+
+
+def test_a_copy_cut_short_leaves_the_older_snapshot(files) -> None:
+    snap = Snapshot(files.path(1), PIECES, rank=1)
+    snap.write(4, _state(4))
+    snap.write(5, _state(5))
+    broken = {**_state(6), "w": None}          # the copy of "w" fails half way through
+    with pytest.raises(TypeError):
+        snap.write(6, broken)
+    assert snap.steps() == [5]
+    assert torch.equal(snap.read(5)["w"], _state(5)["w"])
+
+
+def test_a_file_laid_out_for_other_pieces_is_refused(files) -> None:
+    Snapshot(files.path(0), PIECES, rank=0).write(0, _state(0))
+    with pytest.raises(RuntimeFailure, match="other pieces than its plan"):
+        Snapshot(files.path(0), {**PIECES, "w": ((4, 3), torch.float32)}, rank=0)
+    with pytest.raises(RuntimeFailure, match="no snapshot of step 7"):
+        Snapshot(files.path(0), PIECES, rank=0).read(7)
+
+
+def test_the_controller_keeps_the_batches_since_the_newest_snapshot() -> None:
+    r = Recovery(max_restarts=3, snapshot_every=2, hang_s=5.0)
+    r.started(0)
+    assert r.last_snapshot == -1
+    for step in range(5):
+        kept = r.remember(step, 0, {"step": step, "snapshot": r.wants_snapshot(step)},
+                          {"x": torch.tensor([step])})
+        assert kept.batch["x"] is not None
+        r.committed(step, 0.1)
+    assert r.last_snapshot == 3                 # snapshots after steps 1 and 3
+    assert [k.step for k in r.replay(3, 5)] == [4]
+    with pytest.raises(RuntimeFailure, match="not kept"):
+        r.replay(1, 5)
+    assert r.restore_point([[1, 3], [3], [3, 5]], in_flight=5) == 3
+    assert r.restore_point([[1, 3], [1, 5]], in_flight=5) == 1
+    assert r.restore_point([[5], [5]], in_flight=5) is None
+
+
+def test_the_step_deadline_follows_the_measured_steps() -> None:
+    r = Recovery(max_restarts=1, snapshot_every=1, hang_s=2.0)
+    assert r.deadline(300.0) == 300.0          # nothing measured yet
+    for _ in range(3):
+        r.committed(0, 0.5)
+    assert r.deadline(300.0) == 5.0            # 10 x the median
+    assert r.deadline(3.0) == 3.0              # never over timeout_s
+    r = Recovery(max_restarts=1, snapshot_every=1, hang_s=2.0)
+    for _ in range(3):
+        r.committed(0, 0.01)
+    assert r.deadline(300.0) == 2.0            # never under hang_s
