@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -353,6 +354,16 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _SHM_MSG = 256                 # the shared-memory setup broadcast: flag, path, NUL, token
 
 
+_ABORT_JOIN_S = 2.0
+
+
+def _destroy_quietly() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - a broken group may fail to go; it is abandoned
+        logger.info("destroying a failed process group: %s", exc)
+
+
 def _shm_bytes(text: str | None) -> int:
     """``MESHPLAN_SHM_BYTES``: the slot size, rounded down to a multiple of 64 bytes."""
     if text is None:
@@ -473,6 +484,7 @@ class TorchCommunicator(CommBase):
                 f"rank {rank}: cannot start the {self.backend} process group of {world_size} "
                 f"ranks ({init_method or 'env://'}, timeout {timeout_s:g} s): {exc}") from exc
         self._closed = False
+        self._destroyed = False          # abort() destroyed the process groups
         world = tuple(range(world_size))
         self._declared: tuple[tuple[int, ...], ...] = tuple(declared)
         self._pgs: dict[tuple[int, ...], object] = {world: None}      # None: the default group
@@ -633,6 +645,25 @@ class TorchCommunicator(CommBase):
     def _barrier(self, g):
         dist.barrier(group=self._pgs[g])
 
+    def abort(self) -> None:
+        """Give up after a failed collective: every peer waiting for this rank in a
+        shared-memory group raises now instead of at its timeout (``_shm.ShmGroup.abort``);
+        peers waiting in gloo see this rank's sockets close at ``close()``. The communicator
+        is unusable afterwards; ``close()`` it."""
+        for group in self._shm.values():
+            if group is not None:
+                group.abort()
+        if self.backend == "gloo" and not self._closed and not self._destroyed \
+                and dist.is_initialized():
+            # gloo has no abort: destroying the process group closes this rank's sockets, and
+            # its peers' pending receives from it fail. A destroy that blocks (a collective of
+            # this rank still running in gloo's threads) is left behind in its thread.
+            self._destroyed = True
+            done = threading.Thread(target=_destroy_quietly, name="meshplan-gloo-abort",
+                                    daemon=True)
+            done.start()
+            done.join(_ABORT_JOIN_S)
+
     def close(self) -> None:
         """Destroy the default process group and every sub-group; idempotent."""
         if not self._closed:
@@ -640,7 +671,7 @@ class TorchCommunicator(CommBase):
             for group in self._shm.values():
                 if group is not None:
                     group.close()
-            if dist.is_initialized():
+            if dist.is_initialized() and not self._destroyed:
                 dist.destroy_process_group()
 
     def __repr__(self) -> str:

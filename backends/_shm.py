@@ -31,7 +31,11 @@ barrier ``p`` and then takes ``s[j][p % 2]`` ``n - 1`` times. A post for barrier
 only come after its poster took every post of ``p + 1``, which each member sends after taking
 all of ``p``: posts of two barriers never mix on one semaphore.
 
-A member that never arrives makes the others raise ``RuntimeFailure`` after ``timeout_s``.
+A member that never arrives makes the others raise ``RuntimeFailure`` after ``timeout_s``; one
+that died (its process gone or a zombie: each member writes its pid in the file) or gave up
+(``abort``: its step failed elsewhere) makes them raise within ``_SLICE_S`` of it, so a rank
+that fails never leaves its peers waiting on it (``distribute(fault_tolerance=True)`` replaces
+it and the others go on).
 Linux only (``posix_fallocate`` reserves the file up front, so a full ``/dev/shm`` is an error
 at setup, not a ``SIGBUS`` in the middle of a step).
 """
@@ -89,9 +93,34 @@ def region_bytes(members: int, capacity: int) -> int:
     return _data_offset(members) + 2 * members * capacity
 
 
+def _control_offset(members: int) -> int:
+    """Where the abort word (8 bytes) lies, then each member's pid and pid namespace."""
+    return TOKEN_BYTES + 2 * members * _SEM_STRIDE
+
+
 def _data_offset(members: int) -> int:
-    head = TOKEN_BYTES + 2 * members * _SEM_STRIDE
+    head = _control_offset(members) + 8 + 16 * members
     return -(-head // _ALIGN) * _ALIGN
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PIDNS = _pid_namespace()
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` (of this pid namespace) has ended: no entry, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def file_tag(rank: int) -> str:
@@ -171,6 +200,11 @@ class ShmGroup:
                     if _LIB.sem_init(s, 1, 0) != 0:
                         raise OSError(ctypes.get_errno(), "sem_init failed")
         self._data = _data_offset(members)
+        ctl = _control_offset(members)
+        self._abort = self._bytes[ctl:ctl + 8].view(torch.int64)
+        self._pids = self._bytes[ctl + 8:ctl + 8 + 16 * members].view(torch.int64).view(
+            members, 2)
+        self._pids[index, 0], self._pids[index, 1] = os.getpid(), _PIDNS
         self._barriers = 0          # barriers passed (their parity picks the semaphore)
         self._ops = 0               # operations started (their parity picks the half)
         self._pending: Callable[[], None] | None = None
@@ -198,12 +232,30 @@ class ShmGroup:
                 ts.tv_sec, ts.tv_nsec = int(end), int((end % 1) * 1e9)
                 if _LIB.sem_timedwait(sem, ctypes.byref(ts)) == 0:
                     break
+                self._check_members(what)
                 if time.monotonic() >= deadline:
                     raise RuntimeFailure(
                         f"{what}: a member of this rank's shared-memory group did not arrive "
                         f"within {self.timeout_s:g} s (member {self.index} of {self.members}); "
                         "a peer died or issued its collectives in another order")
         self._barriers += 1
+
+    def _check_members(self, what: str) -> None:
+        """Raise when a member gave up on the group or its process ended."""
+        if int(self._abort[0]):
+            raise RuntimeFailure(f"{what}: member {int(self._abort[0]) - 1} of this rank's "
+                                 "shared-memory group gave up on it (its step failed)")
+        for i in range(self.members):
+            pid, ns = int(self._pids[i, 0]), int(self._pids[i, 1])
+            if i != self.index and pid and ns == _PIDNS and _gone(pid):
+                raise RuntimeFailure(f"{what}: member {i} of this rank's shared-memory group "
+                                     f"(pid {pid}) died")
+
+    def abort(self) -> None:
+        """Give up on the group: every member waiting in it, now or later, raises."""
+        if self._mm is not None:
+            self._abort[0] = self.index + 1
+        self._pending = None
 
     # ---- operations ------------------------------------------------------------------------
 
@@ -336,7 +388,7 @@ class ShmGroup:
         """Unmap; an operation still in flight is dropped (its peers time out)."""
         self._pending = None
         mm, self._mm = self._mm, None
-        self._bytes = None
+        self._bytes = self._abort = self._pids = None
         if mm is not None:
             try:
                 mm.close()

@@ -446,6 +446,8 @@ class ControllerChannel(_Endpoint):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)   # an unknown rank raises, not drops
+        # a rank started again (fault tolerance) takes its identity over from the dead one
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_message)
         self._dir: str | None = None

@@ -53,7 +53,8 @@ from ._variants import MAX_VARIANTS, Variant, call_inputs, what_changed
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("local", "mpi", "slurm")
-SHIP_EVERY_S = 10.0     # how often ranks on a disk this host does not see send their segments
+SHIP_EVERY_S = 10.0
+_SYNC_S = 5.0           # how long survivors of a failure may take to leave their step     # how often ranks on a disk this host does not see send their segments
 
 _HANDLERS = "meshplan.runtime._handlers"
 _STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
@@ -559,6 +560,7 @@ class DistributedStep:
         self._workers = workers = launcher.launch(world,
                                                   env={"MESHPLAN_WORKER_PLUGINS": plugins})
         workers.stopped_s = self.hang_s
+        workers.keep_on_failure = self._ft is not None    # _recover decides what to stop
         ckpt: list[dict[str, Any]] = [{}] * world
         if self._launch_from is not None and not restore:
             path, in_file, push, stamp = self._launch_from
@@ -571,33 +573,21 @@ class DistributedStep:
                     ckpt = [{"path": p, "names": in_file}
                             for p in self._checkpoint_on_ranks(path, push)]
                 state = {k: v for k, v in state.items() if k not in in_file}
-        header: dict[str, Any] = {"data": data, "timeout_s": self.timeout_s,
-                                  "kernels": self.kernels, "device": self.device}
-        if self.telemetry is not None:
-            if self._tel is None:
-                self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
-                                                step_name=self.__name__,
-                                                strategy=plan.strategy)
-            config = self.telemetry
-            if self._calibrate_left:      # time every op of the steps the fit reads, only them
-                config = dataclasses.replace(
-                    config, level=max(config.level, Level.OPS), ops_first=self._calibrate_left,
-                    ops_every=config.ops_every if config.level >= Level.OPS else 2**62)
-            header["telemetry"] = {**config.to_json(), "run_id": self._tel.run_id}
+        if self.telemetry is not None and self._tel is None:
+            self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
+                                            step_name=self.__name__, strategy=plan.strategy)
+        header = self._setup_header()
         if not restore:
             self._step_no, self._resume_step = self._resume_step, 0
-        snaps: list[dict[str, Any]] = [{}] * world
-        if self._ft is not None:
-            files = self._ft.open(world)
-            snaps = [{"path": files.path(rank), "restore": restore, "step": self._step_no - 1}
-                     for rank in range(world)]
-            if not restore:
+            if self._ft is not None:
+                self._ft.generation = 0
                 self._ft.started(self._step_no)
         with self._recording_failures():
             plans = self._plan_for_ranks(plan.to_json())
             replies = self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank],
-                "snapshot": snaps[rank]})
+                "snapshot": self._snapshot_header(rank, restore),
+                "generation": 0 if self._ft is None else self._ft.generation})
         if self.telemetry is not None:
             self._shipper = SegmentShipper(self.telemetry, self._tel.run_id, [
                 r.header.get("segments_marker") for r in replies])
@@ -609,6 +599,28 @@ class DistributedStep:
             assert self._primary_key is not None
             self._variants = {self._primary_key: Variant.of(0, plan, tuple(data))}
         return replies
+
+    def _setup_header(self) -> dict[str, Any]:
+        """What every rank's ``setup`` carries besides its plan and state."""
+        header: dict[str, Any] = {"data": call_inputs(self.plan), "timeout_s": self.timeout_s,
+                                  "kernels": self.kernels, "device": self.device}
+        if self.telemetry is not None:
+            assert self._tel is not None
+            config = self.telemetry
+            if self._calibrate_left:      # time every op of the steps the fit reads, only them
+                config = dataclasses.replace(
+                    config, level=max(config.level, Level.OPS), ops_first=self._calibrate_left,
+                    ops_every=config.ops_every if config.level >= Level.OPS else 2**62)
+            header["telemetry"] = {**config.to_json(), "run_id": self._tel.run_id}
+        return header
+
+    def _snapshot_header(self, rank: int, restore: bool) -> dict[str, Any]:
+        """Where rank ``rank`` keeps its snapshots (fault tolerance; else nothing), and
+        whether it reads them back (``restore``) or starts them from its state."""
+        if self._ft is None:
+            return {}
+        files = self._ft.open(math.prod(self.plan.mesh.sizes))
+        return {"path": files.path(rank), "restore": restore, "step": self._step_no - 1}
 
     def _launch_state(self) -> dict[str, torch.Tensor]:
         """The state a fresh mesh starts from: the live model's and optimizer's."""
@@ -623,63 +635,115 @@ class DistributedStep:
 
     def _recover(self, failure: WorkerFailure, in_flight: int
                  ) -> tuple[WorkerFailure, int, float]:
-        """``fault_tolerance=True``: the mesh failed (``failure``, the workers stopped) while
-        the controller ran step ``in_flight`` (or between steps, before it): start it again,
+        """``fault_tolerance=True``: a rank failed (``failure``) while the controller ran step
+        ``in_flight`` (or between steps, before it): replace it, or start the whole mesh again,
         every rank back at the newest snapshot all of them hold, and re-run the kept steps
         after it, up to (not including) ``in_flight``, which the caller sends again. A failure
-        while doing so is one more restart. Raises ``failure`` when a restart cannot cure it
-        (a handler's error) or the ``max_restarts`` budget is spent."""
+        while doing so is one more restart. Raises (after stopping every worker) when a
+        restart cannot cure the failure (a handler's error) or ``max_restarts`` is spent.
+        Returns the last failure, the snapshot's step and when the recovery started."""
         ft = self._ft
         if ft is None or failure.reason not in RECOVERABLE:
+            self._stop_workers()
             raise failure
         started = time.monotonic()
         while True:
             if ft.restarts >= ft.max_restarts:
+                self._stop_workers()
                 raise RuntimeFailure(
                     f"{self.__name__}: the mesh failed again after {ft.restarts} restart"
                     f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
                     f"failure:\n{failure}") from failure
             ft.restarts += 1
-            logger.warning("meshplan: %s: %s; restarting the mesh from its in-memory snapshots "
+            logger.warning("meshplan: %s: %s; restoring the mesh from its in-memory snapshots "
                            "(restart %d of at most %d)", self.__name__,
                            str(failure).splitlines()[0], ft.restarts, ft.max_restarts)
-            self._workers = None
             try:
                 with self._recording_failures():
-                    restored = self._restart(in_flight)
+                    restored = self._restart(failure, in_flight)
                 break
             except WorkerFailure as again:
                 if again.reason not in RECOVERABLE:
+                    self._stop_workers()
                     raise
                 failure = again
         return failure, restored, started
 
-    def _restart(self, in_flight: int) -> int:
-        """Launch, restore every rank to the newest common snapshot before ``in_flight``,
-        re-add the programs of the other call signatures, replay the kept steps; returns the
-        snapshot's step."""
+    def _stop_workers(self) -> None:
+        if self._workers is not None:
+            self._workers.stop()
+
+    def _restart(self, failure: WorkerFailure, in_flight: int) -> int:
+        """Replace the failed ranks (``_replace``), or when that cannot be done, start every
+        rank again; restore every rank to the newest common snapshot before ``in_flight``,
+        give the new ranks the programs of the other call signatures, replay the kept steps.
+        Returns the snapshot's step."""
         ft = self._ft
         assert ft is not None
-        replies = self._launch(restore=True)
+        held, new = self._replace(failure)
+        if held is None:
+            self._stop_workers()
+            replies = self._launch(restore=True)
+            held = [r.header.get("snapshots", []) for r in replies]
+            new = list(range(len(replies)))
+        ft.replaced = new
         workers = self._workers
         assert workers is not None
-        restored = ft.restore_point([r.header.get("snapshots", []) for r in replies], in_flight)
+        restored = ft.restore_point(held, in_flight)
         if restored is None:
-            held = {rank: r.header.get("snapshots", []) for rank, r in enumerate(replies)}
+            self._stop_workers()
             raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a snapshot "
-                                 f"on every rank (they hold {held}); the run cannot go on "
-                                 "from memory: load the last checkpoint")
+                                 f"on every rank (they hold {dict(enumerate(held))}); the run "
+                                 "cannot go on from memory: load the last checkpoint")
         workers.broadcast("restore_snapshot", {"step": restored})
         workers.gather("restore_snapshot", self.timeout_s)
         for variant in sorted(self._variants.values(), key=lambda v: v.id):
             if variant.id != 0:
-                self._add_program(variant)
+                self._add_program(variant, new)
         by_id = {v.id: v for v in self._variants.values()}
         for kept in ft.replay(restored, in_flight):
             self._send_step(by_id[kept.variant], kept.header, kept.batch)
             workers.gather("step", self.timeout_s)
             ft.committed(kept.step, None)
         return restored
+
+    def _replace(self, failure: WorkerFailure) -> tuple[list[list[int]] | None, list[int]]:
+        """Start only the failed ranks again while the others stay up: kill the failed ones
+        (exited, or stopped), wait until every survivor has finished what it was doing (a
+        survivor waiting on a dead peer in a collective gives up by itself: the shared-memory
+        groups see the peer die, gloo its sockets close), start the replacements, set them up
+        from their predecessors' snapshots, and build a new communicator on every rank.
+        Returns the snapshot steps every rank holds and the new ranks, or ``(None, [])`` when
+        this cannot be done (the caller starts every rank again)."""
+        workers = self._workers
+        if workers is None or workers.closed or failure.reason not in ("exit", "stopped") \
+                or not workers.can_respawn:
+            return None, []
+        ft = self._ft
+        assert ft is not None
+        failed = sorted(set(failure.ranks) | set(workers.failed_ranks()))
+        workers.kill(failed)
+        survivors = [r for r in range(workers.n) if r not in failed]
+        if not workers.sync(survivors, max(_SYNC_S, 2 * self.hang_s)):
+            logger.warning("meshplan: %s: a surviving rank did not come out of its step; "
+                           "starting every rank again", self.__name__)
+            return None, []
+        try:
+            workers.respawn(failed, self.timeout_s)
+            ft.generation += 1
+            header, plans = self._setup_header(), self._plan_for_ranks(self.plan.to_json())
+            for rank in failed:
+                workers.send(rank, "setup", {
+                    **header, **plans[rank], "state": [], "checkpoint": {}, "comm": False,
+                    "snapshot": self._snapshot_header(rank, True)})
+            workers.gather("setup", self.timeout_s, ranks=failed)
+            workers.broadcast("rejoin", {"generation": ft.generation})
+            replies = workers.gather("rejoin", self.timeout_s)
+        except (WorkerFailure, StepFailed) as exc:
+            logger.warning("meshplan: %s: replacing %s failed (%s); starting every rank again",
+                           self.__name__, _ranks_text(failed), str(exc).splitlines()[0])
+            return None, []
+        return [r.header["snapshots"] for r in replies], failed
 
     def _variant(self, args: tuple, kwargs: Mapping[str, Any]) -> Variant:
         """The mesh's program for a call with these arguments: traced, planned and sent to
@@ -720,14 +784,15 @@ class DistributedStep:
         self._variants[key] = variant
         return variant
 
-    def _add_program(self, variant: Variant) -> None:
+    def _add_program(self, variant: Variant, ranks: list[int] | None = None) -> None:
+        """Send the ranks (all, or ``ranks``) the program of another call signature."""
         workers = self._workers
         assert workers is not None
         plans = self._plan_for_ranks(variant.plan.to_json())
-        for rank in range(workers.n):
+        for rank in range(workers.n) if ranks is None else ranks:
             workers.send(rank, "add_program", {**plans[rank], "variant": variant.id,
                                                "data": list(variant.inputs)})
-        workers.gather("add_program", self.timeout_s)
+        workers.gather("add_program", self.timeout_s, ranks=ranks)
 
     def _step(self, variant: Variant, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         plan, names = variant.plan, list(variant.inputs)
@@ -790,9 +855,13 @@ class DistributedStep:
         (``step``: the step it was, None between steps)."""
         took = time.monotonic() - started
         replayed = self._step_no - restored - (step is None)
-        logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: every rank "
-                       "went back to its snapshot after step %d and re-ran %d step%s",
-                       self.__name__, took, restored, replayed, "s" * (replayed != 1))
+        assert self._ft is not None and self._workers is not None
+        new = self._ft.replaced
+        how = (f"started {_ranks_text(new)} again" if len(new) < self._workers.n
+               else "started every rank again")
+        logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: %s, every "
+                       "rank went back to its snapshot after step %d and re-ran %d step%s",
+                       self.__name__, took, how, restored, replayed, "s" * (replayed != 1))
         if self._tel is not None:
             self._tel.recovery(failure, step=step, restart=self.restarts, restored=restored,
                                replayed=replayed, took_s=took)
@@ -1060,6 +1129,10 @@ class RunCalibration:
         return (f"calibrated on run {self.run_id}: {got}estimated "
                 f"{self.before.estimated_step_time_s * 1e3:.1f} ms before, "
                 f"{self.after.estimated_step_time_s * 1e3:.1f} ms with the fitted machine; {what}")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _positive(name: str, value: Any) -> float:

@@ -51,19 +51,10 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     ns.kernels = bool(header.get("kernels", True))
     ns.program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
     ns.programs = {0: (ns.program, list(header["data"]))}
-    if getattr(ns, "comm", None) is None and state.env.get("MESHPLAN_MPI") == "1":
-        ns.comm = MPICommunicator(all_axis_groups(plan.mesh.sizes),     # the mpi launcher
-                                  timeout_s=float(header.get("timeout_s", 300.0)))
-    elif getattr(ns, "comm", None) is None:
-        timeout_s = float(header.get("timeout_s", 300.0))
-        groups, store = all_axis_groups(plan.mesh.sizes), _rendezvous(state, timeout_s)
-        if ns.device.type == "cuda" and shared_gpu:
-            ns.comm = HostStagedCommunicator(state.rank, state.world_size, groups,
-                                             device=ns.device, timeout_s=timeout_s, store=store)
-        else:
-            ns.comm = TorchCommunicator(
-                state.rank, state.world_size, groups, timeout_s=timeout_s, store=store,
-                backend="nccl" if ns.device.type == "cuda" else "gloo", device=ns.device)
+    ns.shared_gpu, ns.timeout_s = shared_gpu, float(header.get("timeout_s", 300.0))
+    # a replacement rank (distribute(fault_tolerance=True)) builds it with the others: rejoin
+    if getattr(ns, "comm", None) is None and header.get("comm", True):
+        ns.comm = _communicator(state, int(header.get("generation", 0)))
     tel = header.get("telemetry")
     reply: dict[str, Any] = {"rank": state.rank}
     if tel is not None and getattr(ns, "telemetry", None) is None:
@@ -107,6 +98,38 @@ def _restore_snapshot(state: WorkerState, header: dict[str, Any], tensors: list[
     return {"rank": state.rank}, []
 
 
+def _communicator(state: WorkerState, generation: int) -> Any:
+    """This rank's communicator for its plan's mesh: MPI under the mpi launcher, else
+    torch.distributed on the controller's store (NCCL between GPUs, gloo otherwise).
+    ``generation``: how many times the ranks built one after a failure (its keys in the
+    store are new each time)."""
+    ns = state.ns
+    groups = all_axis_groups(ns.plan.mesh.sizes)
+    if state.env.get("MESHPLAN_MPI") == "1":
+        return MPICommunicator(groups, timeout_s=ns.timeout_s)
+    store = _rendezvous(state, ns.timeout_s, generation)
+    if ns.device.type == "cuda" and ns.shared_gpu:
+        return HostStagedCommunicator(state.rank, state.world_size, groups, device=ns.device,
+                                      timeout_s=ns.timeout_s, store=store)
+    return TorchCommunicator(state.rank, state.world_size, groups, timeout_s=ns.timeout_s,
+                             store=store, backend="nccl" if ns.device.type == "cuda" else "gloo",
+                             device=ns.device)
+
+
+@register("rejoin")
+def _rejoin(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """After a rank was replaced (``distribute(fault_tolerance=True)``): drop the communicator
+    (a peer of it is gone) and build a new one with every rank, the replacement included.
+    Replies with the steps this rank's snapshots hold."""
+    ns = state.ns
+    old, ns.comm = getattr(ns, "comm", None), None
+    if old is not None:
+        old.abort()
+        old.close()
+    ns.comm = _communicator(state, int(header["generation"]))
+    return {"rank": state.rank, "snapshots": ns.snapshot.steps()}, []
+
+
 def _rank_device(state: WorkerState, want: str) -> tuple[torch.device, bool]:
     """This rank's device for ``distribute(device=want)``, and whether it shares its GPU with
     another rank of this host (NCCL refuses that: the collectives then go through host
@@ -127,8 +150,9 @@ def _rank_device(state: WorkerState, want: str) -> tuple[torch.device, bool]:
     return device, ranks_here > count
 
 
-def _rendezvous(state: WorkerState, timeout_s: float) -> Any:
-    """The controller's store (``_launch.RendezvousStore``), under the run's secret prefix."""
+def _rendezvous(state: WorkerState, timeout_s: float, generation: int = 0) -> Any:
+    """The controller's store (``_launch.RendezvousStore``), under the run's secret prefix
+    (and the communicator's generation after a rank was replaced)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -138,7 +162,8 @@ def _rendezvous(state: WorkerState, timeout_s: float) -> Any:
                              "unset); start workers with a meshplan launcher")
     client = dist.TCPStore(state.master_addr, state.master_port, state.world_size, False,
                            timedelta(seconds=timeout_s))
-    return dist.PrefixStore(state.store_prefix, client)
+    prefix = state.store_prefix if not generation else f"{state.store_prefix}/g{generation}"
+    return dist.PrefixStore(prefix, client)
 
 
 @register("load_checkpoint")
@@ -198,6 +223,11 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     except Exception as exc:
         if tel is not None and not isinstance(exc, StepAborted):   # the failing rank records it
             tel.failure(exc, traceback.format_exc())
+        if getattr(ns, "snapshot", None) is not None and \
+                not getattr(exc, "meshplan_intact", False):
+            # fault tolerance: the ranks are inconsistent and the controller will restore
+            # them; peers that wait for this rank in a collective stop waiting now
+            getattr(ns.comm, "abort", lambda: None)()
         raise
     dur_us = int((time.perf_counter() - perf0) * 1e6)
     ns.state.update(new_state)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,6 +84,8 @@ class _Group:
         self.procs: list[subprocess.Popen] = []
         self.logs: list[IO[bytes]] = []
         self.closed = False
+        # start rank r again (``Workers.respawn``); None where the launcher cannot
+        self.respawn: Callable[[int], subprocess.Popen] | None = None
 
     def running(self) -> bool:
         """Whether a process of this launch has not exited yet."""
@@ -250,6 +252,9 @@ class Workers:
         self._late: dict[int, list[str]] = {}   # per rank: kinds of replies given up on
         self._stopped_since: dict[int, float] = {}
         self.stopped_s = STOPPED_S     # how long an awaited rank may stay stopped (state T)
+        # a failure raises without stopping the workers: the caller replaces the failed ranks
+        # or stops them all (``distribute(fault_tolerance=True)``)
+        self.keep_on_failure = False
         self._stopped_checked = 0.0
         self._finalizer = weakref.finalize(self, group.stop)
 
@@ -289,8 +294,9 @@ class Workers:
         for rank in range(self.n):
             self.send(rank, kind, header, () if tensors_per_rank is None else tensors_per_rank[rank])
 
-    def gather(self, kind_expected: str, timeout_s: float | None = None) -> list[Message]:
-        """One ``kind_expected`` reply per rank, ordered by rank.
+    def gather(self, kind_expected: str, timeout_s: float | None = None,
+               ranks: Sequence[int] | None = None) -> list[Message]:
+        """One ``kind_expected`` reply per rank (of ``ranks`` when given), ordered by rank.
 
         Raises WorkerFailure (after stopping all workers) when a rank replies ``error``, a worker
         process exits, or ``timeout_s`` passes (None: no limit; exits are still noticed); and
@@ -301,6 +307,8 @@ class Workers:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         got: dict[int, Message] = {}
+        if ranks is not None:       # the others count as answered: nothing is asked of them
+            got = {r: Message(kind_expected, {}, []) for r in range(self.n) if r not in ranks}
         while len(got) < self.n:
             wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             try:
@@ -318,7 +326,7 @@ class Workers:
         failed = {r: m.header for r, m in got.items() if m.kind == P.ERROR}
         if failed:
             raise self._not_applied(failed, kind_expected)
-        return [got[rank] for rank in range(self.n)]
+        return [got[rank] for rank in (range(self.n) if ranks is None else sorted(ranks))]
 
     def gather_some(self, kind_expected: str, timeout_s: float
                     ) -> tuple[dict[int, Message], dict[int, dict[str, Any]], list[int]]:
@@ -380,12 +388,81 @@ class Workers:
 
     # -- failures ---------------------------------------------------------------------------
 
+    # -- replacing failed ranks (distribute(fault_tolerance=True)) -------------------------
+
+    @property
+    def can_respawn(self) -> bool:
+        return self._group.respawn is not None and not self.closed
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks whose process has exited, or (on this host) is stopped."""
+        return [r for r, p in enumerate(self._group.procs)
+                if p.poll() is not None
+                or (getattr(p, "local", True) and _proc_state(p.pid) == "T")]
+
+    def stop(self) -> None:
+        """Stop every worker now (terminate, then kill): no goodbye, nothing waited for."""
+        self._finalizer()
+
+    def kill(self, ranks: Sequence[int]) -> None:
+        """SIGKILL ``ranks`` (stopped ones too) and reap them."""
+        for rank in ranks:
+            proc = self._group.procs[rank]
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+            self._stopped_since.pop(rank, None)
+
+    def sync(self, ranks: Sequence[int], timeout_s: float) -> bool:
+        """Make sure ``ranks`` have nothing in flight: ping each and drop every other message
+        until each has answered (a worker answers in order, so every earlier reply has come).
+        False when one of them exits or does not answer within ``timeout_s`` (it is stuck:
+        waiting in a collective for a peer that is gone)."""
+        nonce = secrets.token_hex(8)
+        try:
+            for rank in ranks:
+                self.channel.send(rank, P.PING, {"sync": nonce})
+        except RuntimeFailure:
+            return False
+        waiting, deadline = set(ranks), time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0 or any(self._group.procs[r].poll() is not None for r in waiting):
+                return False
+            try:
+                rank, message = self.channel.recv(min(_POLL_S, left))
+            except TimeoutError:
+                continue
+            if message.kind == P.PING and message.header.get("sync") == nonce:
+                waiting.discard(rank)
+        for rank in ranks:
+            self._late.pop(rank, None)
+        return True
+
+    def respawn(self, ranks: Sequence[int], timeout_s: float) -> None:
+        """Start ``ranks`` again (after ``kill``) with the launch's environment and secret, and
+        wait for their hello. A start that fails raises ``WorkerFailure`` as a launch does."""
+        if self._group.respawn is None:
+            raise RuntimeFailure("this launcher cannot start a single rank again")
+        for rank in ranks:
+            self._group.procs[rank] = self._group.respawn(rank)
+        self.pids = tuple(p.pid for p in self._group.procs)
+        hellos = self.gather(P.HELLO, timeout_s, ranks=ranks)
+        names = list(self.hostnames) or [""] * self.n
+        for rank, hello in zip(sorted(ranks), hellos):
+            names[rank] = str(hello.header.get("hostname"))
+        self.hostnames = tuple(names)
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeFailure(f"{self!r}: the workers were shut down; launch new ones")
 
     def _fail(self, failure: WorkerFailure) -> None:
-        self._finalizer()
+        if not self.keep_on_failure:
+            self._finalizer()
         raise failure
 
     def _take(self, rank: int, message: Message, kind: str, got: dict[int, Message]) -> None:
@@ -605,6 +682,7 @@ class LocalLauncher:
         except BaseException:
             group.stop()
             raise
+        group.respawn = lambda rank: self._start(rank, base, cwd, group, secret, again=True)
         workers = Workers(group, run_id=run_id, master_addr=self.host, master_port=master_port,
                           log_dir=self.log_dir)
         hellos = workers.gather(P.HELLO, timeout_s=self.hello_timeout_s)
@@ -627,13 +705,13 @@ class LocalLauncher:
         return out
 
     def _start(self, rank: int, base: dict[str, str], cwd: str | os.PathLike | None,
-               group: _Group, secret: Secret) -> subprocess.Popen:
+               group: _Group, secret: Secret, again: bool = False) -> subprocess.Popen:
         env = dict(base, **{P.ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank)})
         out = err = None
-        if self.log_dir is not None:
-            out = open(self.log_dir / f"rank{rank}.out", "wb")
+        if self.log_dir is not None:      # a rank started again appends to its logs
+            out = open(self.log_dir / f"rank{rank}.out", "ab" if again else "wb")
             group.logs.append(out)
-            err = open(self.log_dir / f"rank{rank}.err", "wb")
+            err = open(self.log_dir / f"rank{rank}.err", "ab" if again else "wb")
             group.logs.append(err)
         try:
             proc = subprocess.Popen([self.python, "-m", "meshplan.runtime._worker"],

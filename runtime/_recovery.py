@@ -54,6 +54,8 @@ class Recovery:
         self.max_restarts, self.snapshot_every, self.hang_s = max_restarts, snapshot_every, hang_s
         self.files: SnapshotFiles | None = None
         self.restarts = 0
+        self.generation = 0       # communicators built after a rank was replaced
+        self.replaced: list[int] = []             # the ranks the last recovery started
         self.last_snapshot: int | None = None     # newest step every rank snapshotted
         self._since: dict[int, Remembered] = {}    # steps after it, by number
         self._durations: deque[float] = deque(maxlen=20)

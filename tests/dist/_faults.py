@@ -10,7 +10,8 @@ the backward), ``optimizer`` (the middle op of the update, or the first kernel c
 kernels replaced it), ``allreduce`` (entering the step's first all-reduce), ``snapshot`` (half
 way through copying the state into the snapshot), ``state`` (``get_state``: ``state_dict()``),
 ``restore`` (``restore_snapshot``: a fault during a recovery).
-how: ``kill`` (SIGKILL), ``segv`` (SIGSEGV), ``exit`` (``os._exit(3)``), ``stop`` (SIGSTOP).
+how: ``kill`` (SIGKILL), ``segv`` (SIGSEGV), ``exit`` (``os._exit(3)``), ``stop`` (SIGSTOP),
+``hang`` (sleeps: alive and running, but never answers).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 from meshplan.backends import _lower
 from meshplan.ir import Phase
@@ -42,6 +44,8 @@ def _fire(fault: dict) -> None:
         os._exit(3)
     elif how == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif how == "hang":
+        time.sleep(3600)
     else:
         raise ValueError(f"unknown fault {how!r}")
 

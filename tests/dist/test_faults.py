@@ -46,7 +46,8 @@ def _run(mesh: dict[str, int], *, faults=(), ft: bool = True, **options):
         sd = step.state_dict()
         pids.update(step._workers.pids)
         restarts = step.restarts
-    return losses, sd, restarts, pids
+        replaced = step._ft.replaced if step._ft is not None else []
+    return losses, sd, restarts, pids, replaced
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,19 @@ def test_a_failed_rank_restarts_the_mesh_and_the_run_is_bit_for_bit_the_same(
     got = _run({"dp": 2}, faults=[plugin(1, 2, at, how)], hang_s=1.5)
     assert (tmp_path / "fired").exists(), "the fault never fired"
     assert got[2] == 1
+    assert got[4] == [1], "only the failed rank is started again"
+    _same(got, reference)
+    _gone(got[3])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_hangs_past_the_step_deadline_restarts_every_rank(reference, plugin) -> None:
+    """Alive, running, never answering: after three measured steps a step may take ten times
+    their median (at least hang_s); then every rank starts again (the hung one cannot be told
+    from a slow one, and its peers wait for it)."""
+    got = _run({"dp": 2}, faults=[plugin(0, 3, "backward", "hang")], hang_s=1.5)
+    assert got[2] == 1
+    assert got[4] == [0, 1]
     _same(got, reference)
     _gone(got[3])
 
@@ -162,10 +176,14 @@ def test_failures_and_recoveries_are_in_the_telemetry(plugin, tmp_path) -> None:
             return [tuple(r.values()) for r in store.sql(q, [run]).to_pylist()]
         rec = rows("SELECT step, ranks, kind, restart, restored_step, replayed "
                    "FROM recoveries WHERE run_id = ?")
-        fail = rows("SELECT rank, step, kind FROM failures WHERE run_id = ?")
+        fail = rows("SELECT rank, step, kind, error FROM failures WHERE run_id = ? "
+                    "ORDER BY rank DESC")
         ranks = rows("SELECT count(DISTINCT step) FROM steps WHERE run_id = ? AND rank = -1")
     assert rec == [(1, "1", "exit", 1, 0, 1)]
-    assert fail == [(1, 1, "exit")]
+    # the controller's row for the killed rank; the survivor's own row for the step it could
+    # not finish (its shared-memory group saw the peer die)
+    assert [f[:3] for f in fail] == [(1, 1, "exit"), (0, 1, "error")]
+    assert "died" in fail[1][3], fail[1][3]
     assert ranks == [(3,)], "the controller's steps go on in the same run"
 
 

@@ -1,0 +1,309 @@
+"""Fault tolerance (issue 22): how fast a run gets back after a rank is killed, what snapshots
+cost when nothing fails, and the same kills under torchrun.
+
+    python benchmarks/faults.py [--ranks 4] [--kills 20] [--steps 30] [--rounds 2]
+                                [--torchrun-kills 4] [--quick]
+
+The GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64,
+global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, data parallel:
+
+- **overhead**: the same steps with ``fault_tolerance=False`` and ``True`` (snapshot after every
+  step), ``--rounds`` rounds alternating the two; medians of each call's time on the controller
+  after two warm-up calls; the ratio is on / off.
+- **recovery**: one run with ``fault_tolerance=True`` and ``max_restarts=kills``; before each of
+  ``--kills`` chosen steps a timer thread SIGKILLs a random worker at a random moment within
+  one median step after the call starts (so the kill lands anywhere in the step, or just after
+  it). Measured, each from the kill: when the controller saw the failure (its warning line),
+  and when the interrupted call returned: the next committed step. The restarts say whether
+  only the killed rank started again (it should) or every rank.
+- **torchrun** (``--torchrun-kills N``, 0 to skip): ``torchrun --standalone --max-restarts N``
+  with the same model under DDP (gloo), a ``torch.distributed.checkpoint`` save after every
+  step and a load at start (what users do to survive restarts), with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it torch 2.13's restarts fail on a stale
+  store address); a worker SIGKILLed at a random moment of a step; measured from the kill to
+  the next step every rank completed after it (the steps the restart re-runs since the last
+  checkpoint included).
+
+Churn follows from the recovery's cost: a run that loses ``c`` seconds per kill (kill to the
+next committed step, less one step) at one kill per ``T`` seconds of training keeps
+``T / (T + c)`` of its throughput; the table prints it for a few rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import torch
+
+import meshplan
+from meshplan.examples import gpt
+
+CONFIG = gpt.GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, d_model=256,
+                       batch_size=16)
+
+
+def _example():
+    return gpt.build(optimizer="adamw", clip=1.0, config=CONFIG)
+
+
+class _Seen(logging.Handler):
+    """Times when the controller said it saw a failure (its warning line)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.failures: list[float] = []
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "restoring the mesh" in text:
+            self.failures.append(time.monotonic())
+        if "recovered" in text:
+            self.lines.append(text)
+
+
+def overhead(ranks: int, steps: int, rounds: int) -> dict[str, float]:
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for ft in (False, True):
+            ex = _example()
+            with meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp",
+                                     telemetry=False, fault_tolerance=ft) as step:
+                for i in range(steps + 2):
+                    t0 = time.perf_counter()
+                    step(*ex.batch(i))
+                    if i >= 2:
+                        times[ft].append(time.perf_counter() - t0)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off}
+
+
+def recovery(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
+    rng = random.Random(seed)
+    seen = _Seen()
+    logging.getLogger("meshplan").addHandler(seen)
+    ex = _example()
+    step = meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
+                               fault_tolerance=True, max_restarts=kills + 1)
+    detect, back, replaced, durations = [], [], [], []
+    try:
+        with step:
+            i = 0
+            for _ in range(5):                       # warm up; the median step
+                t0 = time.perf_counter()
+                step(*ex.batch(i))
+                durations.append(time.perf_counter() - t0)
+                i += 1
+            typical = statistics.median(durations)
+            for k in range(kills):
+                for _ in range(2):                   # a couple of clean steps between kills
+                    step(*ex.batch(i))
+                    i += 1
+                pid = rng.choice(step._workers.pids)
+                delay = rng.uniform(0.0, typical)
+                killed: list[float] = []
+                timer = threading.Timer(delay, lambda p=pid: (killed.append(time.monotonic()),
+                                                              os.kill(p, signal.SIGKILL)))
+                before = len(seen.failures)
+                timer.start()
+                step(*ex.batch(i))
+                i += 1
+                timer.join()
+                if len(seen.failures) == before:     # the kill came after the step: the next
+                    step(*ex.batch(i))               # call sees it and recovers
+                    i += 1
+                done = time.monotonic()
+                detect.append(seen.failures[before] - killed[0])
+                back.append(done - killed[0])
+                replaced.append(len(step._ft.replaced))
+                print(f"  kill {k + 1}/{kills}: pid {pid} at +{delay * 1e3:.0f} ms; seen after "
+                      f"{detect[-1]:.2f} s, next committed step after {back[-1]:.2f} s "
+                      f"({replaced[-1]} rank{'s' * (replaced[-1] != 1)} started)", flush=True)
+            restarts = step.restarts
+    finally:
+        logging.getLogger("meshplan").removeHandler(seen)
+    return {"detect": detect, "back": back, "replaced": replaced, "restarts": restarts,
+            "step_s": typical}
+
+
+_TORCHRUN_SCRIPT = textwrap.dedent('''
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from meshplan.examples import gpt
+    import torch.nn.functional as F
+    from torch import nn
+
+    cfg = gpt.GPTConfig(**{cfg})
+    out, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open(os.path.join(out, f"pid{{rank}}"), "w") as f:
+        f.write(str(os.getpid()))
+    ex = gpt.build(optimizer="adamw", clip=1.0, config=cfg)
+    model = DDP(ex.model)
+    opt = ex.opt
+    start = 0
+    if os.path.exists(os.path.join(ckpt, "step")):
+        with open(os.path.join(ckpt, "step")) as f:
+            start = int(f.read()) + 1
+        sd = {{"model": model.state_dict(), "optim": opt.state_dict()}}
+        dcp.load(sd, checkpoint_id=os.path.join(ckpt, "dcp"))
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    for i in range(start, steps):
+        x, y = ex.batch(i)
+        n = x.shape[0] // world
+        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dcp.save({{"model": model.state_dict(), "optim": opt.state_dict()}},
+                 checkpoint_id=os.path.join(ckpt, "dcp"))
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(ckpt, "step.tmp"), "w") as f:
+                f.write(str(i))
+            os.replace(os.path.join(ckpt, "step.tmp"), os.path.join(ckpt, "step"))
+            with open(os.path.join(out, "steps"), "a") as f:
+                f.write(f"{{i}} {{time.time()}}\\n")
+    dist.destroy_process_group()
+''')
+
+
+def torchrun(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
+    """``kills`` runs of torchrun, one kill each (see the module docstring)."""
+    rng = random.Random(seed)
+    cfg = {k: getattr(CONFIG, k) for k in ("vocab_size", "seq_len", "n_layer", "n_head",
+                                           "d_model", "batch_size")}
+    back, recovered = [], 0
+    for k in range(kills):
+        with tempfile.TemporaryDirectory(prefix="meshplan-torchrun-") as tmp:
+            script = os.path.join(tmp, "train.py")
+            with open(script, "w") as f:
+                f.write(_TORCHRUN_SCRIPT.format(cfg=json.dumps(cfg)))
+            out, ckpt = os.path.join(tmp, "out"), os.path.join(tmp, "ckpt")
+            os.makedirs(out)
+            os.makedirs(ckpt)
+            env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS=str(
+                max(1, (os.cpu_count() or 1) // ranks)))
+            steps = 20
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={ranks}", "--max-restarts=3", script, out, ckpt,
+                 str(steps)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                log = os.path.join(out, "steps")
+                deadline = time.monotonic() + 240
+                while time.monotonic() < deadline and _steps_done(log) < 5:
+                    time.sleep(0.05)
+                rows = _rows(log)
+                typical = statistics.median(b - a for a, b in zip(
+                    [t for _, t in rows][1:-1], [t for _, t in rows][2:])) if len(rows) > 3 \
+                    else 0.2
+                time.sleep(rng.uniform(0.0, typical))
+                victim = rng.randrange(ranks)
+                with open(os.path.join(out, f"pid{victim}")) as f:
+                    pid = int(f.read())
+                done_before = _steps_done(log)
+                killed = time.time()
+                os.kill(pid, signal.SIGKILL)
+                while time.monotonic() < deadline:
+                    after = [t for i, t in _rows(log) if t > killed]
+                    if after:
+                        back.append(after[0] - killed)
+                        recovered += 1
+                        break
+                    if proc.poll() is not None:
+                        break
+                    time.sleep(0.05)
+                print(f"  torchrun kill {k + 1}/{kills}: rank {victim} after {done_before} "
+                      f"steps; " + (f"next step after {back[-1]:.2f} s"
+                                    if len(back) == recovered and recovered == k + 1
+                                    else "not recovered"), flush=True)
+                proc.wait(240)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    return {"back": back, "recovered": recovered, "kills": kills}
+
+
+def _rows(path: str) -> list[tuple[int, float]]:
+    try:
+        with open(path) as f:
+            return [(int(a), float(b)) for a, b in (line.split() for line in f if line.strip())]
+    except OSError:
+        return []
+
+
+def _steps_done(path: str) -> int:
+    return len(_rows(path))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30, help="overhead: steps per run")
+    ap.add_argument("--rounds", type=int, default=2, help="overhead: rounds of off/on")
+    ap.add_argument("--torchrun-kills", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 3 kills, 1 torchrun kill")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.ranks, a.kills, a.steps, a.rounds, a.torchrun_kills = 2, 3, 10, 1, 1
+    logging.basicConfig(level=logging.ERROR)
+    torch.manual_seed(0)
+    print(f"# faults: GPT d_model {CONFIG.d_model}, {CONFIG.n_layer} layers, batch "
+          f"{CONFIG.batch_size}, {a.ranks} ranks (dp), {os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
+    ov = overhead(a.ranks, a.steps, a.rounds)
+    print(f"overhead: step {ov['off_ms']:.1f} ms without, {ov['on_ms']:.1f} ms with snapshots "
+          f"after every step: {ov['ratio']:.3f}x", flush=True)
+    rec = recovery(a.ranks, a.kills)
+    det, back = rec["detect"], rec["back"]
+    one = sum(1 for r in rec["replaced"] if r == 1)
+    print(f"meshplan: {len(back)} of {a.kills} kills recovered ({one} by starting the killed "
+          f"rank alone); failure seen after p50 {_pct(det, .5):.2f} s / p99 "
+          f"{_pct(det, .99):.2f} s; kill -> next committed step p50 {_pct(back, .5):.2f} s / "
+          f"p99 {_pct(back, .99):.2f} s (a step takes {rec['step_s'] * 1e3:.0f} ms)",
+          flush=True)
+    lost = statistics.median(back) - rec["step_s"]
+    rates = [60, 600, 3600]
+    print("churn: throughput kept at one kill per " + ", ".join(
+        f"{r} s: {r / (r + lost):.1%}" for r in rates) + f" (each kill costs {lost:.2f} s)")
+    if a.torchrun_kills:
+        tr = torchrun(a.ranks, a.torchrun_kills)
+        if tr["back"]:
+            print(f"torchrun + DDP + DCP: {tr['recovered']} of {tr['kills']} kills recovered; "
+                  f"kill -> next step p50 {_pct(tr['back'], .5):.2f} s (max "
+                  f"{max(tr['back']):.2f} s); meshplan is "
+                  f"{_pct(tr['back'], .5) / _pct(back, .5):.1f}x faster at p50", flush=True)
+        else:
+            print(f"torchrun + DDP + DCP: 0 of {tr['kills']} kills recovered", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
