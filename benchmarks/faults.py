@@ -7,9 +7,9 @@ cost when nothing fails, and the same kills under torchrun.
 The GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, data parallel:
 
-- **overhead**: the same steps with ``fault_tolerance=False`` and ``True`` (snapshot after every
-  step), ``--rounds`` rounds alternating the two; medians of each call's time on the controller
-  after two warm-up calls; the ratio is on / off.
+- **overhead**: the same steps with ``fault_tolerance=False``, ``True`` (a snapshot after every
+  step) and ``True, snapshot_every=5``, ``--rounds`` rounds alternating them; medians of each
+  call's time on the controller after two warm-up calls; ratios against off.
 - **recovery**: one run with ``fault_tolerance=True`` and ``max_restarts=kills``; before each of
   ``--kills`` chosen steps a timer thread SIGKILLs a random worker at a random moment within
   one median step after the call starts (so the kill lands anywhere in the step, or just after
@@ -22,7 +22,8 @@ global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, dat
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it torch 2.13's restarts fail on a stale
   store address); a worker SIGKILLed at a random moment of a step; measured from the kill to
   the next step every rank completed after it (the steps the restart re-runs since the last
-  checkpoint included).
+  checkpoint included), i.e. to the first step rank 0 logs with torchrun's restart count above
+  0 (a step that was finishing as the kill landed does not count).
 
 Churn follows from the recovery's cost: a run that loses ``c`` seconds per kill (kill to the
 next committed step, less one step) at one kill per ``T`` seconds of training keeps
@@ -74,26 +75,31 @@ class _Seen(logging.Handler):
             self.lines.append(text)
 
 
+_VARIANTS = {"off": {}, "every step": {"fault_tolerance": True},
+             "every 5 steps": {"fault_tolerance": True, "snapshot_every": 5}}
+
+
 def overhead(ranks: int, steps: int, rounds: int) -> dict[str, float]:
-    times: dict[bool, list[float]] = {False: [], True: []}
+    """Median call time (ms) of each of ``_VARIANTS``."""
+    times: dict[str, list[float]] = {k: [] for k in _VARIANTS}
     for _ in range(rounds):
-        for ft in (False, True):
+        for name, options in _VARIANTS.items():
             ex = _example()
             with meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp",
-                                     telemetry=False, fault_tolerance=ft) as step:
+                                     telemetry=False, **options) as step:
                 for i in range(steps + 2):
                     t0 = time.perf_counter()
                     step(*ex.batch(i))
                     if i >= 2:
-                        times[ft].append(time.perf_counter() - t0)
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    return {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": on / off}
+                        times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def recovery(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
     rng = random.Random(seed)
     seen = _Seen()
     logging.getLogger("meshplan").addHandler(seen)
+    logging.getLogger("meshplan").setLevel(logging.WARNING)
     ex = _example()
     step = meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
                                fault_tolerance=True, max_restarts=kills + 1)
@@ -182,7 +188,7 @@ _TORCHRUN_SCRIPT = textwrap.dedent('''
                 f.write(str(i))
             os.replace(os.path.join(ckpt, "step.tmp"), os.path.join(ckpt, "step"))
             with open(os.path.join(out, "steps"), "a") as f:
-                f.write(f"{{i}} {{time.time()}}\\n")
+                f.write(f"{{i}} {{time.time()}} {{os.environ['TORCHELASTIC_RESTART_COUNT']}}\\n")
     dist.destroy_process_group()
 ''')
 
@@ -213,10 +219,9 @@ def torchrun(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
                 deadline = time.monotonic() + 240
                 while time.monotonic() < deadline and _steps_done(log) < 5:
                     time.sleep(0.05)
-                rows = _rows(log)
-                typical = statistics.median(b - a for a, b in zip(
-                    [t for _, t in rows][1:-1], [t for _, t in rows][2:])) if len(rows) > 3 \
-                    else 0.2
+                times = [t for _, t, _ in _rows(log)]
+                typical = statistics.median(b - a for a, b in zip(times[1:-1], times[2:])) \
+                    if len(times) > 3 else 0.2
                 time.sleep(rng.uniform(0.0, typical))
                 victim = rng.randrange(ranks)
                 with open(os.path.join(out, f"pid{victim}")) as f:
@@ -225,7 +230,7 @@ def torchrun(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
                 killed = time.time()
                 os.kill(pid, signal.SIGKILL)
                 while time.monotonic() < deadline:
-                    after = [t for i, t in _rows(log) if t > killed]
+                    after = [t for i, t, restart in _rows(log) if restart > 0]
                     if after:
                         back.append(after[0] - killed)
                         recovered += 1
@@ -245,10 +250,12 @@ def torchrun(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
     return {"back": back, "recovered": recovered, "kills": kills}
 
 
-def _rows(path: str) -> list[tuple[int, float]]:
+def _rows(path: str) -> list[tuple[int, float, int]]:
+    """(step, wall time, torchrun's restart count) of every step rank 0 logged."""
     try:
         with open(path) as f:
-            return [(int(a), float(b)) for a, b in (line.split() for line in f if line.strip())]
+            return [(int(a), float(b), int(c))
+                    for a, b, c in (line.split() for line in f if line.strip())]
     except OSError:
         return []
 
@@ -279,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{CONFIG.batch_size}, {a.ranks} ranks (dp), {os.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
     ov = overhead(a.ranks, a.steps, a.rounds)
-    print(f"overhead: step {ov['off_ms']:.1f} ms without, {ov['on_ms']:.1f} ms with snapshots "
-          f"after every step: {ov['ratio']:.3f}x", flush=True)
+    print(f"overhead: step {ov['off']:.1f} ms without fault tolerance; with snapshots " + ", ".join(
+        f"{k} {v:.1f} ms ({v / ov['off']:.3f}x)" for k, v in ov.items() if k != "off"),
+        flush=True)
     rec = recovery(a.ranks, a.kills)
     det, back = rec["detect"], rec["back"]
     one = sum(1 for r in rec["replaced"] if r == 1)

@@ -225,6 +225,8 @@ class DistributedStep:
             return
         with self._recording_failures():
             self._send_state("set_state", values, lambda rank, names: {"names": names})
+        if self._ft is not None:          # every rank's snapshot is this state now
+            self._ft.started(self._step_no)
 
     def _traced_or_prepared(self) -> Any:
         self.plan                          # traces first if only example_inputs were given
@@ -414,6 +416,8 @@ class DistributedStep:
                 self._workers.send(rank, "load_checkpoint", {"path": paths[rank],
                                                              "names": names})
             self._workers.gather("load_checkpoint", self.timeout_s)
+        if self._ft is not None:
+            self._ft.started(self._step_no)
 
     def _checkpoint_on_ranks(self, path: str, push: bool | None) -> list[str]:
         """Where each rank reads the checkpoint ``path``: in place under the local launcher,
@@ -598,6 +602,8 @@ class DistributedStep:
         if not restore:
             assert self._primary_key is not None
             self._variants = {self._primary_key: Variant.of(0, plan, tuple(data))}
+        if self._ft is not None:
+            workers.keep_spare()       # started now, so that replacing a rank skips start-up
         return replies
 
     def _setup_header(self) -> dict[str, Any]:

@@ -86,15 +86,24 @@ def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
             pieces[n.target] = (tuple(s.stop - s.start for s in slices),
                                 getattr(torch, n.meta.dtype))
     ns.snapshot = Snapshot(str(snap["path"]), pieces, rank=state.rank)
+    ns.last_step = int(snap["step"])
     if not snap.get("restore"):
-        ns.snapshot.write(int(snap["step"]), ns.state)
+        ns.snapshot.write(ns.last_step, ns.state)
+
+
+def _state_changed(ns: Any) -> None:
+    """The state changed outside a step: under fault tolerance it is the snapshot now."""
+    snap = getattr(ns, "snapshot", None)
+    if snap is not None:
+        snap.reset(ns.last_step, ns.state)
 
 
 @register("restore_snapshot")
 def _restore_snapshot(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     """Take the state of snapshot ``step`` (every rank the same step) and drop newer ones."""
     ns = state.ns
-    ns.state = {k: v.to(ns.device) for k, v in ns.snapshot.read(int(header["step"])).items()}
+    ns.last_step = int(header["step"])
+    ns.state = {k: v.to(ns.device) for k, v in ns.snapshot.read(ns.last_step).items()}
     return {"rank": state.rank}, []
 
 
@@ -172,6 +181,7 @@ def _load_checkpoint(state: WorkerState, header: dict[str, Any], tensors: list[t
     pieces = _checkpoint_pieces(state.rank, ns.plan, header)
     device = state_device(ns.state)
     ns.state.update({k: v.to(device) for k, v in pieces.items()})
+    _state_changed(ns)
     return {"rank": state.rank, "names": len(pieces)}, []
 
 
@@ -203,9 +213,18 @@ def _add_program(state: WorkerState, header: dict[str, Any], tensors: list[torch
     return {"rank": state.rank}, []
 
 
+def _settled(ns: Any) -> None:
+    """Before a handler changes the state in place or hands it out: the snapshot copy of
+    the last step (``Snapshot.write_behind``) is done."""
+    snap = getattr(ns, "snapshot", None)
+    if snap is not None:
+        snap.settle()
+
+
 @register("step")
 def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     ns = state.ns
+    _settled(ns)
     program, names = ns.programs[int(header.get("variant", 0))]
     data = dict(zip(names, (t.to(ns.device, non_blocking=True) for t in tensors)))
     tel: WorkerTelemetry | None = getattr(ns, "telemetry", None)
@@ -231,8 +250,9 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
         raise
     dur_us = int((time.perf_counter() - perf0) * 1e6)
     ns.state.update(new_state)
-    if header.get("snapshot"):            # the state after this step, for a restart
-        ns.snapshot.write(int(header["step"]), ns.state)
+    ns.last_step = int(header.get("step", -1))
+    if header.get("snapshot"):            # the state after this step, for a restart: copied
+        ns.snapshot.write_behind(int(header["step"]), ns.state)    # while the reply goes
     if tel is not None:
         tel.end(ns.comm.records, start_us, perf0, dur_us, results, ns.state)
     comm = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,
@@ -305,6 +325,7 @@ def _share_state(state: WorkerState, header: dict[str, Any], tensors: list[torch
 def _set_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     device = getattr(state.ns, "device", torch.device("cpu"))
     state.ns.state.update({k: v.to(device) for k, v in zip(header["names"], tensors)})
+    _state_changed(state.ns)
     return {}, []
 
 

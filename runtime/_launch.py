@@ -86,6 +86,9 @@ class _Group:
         self.closed = False
         # start rank r again (``Workers.respawn``); None where the launcher cannot
         self.respawn: Callable[[int], subprocess.Popen] | None = None
+        # a worker started ahead, torch imported, waiting to be told its rank (local only)
+        self.spare: subprocess.Popen | None = None
+        self.start_spare: Callable[[], subprocess.Popen] | None = None
 
     def running(self) -> bool:
         """Whether a process of this launch has not exited yet."""
@@ -96,6 +99,9 @@ class _Group:
         if self.closed:
             return
         self.closed = True
+        if self.spare is not None:
+            self.procs.append(self.spare)     # stopped with the others
+            self.spare = None
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -442,19 +448,40 @@ class Workers:
             self._late.pop(rank, None)
         return True
 
+    def keep_spare(self) -> None:
+        """Start a spare worker (the local launcher), which imports torch and the plugins
+        now and waits to be told its rank: ``respawn`` then costs no start-up."""
+        group = self._group
+        if group.start_spare is not None and not self.closed and (
+                group.spare is None or group.spare.poll() is not None):
+            group.spare = group.start_spare()
+
     def respawn(self, ranks: Sequence[int], timeout_s: float) -> None:
-        """Start ``ranks`` again (after ``kill``) with the launch's environment and secret, and
-        wait for their hello. A start that fails raises ``WorkerFailure`` as a launch does."""
-        if self._group.respawn is None:
+        """Start ``ranks`` again (after ``kill``) with the launch's environment and secret (the
+        spare becomes the first of them when one is ready), and wait for their hello. A start
+        that fails raises ``WorkerFailure`` as a launch does."""
+        group = self._group
+        if group.respawn is None:
             raise RuntimeFailure("this launcher cannot start a single rank again")
         for rank in ranks:
-            self._group.procs[rank] = self._group.respawn(rank)
+            spare, group.spare = group.spare, None
+            if spare is not None and spare.poll() is None and spare.stdin is not None:
+                try:
+                    spare.stdin.write(f"{rank}\n".encode())
+                    spare.stdin.flush()
+                    group.procs[rank] = spare
+                    continue
+                except OSError:
+                    pass
+            group.procs[rank] = group.respawn(rank)
         self.pids = tuple(p.pid for p in self._group.procs)
         hellos = self.gather(P.HELLO, timeout_s, ranks=ranks)
         names = list(self.hostnames) or [""] * self.n
         for rank, hello in zip(sorted(ranks), hellos):
             names[rank] = str(hello.header.get("hostname"))
         self.hostnames = tuple(names)
+        if group.start_spare is not None:
+            self.keep_spare()                 # for the next failure
 
     def _check_open(self) -> None:
         if self.closed:
@@ -683,6 +710,8 @@ class LocalLauncher:
             group.stop()
             raise
         group.respawn = lambda rank: self._start(rank, base, cwd, group, secret, again=True)
+        if self.log_dir is None:      # a spare's output goes where the ranks' goes
+            group.start_spare = lambda: self._start(-1, base, cwd, group, secret)
         workers = Workers(group, run_id=run_id, master_addr=self.host, master_port=master_port,
                           log_dir=self.log_dir)
         hellos = workers.gather(P.HELLO, timeout_s=self.hello_timeout_s)
@@ -706,7 +735,8 @@ class LocalLauncher:
 
     def _start(self, rank: int, base: dict[str, str], cwd: str | os.PathLike | None,
                group: _Group, secret: Secret, again: bool = False) -> subprocess.Popen:
-        env = dict(base, **{P.ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        env = dict(base, **{P.ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                   ) if rank >= 0 else dict(base, MESHPLAN_SPARE="1")    # -1: a spare
         out = err = None
         if self.log_dir is not None:      # a rank started again appends to its logs
             out = open(self.log_dir / f"rank{rank}.out", "ab" if again else "wb")

@@ -56,8 +56,11 @@ class Recovery:
         self.restarts = 0
         self.generation = 0       # communicators built after a rank was replaced
         self.replaced: list[int] = []             # the ranks the last recovery started
-        self.last_snapshot: int | None = None     # newest step every rank snapshotted
-        self._since: dict[int, Remembered] = {}    # steps after it, by number
+        # the last two snapshot steps every rank ran: a snapshot is copied while the next
+        # request comes (``Snapshot.write_behind``), so a rank that dies then holds only the
+        # one before; the batches since that one are kept
+        self._snaps: list[int] = []
+        self._since: dict[int, Remembered] = {}    # steps after the older one, by number
         self._durations: deque[float] = deque(maxlen=20)
 
     def open(self, n: int) -> SnapshotFiles:
@@ -69,13 +72,14 @@ class Recovery:
         if self.files is not None:
             self.files.close()
             self.files = None
-        self.last_snapshot = None
+        self._snaps = []
         self._since.clear()
         self._durations.clear()
 
     def started(self, first_step: int) -> None:
-        """A fresh launch wrote the state it got as the snapshot of ``first_step - 1``."""
-        self.last_snapshot = first_step - 1
+        """A fresh launch wrote the state it got as the snapshot of ``first_step - 1`` (also
+        after the state changed outside a step: every rank's only snapshot now)."""
+        self._snaps = [first_step - 1]
         self._since.clear()
 
     def wants_snapshot(self, step: int) -> bool:
@@ -91,12 +95,14 @@ class Recovery:
         return kept
 
     def committed(self, step: int, dur_s: float | None) -> None:
-        """Every rank ran ``step``; when it snapshotted, the kept batches up to it go."""
+        """Every rank ran ``step``; when it snapshotted, the batches up to the snapshot
+        before go."""
         if dur_s is not None:
             self._durations.append(dur_s)
         if self._since.get(step) is not None and self._since[step].header.get("snapshot"):
-            self.last_snapshot = step
-            self._since = {s: r for s, r in self._since.items() if s > step}
+            self._snaps = [*self._snaps, step][-2:]
+            oldest = self._snaps[0]
+            self._since = {s: r for s, r in self._since.items() if s > oldest}
 
     def replay(self, restored: int, in_flight: int) -> list[Remembered]:
         """The kept steps after ``restored`` and before ``in_flight``, in order."""

@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -89,6 +90,8 @@ class Snapshot:
                           "offset": offset, "nbytes": nbytes})
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.index, self.slot_bytes = index, max(offset, _ALIGN)
+        self._copying: threading.Thread | None = None
+        self._failed: BaseException | None = None
         text = json.dumps(index, separators=(",", ":")).encode()
         self.header_bytes = -(-(_HEAD.size + len(text)) // _PAGE) * _PAGE
         size = self.header_bytes + 2 * self.slot_bytes
@@ -121,6 +124,7 @@ class Snapshot:
 
     def steps(self) -> list[int]:
         """The steps whose state the valid slots hold."""
+        self.settle()
         return [s for s in _HEAD.unpack_from(self._map, 0)[2:] if s != INVALID]
 
     def _set(self, slot: int, step: int) -> None:
@@ -147,9 +151,43 @@ class Snapshot:
             view.copy_(state[name])
         self._set(slot, step)
 
+    def reset(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        """The state changed outside a step (a state dict or checkpoint loaded): it is the
+        only snapshot now, as ``step``; the older ones are of another timeline."""
+        self.settle()
+        self._set(0, INVALID)
+        self._set(1, INVALID)
+        self.write(step, state)
+
+    def write_behind(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        """``write`` in a thread, so the copy overlaps what comes next (the reply, the
+        controller's next request). The caller must ``settle()`` before it changes any tensor
+        of ``state`` in place or reads the snapshots."""
+        self.settle()
+        held = dict(state)
+
+        def copy() -> None:
+            try:
+                self.write(step, held)
+            except BaseException as exc:  # noqa: BLE001 - raised by settle(), in the handler
+                self._failed = exc
+        self._copying = threading.Thread(target=copy, name="meshplan-snapshot", daemon=True)
+        self._copying.start()
+
+    def settle(self) -> None:
+        """Wait for a ``write_behind`` in flight; raise what it raised."""
+        if self._copying is not None:
+            self._copying.join()
+            self._copying = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise RuntimeFailure(f"rank {self.rank}: its last snapshot failed ({failed}); the "
+                                 "one before it is kept") from failed
+
     def read(self, step: int) -> dict[str, torch.Tensor]:
         """The pieces of ``step`` (copies), and drop any newer slot: the run goes on from
         ``step``, so what came after it is another timeline's."""
+        self.settle()
         steps = _HEAD.unpack_from(self._map, 0)[2:]
         if step not in steps:
             raise RuntimeFailure(f"rank {self.rank}: no snapshot of step {step} (it holds "
@@ -161,4 +199,5 @@ class Snapshot:
         return {name: v.clone() for name, v in self._views(slot).items()}
 
     def close(self) -> None:
+        self.settle()
         self._map.close()

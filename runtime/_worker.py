@@ -182,8 +182,14 @@ def _exit_on_eof(fd: int) -> None:
     os._exit(EXIT_ORPHANED)
 
 
-def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool) -> Secret:
-    """Read the secret, start the stdin watcher and (Linux) ask for SIGKILL on parent death."""
+def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool,
+                             spare: bool = False) -> Secret:
+    """Read the secret, start the stdin watcher and (Linux) ask for SIGKILL on parent death.
+
+    ``spare`` (``MESHPLAN_SPARE=1``, the local launcher's warm spare for fault tolerance):
+    import torch and the plugins first, then wait for a second line, the rank this process is
+    to be (``Workers.respawn``), and set it in the environment; EOF instead means the
+    controller is gone or does not need the spare: exit."""
     if pdeathsig and sys.platform.startswith("linux"):
         import ctypes
 
@@ -197,6 +203,16 @@ def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool) -> Secret:
     os.dup2(devnull, 0)
     os.close(devnull)
     line = _read_secret_line(pipe)
+    if spare:
+        try:
+            _load_plugins(os.environ.get(ENV_PLUGINS, ""))   # main() reports a failure
+        except Exception:  # noqa: BLE001 - loaded again, and reported, once connected
+            pass
+        rank = _read_secret_line(pipe).strip()
+        if not rank.isdigit():
+            os._exit(EXIT_ORPHANED)
+        os.environ.update({ENV_RANK: rank.decode(), "RANK": rank.decode(),
+                           "LOCAL_RANK": rank.decode()})
     threading.Thread(target=_exit_on_eof, args=(pipe,), name="meshplan-orphan-guard",
                      daemon=True).start()
     return Secret.from_hex(line.decode())
@@ -245,7 +261,8 @@ def main() -> int:
             rank = worker_rank(env)
             secret = _guard_against_orphaning(None, env.get(ENV_PDEATHSIG) == "1")
         else:
-            secret = _guard_against_orphaning(parent, env.get(ENV_PDEATHSIG) == "1")
+            secret = _guard_against_orphaning(parent, env.get(ENV_PDEATHSIG) == "1",
+                                              spare=env.get("MESHPLAN_SPARE") == "1")
             rank = int(env[ENV_RANK])
         world_size = int(env[ENV_WORLD_SIZE])
         address, run_id = env[ENV_ADDRESS], env[ENV_RUN_ID]

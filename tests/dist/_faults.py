@@ -25,8 +25,12 @@ from meshplan.backends import _lower
 from meshplan.ir import Phase
 from meshplan.runtime import _worker
 
-_FAULTS = [f for f in json.loads(os.environ.get("MESHPLAN_TEST_FAULTS", "[]"))
-           if f["rank"] == int(os.environ.get("MESHPLAN_RANK", "-1"))]
+_FAULTS = json.loads(os.environ.get("MESHPLAN_TEST_FAULTS", "[]"))
+
+
+def _rank() -> int:
+    """This worker's rank, read when a fault is due: a spare learns it after the import."""
+    return int(os.environ.get("MESHPLAN_RANK", "-1"))
 
 
 def _fire(fault: dict) -> None:
@@ -52,7 +56,7 @@ def _fire(fault: dict) -> None:
 
 def _due(at: str, step: int | None) -> dict | None:
     for f in _FAULTS:
-        if f["at"] == at and (step is None or step >= f["step"]) \
+        if f["rank"] == _rank() and f["at"] == at and (step is None or step >= f["step"]) \
                 and not os.path.exists(f["marker"]):
             return f
     return None

@@ -195,3 +195,31 @@ def test_fault_tolerance_is_refused_where_it_cannot_work_yet() -> None:
         meshplan.distribute(ex.step, mesh={"dp": 2}, fault_tolerance=True, snapshot_every=0)
     with pytest.raises(meshplan.RuntimeFailure, match="hang_s"):
         meshplan.distribute(ex.step, mesh={"dp": 2}, hang_s=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_state_loaded_mid_run_is_what_a_recovery_goes_back_to(plugin) -> None:
+    """``load_state_dict()`` between steps replaces every rank's snapshot: a rank killed after
+    it comes back to the loaded state, not to the snapshot of the step before the load."""
+    def run(faults, ft):
+        if faults:
+            os.environ["MESHPLAN_TEST_FAULTS"] = json.dumps(faults)
+        ex = gpt.build(optimizer="adamw", clip=1.0)
+        losses = []
+        with meshplan.distribute(ex.step, mesh={"dp": 2}, topology="h100", telemetry=False,
+                                 fault_tolerance=ft) as step:
+            losses.append(step(*ex.batch(0)).detach())
+            saved = step.state_dict()
+            losses.append(step(*ex.batch(1)).detach())
+            step.load_state_dict(saved)                   # back to the state after step 0
+            for i in (2, 3):
+                losses.append(step(*ex.batch(i)).detach())
+            return losses, step.state_dict(), step.restarts
+
+    want = run([], False)
+    got = run([plugin(1, 2, "backward", "kill")], True)
+    assert got[2] == 1
+    for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
+        assert torch.equal(a, b), f"loss {i}"
+    for k, v in want[1]["model"].items():
+        assert torch.equal(got[1]["model"][k], v), k

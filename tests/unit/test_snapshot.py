@@ -50,6 +50,21 @@ def test_a_copy_cut_short_leaves_the_older_snapshot(files) -> None:
     assert torch.equal(snap.read(5)["w"], _state(5)["w"])
 
 
+def test_a_snapshot_copied_behind_is_settled_before_it_is_read(files) -> None:
+    snap = Snapshot(files.path(0), PIECES, rank=0)
+    state = _state(1)
+    snap.write_behind(1, state)
+    assert snap.steps() == [1]                  # steps() waits for the copy
+    snap.write_behind(2, _state(2))
+    snap.reset(7, _state(7))                    # the state changed outside a step
+    assert snap.steps() == [7]
+    assert torch.equal(snap.read(7)["w"], _state(7)["w"])
+    snap.write_behind(8, {**_state(8), "w": None})
+    with pytest.raises(RuntimeFailure, match="its last snapshot failed"):
+        snap.settle()
+    assert snap.steps() == [7]
+
+
 def test_a_file_laid_out_for_other_pieces_is_refused(files) -> None:
     Snapshot(files.path(0), PIECES, rank=0).write(0, _state(0))
     with pytest.raises(RuntimeFailure, match="other pieces than its plan"):
@@ -61,16 +76,18 @@ def test_a_file_laid_out_for_other_pieces_is_refused(files) -> None:
 def test_the_controller_keeps_the_batches_since_the_newest_snapshot() -> None:
     r = Recovery(max_restarts=3, snapshot_every=2, hang_s=5.0)
     r.started(0)
-    assert r.last_snapshot == -1
+    assert r._snaps == [-1]
     for step in range(5):
         kept = r.remember(step, 0, {"step": step, "snapshot": r.wants_snapshot(step)},
                           {"x": torch.tensor([step])})
         assert kept.batch["x"] is not None
         r.committed(step, 0.1)
-    assert r.last_snapshot == 3                 # snapshots after steps 1 and 3
+    assert r._snaps == [1, 3]                   # snapshots after steps 1 and 3
     assert [k.step for k in r.replay(3, 5)] == [4]
+    # a rank killed while copying snapshot 3 holds only 1: the batches since 1 are kept
+    assert [k.step for k in r.replay(1, 5)] == [2, 3, 4]
     with pytest.raises(RuntimeFailure, match="not kept"):
-        r.replay(1, 5)
+        r.replay(0, 5)
     assert r.restore_point([[1, 3], [3], [3, 5]], in_flight=5) == 3
     assert r.restore_point([[1, 3], [1, 5]], in_flight=5) == 1
     assert r.restore_point([[5], [5]], in_flight=5) is None
