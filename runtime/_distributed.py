@@ -88,8 +88,8 @@ class DistributedStep:
                                  "drop slurm=)")
         self.launcher, self.hosts = launcher, hosts
         self.hang_s = _positive("hang_s", hang_s)
-        self._ft = _fault_tolerance(fault_tolerance, launcher, max_restarts, snapshot_every,
-                                    self.hang_s)
+        self._ft = _fault_tolerance(fault_tolerance, launcher, hosts, max_restarts,
+                                    snapshot_every, self.hang_s)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
@@ -623,10 +623,46 @@ class DistributedStep:
     def _snapshot_header(self, rank: int, restore: bool) -> dict[str, Any]:
         """Where rank ``rank`` keeps its snapshots (fault tolerance; else nothing), and
         whether it reads them back (``restore``) or starts them from its state."""
-        if self._ft is None:
+        ft = self._ft
+        if ft is None:
             return {}
-        files = self._ft.open(math.prod(self.plan.mesh.sizes))
-        return {"path": files.path(rank), "restore": restore, "step": self._step_no - 1}
+        world = math.prod(self.plan.mesh.sizes)
+        files = ft.open(world)
+        if ft.owners is None:
+            ft.owners = self._snapshot_owners()
+        names = sorted(n for r, n in ft.owners if r == rank)
+        return {"path": files.path(rank), "paths": [files.path(r) for r in range(world)],
+                "own": [n for n in names if ft.owners[(rank, n)] == rank],
+                "from": {n: ft.owners[(rank, n)] for n in names},
+                "restore": restore, "step": self._step_no - 1}
+
+    def _snapshot_owners(self) -> dict[tuple[int, str], int]:
+        """(rank, state name) -> the rank whose snapshot holds that rank's piece. Ranks holding
+        the same piece (data-parallel replicas, tensor-parallel replicated norms) share its
+        snapshot out: each distinct piece is copied by one of its holders, the largest pieces
+        first, each to the holder that copies the fewest bytes so far. So under data
+        parallelism every rank copies about 1/n of the state per snapshot, not all of it."""
+        plan = self.plan
+        sizes, layouts = plan.mesh.sizes, plan.input_layouts
+        metas = {n.target: n.meta for n in plan.graph.inputs if n.meta.role in _STATE_ROLES}
+        holders: dict[tuple, list[int]] = {}
+        nbytes: dict[tuple, int] = {}
+        for rank in range(math.prod(sizes)):
+            coords = rank_coords(rank, sizes)
+            for name, meta in metas.items():
+                where = tuple((s.start, s.stop) for s in
+                              local_slices(meta.shape, layouts[name], sizes, coords))
+                key = (name, where, holds_zeros(layouts[name], coords))
+                holders.setdefault(key, []).append(rank)
+                nbytes[key] = math.prod(b - a for a, b in where) * \
+                    torch.empty((), dtype=getattr(torch, meta.dtype)).element_size()
+        load = [0] * math.prod(sizes)
+        owners = {}
+        for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
+            owner = min(holders[key], key=lambda r: (load[r], r))
+            load[owner] += nbytes[key]
+            owners.update({(rank, key[0]): owner for rank in holders[key]})
+        return owners
 
     def _launch_state(self) -> dict[str, torch.Tensor]:
         """The state a fresh mesh starts from: the live model's and optimizer's."""
@@ -1147,18 +1183,23 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-def _fault_tolerance(on: Any, launcher: str, max_restarts: Any, snapshot_every: Any,
-                     hang_s: float) -> Recovery | None:
+def _fault_tolerance(on: Any, launcher: str, hosts: Any, max_restarts: Any,
+                     snapshot_every: Any, hang_s: float) -> Recovery | None:
     if on is False or on is None:
         return None
     if on is not True:
         raise RuntimeFailure(f"distribute(fault_tolerance={on!r}): pass True or False")
-    if launcher != "local":
+    elsewhere = launcher == "slurm" or (launcher == "mpi" and (
+        hosts is not None or os.environ.get("MESHPLAN_HOSTS")))
+    if elsewhere:
+        where = ("launcher='slurm' runs them on the allocation's nodes" if launcher == "slurm"
+                 else "hosts= (or $MESHPLAN_HOSTS) puts them on other hosts")
         raise RuntimeFailure(
             f"distribute(fault_tolerance=True, launcher={launcher!r}): restarting from "
             "in-memory snapshots needs every rank on the controller's host for now (its "
-            "snapshots live in memory files the controller holds); use launcher='local', or "
-            "save_checkpoint() every few steps and load_checkpoint() after a failure")
+            f"snapshots live in memory files the controller holds), and {where}; use "
+            "launcher='local' or 'mpi' on this host, or save_checkpoint() every few steps and "
+            "load_checkpoint() after a failure")
     for name, value in (("max_restarts", max_restarts), ("snapshot_every", snapshot_every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name == "max_restarts" else 1):

@@ -85,7 +85,14 @@ def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
             slices = local_slices(n.meta.shape, plan.input_layouts[n.target], sizes, coords)
             pieces[n.target] = (tuple(s.stop - s.start for s in slices),
                                 getattr(torch, n.meta.dtype))
-    ns.snapshot = Snapshot(str(snap["path"]), pieces, rank=state.rank)
+    # the pieces this rank snapshots (replicas are shared out among their holders) and which
+    # rank's file holds each of the pieces it restores
+    own = set(snap.get("own", pieces))
+    ns.snap_from = {name: int(owner) for name, owner in
+                    snap.get("from", {n: state.rank for n in pieces}).items()}
+    ns.snap_paths = list(snap.get("paths", ()))
+    ns.snapshot = Snapshot(str(snap["path"]), {n: p for n, p in pieces.items() if n in own},
+                           rank=state.rank)
     ns.last_step = int(snap["step"])
     if not snap.get("restore"):
         ns.snapshot.write(ns.last_step, ns.state)
@@ -100,10 +107,23 @@ def _state_changed(ns: Any) -> None:
 
 @register("restore_snapshot")
 def _restore_snapshot(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
-    """Take the state of snapshot ``step`` (every rank the same step) and drop newer ones."""
+    """Take the state of snapshot ``step`` (every rank the same step), each piece from the
+    file of the rank that snapshots it, and drop newer snapshots of its own."""
+    from ._snapshot import Snapshot
+
     ns = state.ns
-    ns.last_step = int(header["step"])
-    ns.state = {k: v.to(ns.device) for k, v in ns.snapshot.read(ns.last_step).items()}
+    step = ns.last_step = int(header["step"])
+    by_owner: dict[int, list[str]] = {}
+    for name, owner in ns.snap_from.items():
+        by_owner.setdefault(owner, []).append(name)
+    restored = ns.snapshot.read(step, by_owner.pop(state.rank, []))
+    for owner, names in sorted(by_owner.items()):
+        peer = Snapshot.existing(ns.snap_paths[owner], rank=owner)
+        try:
+            restored.update(peer.read(step, names, mine=False))
+        finally:
+            peer.close()
+    ns.state = {k: v.to(ns.device) for k, v in restored.items()}
     return {"rank": state.rank}, []
 
 

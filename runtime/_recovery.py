@@ -56,6 +56,8 @@ class Recovery:
         self.restarts = 0
         self.generation = 0       # communicators built after a rank was replaced
         self.replaced: list[int] = []             # the ranks the last recovery started
+        # (rank, state name) -> the rank whose snapshot holds that piece (_snapshot_owners)
+        self.owners: dict[tuple[int, str], int] | None = None
         # the last two snapshot steps every rank ran: a snapshot is copied while the next
         # request comes (``Snapshot.write_behind``), so a rank that dies then holds only the
         # one before; the batches since that one are kept
@@ -75,6 +77,7 @@ class Recovery:
         self._snaps = []
         self._since.clear()
         self._durations.clear()
+        self.owners = None
 
     def started(self, first_step: int) -> None:
         """A fresh launch wrote the state it got as the snapshot of ``first_step - 1`` (also

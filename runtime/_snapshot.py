@@ -31,7 +31,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -75,9 +75,34 @@ class SnapshotFiles:
         self.fds = []
 
 
+def _layout(index: list[dict]) -> tuple[int, int]:
+    """(header bytes, slot bytes) of a file with this index."""
+    text = json.dumps(index, separators=(",", ":")).encode()
+    end = max((e["offset"] + -(-e["nbytes"] // _ALIGN) * _ALIGN for e in index), default=0)
+    return -(-(_HEAD.size + len(text)) // _PAGE) * _PAGE, max(end, _ALIGN)
+
+
+def _open(path: str, rank: int, size: int) -> tuple[mmap.mmap, int]:
+    """Map the file at ``path``, sized to ``size`` when it is new; returns it and its old size."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise RuntimeFailure(f"rank {rank}: cannot open the snapshot file {path} ({exc}); the "
+                             "controller must run on this host") from exc
+    try:
+        have = os.fstat(fd).st_size
+        if have == 0 and size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, max(have, size)), have
+    finally:
+        os.close(fd)
+
+
 class Snapshot:
-    """A rank's side: its file, mapped. ``pieces``: name -> (shape, dtype) of every state piece
-    it holds; a fresh file is laid out for them, a used one must hold exactly them."""
+    """A rank's side: its file, mapped. ``pieces``: name -> (shape, dtype) of the state pieces
+    it snapshots (the ranks share replicated pieces out: ``_distributed._snapshot_owners``);
+    a fresh file is laid out for them, a used one must hold exactly them. ``existing`` opens
+    another rank's file to read pieces from it."""
 
     def __init__(self, path: str, pieces: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  *, rank: int) -> None:
@@ -89,29 +114,31 @@ class Snapshot:
             index.append({"name": name, "dtype": _dtype_name(dtype), "shape": list(shape),
                           "offset": offset, "nbytes": nbytes})
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        self.index, self.slot_bytes = index, max(offset, _ALIGN)
+        self.index = index
+        self.header_bytes, self.slot_bytes = _layout(index)
         self._copying: threading.Thread | None = None
         self._failed: BaseException | None = None
         text = json.dumps(index, separators=(",", ":")).encode()
-        self.header_bytes = -(-(_HEAD.size + len(text)) // _PAGE) * _PAGE
-        size = self.header_bytes + 2 * self.slot_bytes
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise RuntimeFailure(f"rank {rank}: cannot open its snapshot file {path} ({exc}); "
-                                 "the controller must run on this host") from exc
-        try:
-            have = os.fstat(fd).st_size
-            if have == 0:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, max(have, size))
-        finally:
-            os.close(fd)
+        self._map, have = _open(path, rank, self.header_bytes + 2 * self.slot_bytes)
         if have == 0:
             self._map[:_HEAD.size + len(text)] = _HEAD.pack(MAGIC, len(text), INVALID,
                                                             INVALID) + text
         else:
             self.check(text)
+
+    @classmethod
+    def existing(cls, path: str, *, rank: int) -> Snapshot:
+        """Rank ``rank``'s file as its owner laid it out, to read from (``read(mine=False)``)."""
+        self = cls.__new__(cls)
+        self.rank, self._copying, self._failed = rank, None, None
+        self._map, have = _open(path, rank, 0)
+        magic, length, *_ = _HEAD.unpack_from(self._map, 0) if have >= _HEAD.size else (
+            b"", 0)
+        if magic != MAGIC:
+            raise RuntimeFailure(f"rank {rank}'s snapshot file holds no snapshot")
+        self.index = json.loads(bytes(self._map[_HEAD.size:_HEAD.size + length]))
+        self.header_bytes, self.slot_bytes = _layout(self.index)
+        return self
 
     def check(self, text: bytes) -> None:
         magic, length, *_ = _HEAD.unpack_from(self._map, 0)
@@ -184,20 +211,30 @@ class Snapshot:
             raise RuntimeFailure(f"rank {self.rank}: its last snapshot failed ({failed}); the "
                                  "one before it is kept") from failed
 
-    def read(self, step: int) -> dict[str, torch.Tensor]:
-        """The pieces of ``step`` (copies), and drop any newer slot: the run goes on from
-        ``step``, so what came after it is another timeline's."""
+    def read(self, step: int, names: Sequence[str] | None = None, *,
+             mine: bool = True) -> dict[str, torch.Tensor]:
+        """The pieces of ``step`` (copies; only ``names`` when given). Reading its own file
+        (``mine``), a rank drops any newer slot: the run goes on from ``step``, so what came
+        after it is another timeline's."""
         self.settle()
         steps = _HEAD.unpack_from(self._map, 0)[2:]
         if step not in steps:
             raise RuntimeFailure(f"rank {self.rank}: no snapshot of step {step} (it holds "
                                  f"{[s for s in steps if s != INVALID] or 'none'})")
         slot = steps.index(step)
-        for other, s in enumerate(steps):
-            if other != slot and s > step:
-                self._set(other, INVALID)
-        return {name: v.clone() for name, v in self._views(slot).items()}
+        if mine:
+            for other, s in enumerate(steps):
+                if other != slot and s > step:
+                    self._set(other, INVALID)
+        views = self._views(slot)
+        missing = [n for n in names or () if n not in views]
+        if missing:
+            raise RuntimeFailure(f"rank {self.rank}'s snapshot has no piece {missing[0]!r}")
+        return {name: views[name].clone() for name in (views if names is None else names)}
 
     def close(self) -> None:
         self.settle()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:           # a view still exported: the mapping goes with the process
+            pass

@@ -104,3 +104,19 @@ def test_the_step_deadline_follows_the_measured_steps() -> None:
     for _ in range(3):
         r.committed(0, 0.01)
     assert r.deadline(300.0) == 2.0            # never under hang_s
+
+
+def test_a_rank_reads_the_pieces_another_rank_snapshots(files) -> None:
+    """Replicated pieces are snapshotted by one of their holders; the others read theirs
+    from that holder's file, without touching its slots."""
+    owner = Snapshot(files.path(1), {"w": PIECES["w"]}, rank=1)
+    owner.write(3, _state(3))
+    owner.write(4, _state(4))
+    peer = Snapshot.existing(files.path(1), rank=1)
+    assert torch.equal(peer.read(3, ["w"], mine=False)["w"], _state(3)["w"])
+    assert sorted(owner.steps()) == [3, 4], "a reader does not drop the owner's newer slot"
+    with pytest.raises(RuntimeFailure, match="no piece 'ids'"):
+        peer.read(3, ["ids"], mine=False)
+    peer.close()
+    with pytest.raises(RuntimeFailure, match="holds no snapshot"):
+        Snapshot.existing(files.path(0), rank=0)      # never written
