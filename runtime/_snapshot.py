@@ -91,7 +91,9 @@ def _open(path: str, rank: int, size: int) -> tuple[mmap.mmap, int]:
                              "controller must run on this host") from exc
     try:
         have = os.fstat(fd).st_size
-        if have == 0 and size:
+        if have == 0 and not size:
+            raise RuntimeFailure(f"rank {rank}'s snapshot file holds no snapshot")
+        if have == 0:
             os.ftruncate(fd, size)
         return mmap.mmap(fd, max(have, size)), have
     finally:
