@@ -94,7 +94,8 @@ def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
     ns.snapshot = Snapshot(str(snap["path"]), {n: p for n, p in pieces.items() if n in own},
                            rank=state.rank)
     ns.last_step = int(snap["step"])
-    if not snap.get("restore"):
+    # under mpi the replicated pieces come after setup (share_state), which snapshots then
+    if not snap.get("restore") and all(n in ns.state for n in own):
         ns.snapshot.write(ns.last_step, ns.state)
 
 
@@ -338,6 +339,7 @@ def _share_state(state: WorkerState, header: dict[str, Any], tensors: list[torch
             got[name] = tr.get(int(owner), name)
     device = state_device(ns.state)
     ns.state.update({k: v.to(device) for k, v in got.items()})
+    _state_changed(ns)
     return {"rank": state.rank, "fetched": len(got)}, []
 
 

@@ -226,3 +226,25 @@ def test_a_state_loaded_mid_run_is_what_a_recovery_goes_back_to(plugin) -> None:
         assert torch.equal(a, b), f"loss {i}"
     for k, v in want[1]["model"].items():
         assert torch.equal(got[1]["model"][k], v), k
+
+
+def _mpiexec() -> bool:
+    import shutil
+    import sys
+    from importlib.util import find_spec
+
+    near = Path(sys.executable).parent / "mpiexec"
+    return find_spec("mpi4py") is not None and (near.exists() or bool(shutil.which("mpiexec")))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not _mpiexec(), reason="needs mpi4py and mpiexec: pip install 'meshplan[mpi]'")
+def test_under_mpiexec_every_rank_starts_again(plugin) -> None:
+    """mpiexec ends every rank once one dies: the whole mesh starts again under a new
+    mpiexec, every rank back at its snapshot (against the same run under mpiexec without a
+    fault: MPI sums in its own order, so not against the gloo reference)."""
+    want = _run({"dp": 2}, ft=False, launcher="mpi")
+    got = _run({"dp": 2}, faults=[plugin(1, 2, "backward", "kill")], launcher="mpi")
+    assert got[2] == 1
+    assert got[4] == [0, 1]
+    _same(got, want)
