@@ -405,7 +405,11 @@ def test_heartbeats_mark_a_rank_alive_and_a_silent_controller_lost(monkeypatch) 
         worker.send("hello")
         assert ctrl.recv(5)[0] == 3
         worker.start_heartbeat(1.0, lost.set)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10      # its own CURVE handshake first: slow under load
+        while 3 not in ctrl.last_beat and time.monotonic() < deadline:
+            with pytest.raises(TimeoutError):
+                ctrl.recv(0.1)                # beats are read, never handed out
+        time.sleep(0.3)
         worker.send("step")
         rank, msg = ctrl.recv(5)               # the beats before it are not handed out
         assert (rank, msg.kind) == (3, "step") and ctrl.rejected == 0
