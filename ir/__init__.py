@@ -25,6 +25,7 @@ from ._random import RANDOM_SEMANTICS, is_random, random_nodes, takes_generator
 from ._serialize import FORMAT, VERSION, atomic_write_text
 from ._summary import GraphSummary, summarize
 from ._types import (
+    STATE_ROLES,
     NodeKind,
     OutputKind,
     Phase,
@@ -38,6 +39,7 @@ from ._verify import verify
 
 __all__ = [
     "FORMAT",
+    "STATE_ROLES",
     "RANDOM_SEMANTICS",
     "RECOMPUTE_POLICIES",
     "VERSION",

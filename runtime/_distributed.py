@@ -31,7 +31,7 @@ from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_i
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
-from ..ir import RANDOM_SEMANTICS, Role
+from ..ir import RANDOM_SEMANTICS, STATE_ROLES, Role
 from ..planner import Plan, check_recompute, plan_graph
 from ..telemetry import Level, TelemetryConfig
 from ._files import FILES_PLUGIN
@@ -53,11 +53,10 @@ from ._variants import MAX_VARIANTS, Variant, call_inputs, what_changed
 logger = logging.getLogger(__name__)
 
 LAUNCHERS = ("local", "mpi", "slurm")
-SHIP_EVERY_S = 10.0
-_SYNC_S = 5.0           # how long survivors of a failure may take to leave their step     # how often ranks on a disk this host does not see send their segments
+SHIP_EVERY_S = 10.0     # how often ranks on a disk this host does not see send their segments
+_SYNC_S = 5.0           # how long survivors of a failure may take to leave their step
 
 _HANDLERS = "meshplan.runtime._handlers"
-_STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
 
 
 class DistributedStep:
@@ -205,7 +204,7 @@ class DistributedStep:
         from ..frontend._state_dict import from_torch
 
         plan = self.plan
-        metas = {n.target: n.meta for n in plan.graph.inputs if n.meta.role in _STATE_ROLES}
+        metas = {n.target: n.meta for n in plan.graph.inputs if n.meta.role in STATE_ROLES}
         try:
             values, groups = from_torch(self._traced.inventory, sd, set(metas))
         except MeshplanError as exc:
@@ -404,7 +403,7 @@ class DistributedStep:
         path = info.path
         plan = self.plan
         expected = {n.target: (n.meta.shape, n.meta.dtype) for n in plan.graph.inputs
-                    if n.meta.role in _STATE_ROLES}
+                    if n.meta.role in STATE_ROLES}
         names = check_matches(info, expected, self.__name__)
         if self._workers is None:
             self._write_local(read_whole(path))
@@ -480,19 +479,9 @@ class DistributedStep:
         (send every rank its pieces) under the local launcher."""
         if self.launcher != "mpi":
             return None
-        plan = self.plan
-        sizes, layouts = plan.mesh.sizes, plan.input_layouts
-        shapes = {n.target: n.meta.shape for n in plan.graph.inputs}
         first: dict[tuple, int] = {}
-        owners = {}
-        for rank in range(math.prod(sizes)):
-            coords = rank_coords(rank, sizes)
-            for name in values:
-                where = tuple((s.start, s.stop) for s in
-                              local_slices(shapes[name], layouts[name], sizes, coords))
-                key = (name, where, holds_zeros(layouts[name], coords))
-                owners[(rank, name)] = first.setdefault(key, rank)
-        return owners
+        return {(rank, name): first.setdefault(key, rank)
+                for (rank, name), key in _piece_keys(self.plan, list(values)).items()}
 
     def _share_replicas(self, owners: dict[tuple[int, str], int] | None) -> None:
         names = sorted({name for (rank, name), owner in (owners or {}).items() if owner != rank})
@@ -529,7 +518,7 @@ class DistributedStep:
         return True
 
     def _state_names(self) -> list[str]:
-        return [n.target for n in self.plan.graph.inputs if n.meta.role in _STATE_ROLES]
+        return [n.target for n in self.plan.graph.inputs if n.meta.role in STATE_ROLES]
 
     def _local_state(self) -> dict[str, torch.Tensor]:
         values = self._traced.input_values(*self._example_data())
@@ -643,20 +632,13 @@ class DistributedStep:
         first, each to the holder that copies the fewest bytes so far. So under data
         parallelism every rank copies about 1/n of the state per snapshot, not all of it."""
         plan = self.plan
-        sizes, layouts = plan.mesh.sizes, plan.input_layouts
-        metas = {n.target: n.meta for n in plan.graph.inputs if n.meta.role in _STATE_ROLES}
+        dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
         holders: dict[tuple, list[int]] = {}
-        nbytes: dict[tuple, int] = {}
-        for rank in range(math.prod(sizes)):
-            coords = rank_coords(rank, sizes)
-            for name, meta in metas.items():
-                where = tuple((s.start, s.stop) for s in
-                              local_slices(meta.shape, layouts[name], sizes, coords))
-                key = (name, where, holds_zeros(layouts[name], coords))
-                holders.setdefault(key, []).append(rank)
-                nbytes[key] = math.prod(b - a for a, b in where) * \
-                    torch.empty((), dtype=getattr(torch, meta.dtype)).element_size()
-        load = [0] * math.prod(sizes)
+        for (rank, _), key in _piece_keys(plan, self._state_names()).items():
+            holders.setdefault(key, []).append(rank)
+        nbytes = {key: math.prod(b - a for a, b in key[1]) * dtypes[key[0]].itemsize
+                  for key in holders}
+        load = [0] * math.prod(plan.mesh.sizes)
         owners = {}
         for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
             owner = min(holders[key], key=lambda r: (load[r], r))
@@ -816,7 +798,7 @@ class DistributedStep:
                        MAX_VARIANTS)
         base = self.plan
         pins = {n.target: base.input_layouts[n.target] for n in base.graph.inputs
-                if n.meta.role in _STATE_ROLES}
+                if n.meta.role in STATE_ROLES}
         plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
                           memory_limit_bytes=self.memory_limit_bytes, pins=pins,
                           recompute=self.recompute)
@@ -1233,6 +1215,22 @@ def _program_key(plan: Plan) -> tuple:
     redistributions."""
     return (tuple((p.node, p.inputs, p.outputs) for p in plan.placements),
             tuple((r.value, r.consumer, r.src, r.dst) for r in plan.redistributions))
+
+
+def _piece_keys(plan: Plan, names: list[str]) -> dict[tuple[int, str], tuple]:
+    """(rank, name) -> what identifies the piece of ``name`` that rank holds: the name, where
+    the piece lies in the whole tensor, and whether it is a Partial axis's zeros. Ranks with
+    equal keys hold equal pieces (replicas)."""
+    sizes, layouts = plan.mesh.sizes, plan.input_layouts
+    shapes = {n.target: n.meta.shape for n in plan.graph.inputs}
+    keys = {}
+    for rank in range(math.prod(sizes)):
+        coords = rank_coords(rank, sizes)
+        for name in names:
+            where = tuple((s.start, s.stop) for s in
+                          local_slices(shapes[name], layouts[name], sizes, coords))
+            keys[(rank, name)] = (name, where, holds_zeros(layouts[name], coords))
+    return keys
 
 
 def _owned(values: Mapping[str, Any], owners: dict[tuple[int, str], int] | None,

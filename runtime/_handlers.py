@@ -25,7 +25,7 @@ from ..backends import (
     run,
 )
 from .._errors import RuntimeFailure
-from ..ir import Role
+from ..ir import STATE_ROLES
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
@@ -66,9 +66,6 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     return reply, []
 
 
-_STATE_ROLES = (Role.PARAM, Role.BUFFER, Role.OPT_STATE, Role.GRAD)
-
-
 def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
     """Map this rank's snapshot file (the controller's, ``_snapshot.py``), laid out for the
     state pieces its plan gives it. A first launch writes the state it was given as the
@@ -81,7 +78,7 @@ def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
     coords = rank_coords(state.rank, sizes)
     pieces = {}
     for n in plan.graph.inputs:
-        if n.meta.role in _STATE_ROLES:
+        if n.meta.role in STATE_ROLES:
             slices = local_slices(n.meta.shape, plan.input_layouts[n.target], sizes, coords)
             pieces[n.target] = (tuple(s.stop - s.start for s in slices),
                                 getattr(torch, n.meta.dtype))

@@ -392,8 +392,6 @@ class Workers:
             time.sleep(0.02)
         self._finalizer()       # stop(): terminate/kill stragglers, close pipes and channel
 
-    # -- failures ---------------------------------------------------------------------------
-
     # -- replacing failed ranks (distribute(fault_tolerance=True)) -------------------------
 
     @property
@@ -482,6 +480,8 @@ class Workers:
         self.hostnames = tuple(names)
         if group.start_spare is not None:
             self.keep_spare()                 # for the next failure
+
+    # -- failures ---------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self.closed:

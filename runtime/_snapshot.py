@@ -112,7 +112,7 @@ class Snapshot:
         index, offset = [], 0
         for name in sorted(pieces):
             shape, dtype = pieces[name]
-            nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
             index.append({"name": name, "dtype": _dtype_name(dtype), "shape": list(shape),
                           "offset": offset, "nbytes": nbytes})
             offset += -(-nbytes // _ALIGN) * _ALIGN
