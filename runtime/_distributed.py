@@ -37,8 +37,9 @@ from ..telemetry import Level, TelemetryConfig
 from ._files import FILES_PLUGIN
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
-from ._recovery import RECOVERABLE, Recovery
+from ._recovery import RECOVERABLE, Recovery, smaller_meshes
 from ._slurm_launch import SlurmLauncher, SlurmOptions
+from ._snapshot import read_mesh
 from ._telemetry import (
     ControllerTelemetry,
     QueryResult,
@@ -71,7 +72,7 @@ class DistributedStep:
                  calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
                  device: str | None = None, fault_tolerance: bool = False,
                  max_restarts: int = 3, snapshot_every: int = 1,
-                 hang_s: float = STOPPED_S) -> None:
+                 hang_s: float = STOPPED_S, elastic: bool | int = False) -> None:
         if launcher not in LAUNCHERS:
             raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
                                  f"{', '.join(map(repr, LAUNCHERS))}")
@@ -88,7 +89,7 @@ class DistributedStep:
         self.launcher, self.hosts = launcher, hosts
         self.hang_s = _positive("hang_s", hang_s)
         self._ft = _fault_tolerance(fault_tolerance, launcher, hosts, max_restarts,
-                                    snapshot_every, self.hang_s)
+                                    snapshot_every, self.hang_s, elastic)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
@@ -679,9 +680,11 @@ class DistributedStep:
                     f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
                     f"failure:\n{failure}") from failure
             ft.restarts += 1
-            logger.warning("meshplan: %s: %s; restoring the mesh from its in-memory snapshots "
-                           "(restart %d of at most %d)", self.__name__,
-                           str(failure).splitlines()[0], ft.restarts, ft.max_restarts)
+            logger.warning("meshplan: %s: %s; %s from its in-memory snapshots (restart %d of "
+                           "at most %d)", self.__name__, str(failure).splitlines()[0],
+                           "restoring the mesh" if ft.elastic is None else
+                           "going on without the failed ranks: a smaller mesh starts",
+                           ft.restarts, ft.max_restarts)
             try:
                 with self._recording_failures():
                     restored = self._restart(failure, in_flight)
@@ -704,6 +707,8 @@ class DistributedStep:
         Returns the snapshot's step."""
         ft = self._ft
         assert ft is not None
+        if ft.elastic is not None:
+            return self._shrink(failure, in_flight)
         held, new = self._replace(failure)
         if held is None:
             self._stop_workers()
@@ -730,6 +735,110 @@ class DistributedStep:
             workers.gather("step", self.timeout_s)
             ft.committed(kept.step, None)
         return restored
+
+    def _shrink(self, failure: WorkerFailure, in_flight: int) -> int:
+        """``distribute(elastic=)``: go on without the failed ranks. Read the newest snapshot
+        every rank's file holds into the controller's live model, stop every worker, plan the
+        step again for the best mesh the survivors can form (``_smaller_plan``), start that
+        mesh from the live model and re-run the kept steps on it. A failure while it starts is
+        one more restart that shrinks again, from the live model (``ft.held``). Returns the
+        snapshot's step."""
+        ft, workers = self._ft, self._workers
+        assert ft is not None
+        n = math.prod(self.plan.mesh.sizes) if workers is None else workers.n
+        failed = set(failure.ranks)
+        if self.launcher == "local" and workers is not None and not workers.closed:
+            failed |= set(workers.failed_ranks())     # another rank that died with it
+        # (mpiexec ends every rank once one dies: there the failure's ranks are the failed)
+        if ft.held is None:                   # the state is still in the mesh's snapshots
+            assert ft.files is not None and ft.owners is not None
+            found = read_mesh([ft.files.path(r) for r in range(len(ft.files.fds))],
+                              ft.owners, in_flight)
+            if found is None:
+                self._stop_workers()
+                raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a "
+                                     "snapshot on every rank; the run cannot go on from "
+                                     "memory: load the last checkpoint")
+            restored, held = found
+            self._stop_workers()
+            sizes = self.plan.mesh.sizes
+            self._write_local({name: assemble({rank_coords(r, sizes): h[name]
+                                               for r, h in enumerate(held)},
+                                              self.plan.input_layouts[name], sizes)
+                               for name in held[0]})
+            ft.held = (restored, ft.kept_after(restored))
+        else:
+            self._stop_workers()
+        restored, kept = ft.held
+        before = dict(self.mesh)
+        mesh, plans = self._smaller_plan(n - len(failed))
+        old = sorted(self._variants.items(), key=lambda kv: kv[1].id)
+        ft.close()                            # the old mesh's snapshot files
+        self.mesh, self._plan = mesh, plans[0]
+        self._resume_step = restored + 1
+        self._launch()                        # its first snapshot: the state after `restored`
+        for (key, variant), plan in zip(old[1:], plans[1:]):
+            new = Variant.of(variant.id, plan, tuple(call_inputs(plan)))
+            self._add_program(new)
+            self._variants[key] = new
+        by_id = {v.id: v for v in self._variants.values()}
+        for step in kept:
+            ft.remember(step.step, step.variant, step.header, step.batch)
+        for step in (k for k in kept if k.step < in_flight):
+            self._send_step(by_id[step.variant], step.header, step.batch)
+            self._workers.gather("step", self.timeout_s)
+            ft.committed(step.step, None)
+        ft.held, ft.shrunk = None, (before, mesh)
+        ft.replaced = list(range(self._workers.n))
+        return restored
+
+    def _smaller_plan(self, alive: int) -> tuple[dict[str, int], list[Plan]]:
+        """The mesh a shrink goes on with, and its plan for every program the run holds (the
+        first call's first): the largest mesh ``alive`` ranks can form (``smaller_meshes``)
+        that the step can be planned on, the lowest estimated step time among those of that
+        size. Raises when none is left (fewer than ``elastic=`` ranks, or no plan)."""
+        ft = self._ft
+        assert ft is not None and ft.elastic is not None
+        programs = [v.plan.graph for v in sorted(self._variants.values(), key=lambda v: v.id)]
+        if not programs:
+            programs = [self._traced.graph]
+        tried: list[str] = []
+        best: tuple[float, dict[str, int], list[Plan]] | None = None
+        size = None
+        for mesh in smaller_meshes(self.mesh, alive, ft.elastic):
+            if best is not None and math.prod(mesh.values()) < size:
+                break
+            size = math.prod(mesh.values())
+            try:
+                first = plan_graph(programs[0], mesh, topology=self.topology,
+                                   strategy=self.strategy,
+                                   memory_limit_bytes=self.memory_limit_bytes,
+                                   recompute=self.recompute)
+                pins = {n.target: first.input_layouts[n.target] for n in first.graph.inputs
+                        if n.meta.role in STATE_ROLES}
+                plans = [first, *(plan_graph(g, mesh, topology=self.topology,
+                                             strategy=self.strategy,
+                                             memory_limit_bytes=self.memory_limit_bytes,
+                                             pins=pins, recompute=self.recompute)
+                                  for g in programs[1:])]
+            except MeshplanError as exc:
+                tried.append(f"{mesh}: {str(exc).splitlines()[0]}")
+                continue
+            if best is None or first.estimated_step_time_s < best[0]:
+                best = (first.estimated_step_time_s, mesh, plans)
+        if best is None:
+            survive = f"{alive} rank{'s survive' if alive != 1 else ' survives'}"
+            if not tried:
+                raise RuntimeFailure(
+                    f"{self.__name__}: {survive} of the mesh {self.mesh}, and elastic="
+                    f"{ft.elastic} goes on with no fewer than {ft.elastic}; the run stops")
+            raise RuntimeFailure(
+                f"{self.__name__}: {survive} of the mesh {self.mesh}, and the step cannot be "
+                f"planned on any mesh they can form: {'; '.join(tried)}")
+        plans = best[2]
+        for plan in plans:
+            plan.solver["device"] = self._device_note
+        return best[1], plans
 
     def _replace(self, failure: WorkerFailure) -> tuple[list[list[int]] | None, list[int]]:
         """Start only the failed ranks again while the others stay up: kill the failed ones
@@ -847,6 +956,8 @@ class DistributedStep:
                 break
             except WorkerFailure as exc:
                 recovered = self._recover(exc, self._step_no)
+                # a shrink (elastic=) planned every program again for the smaller mesh
+                variant = next(v for v in self._variants.values() if v.id == variant.id)
         dur_s = time.perf_counter() - t0
         if ft is not None:
             ft.committed(self._step_no, None if recovered else dur_s)
@@ -879,16 +990,22 @@ class DistributedStep:
         (``step``: the step it was, None between steps)."""
         took = time.monotonic() - started
         replayed = self._step_no - restored - (step is None)
-        assert self._ft is not None and self._workers is not None
-        new = self._ft.replaced
+        ft = self._ft
+        assert ft is not None and self._workers is not None
+        new = ft.replaced
         how = (f"started {_ranks_text(new)} again" if len(new) < self._workers.n
                else "started every rank again")
+        if ft.shrunk is not None:
+            before, after = ft.shrunk
+            how = (f"the mesh shrank from {before} to {after} ({self.plan.strategy} plan, "
+                   f"estimated {self.plan.estimated_step_time_s * 1e3:.1f} ms per step)")
         logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: %s, every "
                        "rank went back to its snapshot after step %d and re-ran %d step%s",
                        self.__name__, took, how, restored, replayed, "s" * (replayed != 1))
         if self._tel is not None:
             self._tel.recovery(failure, step=step, restart=self.restarts, restored=restored,
-                               replayed=replayed, took_s=took)
+                               replayed=replayed, took_s=took, plan=self.plan)
+        ft.shrunk = None
 
     def _recalibrate(self) -> None:
         """``distribute(calibrate=)``: fit the cost model to the steps just run (their op times
@@ -1067,7 +1184,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
                device: str | None = None, fault_tolerance: bool = False,
                max_restarts: int = 3, snapshot_every: int = 1,
-               hang_s: float = STOPPED_S) -> Any:
+               hang_s: float = STOPPED_S, elastic: bool | int = False) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -1117,7 +1234,14 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
     ``max_restarts`` restarts in one run, ``RuntimeFailure``. Local launcher only for now
     (README, "Fault tolerance"). ``hang_s``: how long a rank may stay stopped (SIGSTOP) while
-    the controller waits for it before it counts as failed (default 10 s).
+    the controller waits for it before it counts as failed (default 10 s). ``elastic``
+    (with fault tolerance): True, or the fewest ranks to go on with, makes a failure shrink
+    the mesh instead of starting the failed ranks again: the step is planned again for the
+    largest mesh the surviving ranks can form (the same axes, none larger; the lowest
+    estimated step time among meshes of that size), the newest snapshot's state moves to it
+    through the controller, the kept steps re-run on it, and the run goes on there, with the
+    same global batch; the results then follow the smaller mesh's sums, not bit for bit the
+    old mesh's. The warning line and the ``recoveries`` row name the new mesh.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -1127,7 +1251,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                seed=seed, precision=precision, recompute=recompute,
                                calibrate=calibrate, hosts=hosts, slurm=slurm, device=device,
                                fault_tolerance=fault_tolerance, max_restarts=max_restarts,
-                               snapshot_every=snapshot_every, hang_s=hang_s)
+                               snapshot_every=snapshot_every, hang_s=hang_s,
+                               elastic=elastic)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -1166,8 +1291,18 @@ def _positive(name: str, value: Any) -> float:
 
 
 def _fault_tolerance(on: Any, launcher: str, hosts: Any, max_restarts: Any,
-                     snapshot_every: Any, hang_s: float) -> Recovery | None:
+                     snapshot_every: Any, hang_s: float, elastic: Any = False
+                     ) -> Recovery | None:
+    if not (elastic is None or isinstance(elastic, bool) or
+            (isinstance(elastic, int) and elastic >= 1)):
+        raise RuntimeFailure(f"distribute(elastic={elastic!r}): pass True (go on with the "
+                             "surviving ranks, down to one) or the fewest ranks to go on with "
+                             "(an int >= 1)")
     if on is False or on is None:
+        if elastic is not None and elastic is not False:
+            raise RuntimeFailure(f"distribute(elastic={elastic!r}) shrinks the mesh when a "
+                                 "rank fails, which needs fault_tolerance=True (its snapshots "
+                                 "are what the smaller mesh starts from)")
         return None
     if on is not True:
         raise RuntimeFailure(f"distribute(fault_tolerance={on!r}): pass True or False")
@@ -1187,7 +1322,9 @@ def _fault_tolerance(on: Any, launcher: str, hosts: Any, max_restarts: Any,
                 0 if name == "max_restarts" else 1):
             least = 0 if name == "max_restarts" else 1
             raise RuntimeFailure(f"distribute({name}={value!r}): pass an int >= {least}")
-    return Recovery(max_restarts=max_restarts, snapshot_every=snapshot_every, hang_s=hang_s)
+    least = None if elastic is None or elastic is False else 1 if elastic is True else elastic
+    return Recovery(max_restarts=max_restarts, snapshot_every=snapshot_every, hang_s=hang_s,
+                    elastic=least)
 
 
 def _calibration_steps(calibrate: Any, telemetry: TelemetryConfig | None,

@@ -9,13 +9,22 @@ hyperparameters, the run's seed and its number (``backends/_rng.py``), and colle
 the same order on the same mesh, so the state after the replay is bit for bit the state the
 fault-free run reaches.
 
+With ``elastic``, a failed rank is not started again: the mesh shrinks to one the surviving
+ranks can form (``smaller_meshes``), the step is planned again for it, the state of the newest
+common snapshot moves to it through the controller, and the kept steps re-run on it. The result
+then equals a run on the smaller mesh from that step on, not bit for bit the old mesh's (the
+sums of a collective run in another order).
+
 This module is the bookkeeping: which steps a snapshot covers, the batches since the last
-one, the restart budget, the step deadline derived from measured step times.
+one, the restart budget, the step deadline derived from measured step times, the meshes a
+shrink may choose.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -26,7 +35,7 @@ import torch
 from .._errors import RuntimeFailure
 from ._snapshot import SnapshotFiles
 
-__all__ = ["RECOVERABLE", "Recovery", "Remembered"]
+__all__ = ["RECOVERABLE", "Recovery", "Remembered", "smaller_meshes"]
 
 # WorkerFailure reasons a restart can cure: a process that ended, stopped, went silent or broke
 # the protocol. "error" (a handler raised: the user's code, an index out of range) would raise
@@ -50,8 +59,14 @@ class Remembered:
 class Recovery:
     """The controller's fault-tolerance state for one ``DistributedStep``."""
 
-    def __init__(self, *, max_restarts: int, snapshot_every: int, hang_s: float) -> None:
+    def __init__(self, *, max_restarts: int, snapshot_every: int, hang_s: float,
+                 elastic: int | None = None) -> None:
         self.max_restarts, self.snapshot_every, self.hang_s = max_restarts, snapshot_every, hang_s
+        self.elastic = elastic    # None: replace failed ranks; n: shrink, to no fewer than n
+        # a shrink under way: the step whose state the controller's live model holds and the
+        # kept steps after it (a failure while the smaller mesh starts goes on from there)
+        self.held: tuple[int, list[Remembered]] | None = None
+        self.shrunk: tuple[dict[str, int], dict[str, int]] | None = None   # the last: from, to
         self.files: SnapshotFiles | None = None
         self.restarts = 0
         self.generation = 0       # communicators built after a rank was replaced
@@ -107,6 +122,10 @@ class Recovery:
             oldest = self._snaps[0]
             self._since = {s: r for s, r in self._since.items() if s > oldest}
 
+    def kept_after(self, step: int) -> list[Remembered]:
+        """Every kept step after ``step`` (the interrupted one too, if it was kept), in order."""
+        return [self._since[s] for s in sorted(self._since) if s > step]
+
     def replay(self, restored: int, in_flight: int) -> list[Remembered]:
         """The kept steps after ``restored`` and before ``in_flight``, in order."""
         missing = [s for s in range(restored + 1, in_flight) if s not in self._since]
@@ -128,3 +147,16 @@ class Recovery:
             return timeout_s
         return min(timeout_s, max(self.hang_s,
                                   _DEADLINE_FACTOR * statistics.median(self._durations)))
+
+
+def smaller_meshes(mesh: Mapping[str, int], world: int, least: int = 1,
+                   limit: int = 8) -> list[dict[str, int]]:
+    """The meshes ``world`` surviving ranks can form in place of ``mesh``: the same axes, each
+    no larger than before, ``least`` to ``world`` ranks in all; the largest first (on a tie,
+    the one that keeps the outer axes larger first), at most ``limit``."""
+    names = list(mesh)
+    found = [dict(zip(names, sizes))
+             for sizes in itertools.product(*(range(mesh[a], 0, -1) for a in names))
+             if least <= math.prod(sizes) <= world]
+    found.sort(key=lambda m: -math.prod(m.values()))      # stable: the tie order above
+    return found[:limit]

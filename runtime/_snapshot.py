@@ -37,7 +37,7 @@ import torch
 
 from .._errors import RuntimeFailure
 
-__all__ = ["SnapshotFiles", "Snapshot"]
+__all__ = ["SnapshotFiles", "Snapshot", "read_mesh"]
 
 MAGIC = b"MPSNAP01"
 _HEAD = struct.Struct("<8sQqq")          # magic, index length, step of slot 0, step of slot 1
@@ -240,3 +240,36 @@ class Snapshot:
             self._map.close()
         except BufferError:           # a view still exported: the mapping goes with the process
             pass
+
+
+def read_mesh(paths: Sequence[str], owners: Mapping[tuple[int, str], int],
+              before: int) -> tuple[int, list[dict[str, torch.Tensor]]] | None:
+    """The controller reads a whole mesh's snapshot itself (``distribute(elastic=)``: the
+    ranks are gone, their files are not): the newest step before ``before`` that every file
+    holding pieces has, and every rank's pieces of it (``owners``: (rank, name) -> the rank
+    whose file holds that piece). None when no such step exists."""
+    holders = sorted(set(owners.values()))
+    files: dict[int, Snapshot] = {}
+    try:
+        for r in holders:
+            try:
+                files[r] = Snapshot.existing(paths[r], rank=r)
+            except RuntimeFailure:              # a file no rank ever wrote
+                return None
+        common = set.intersection(*(set(f.steps()) for f in files.values())) if files else set()
+        usable = [s for s in common if s < before]
+        if not usable:
+            return None
+        step = max(usable)
+        wanted: dict[int, set[str]] = {}
+        for (_, name), owner in owners.items():
+            wanted.setdefault(owner, set()).add(name)
+        got = {r: files[r].read(step, sorted(names), mine=False) for r, names in wanted.items()}
+        n = 1 + max(rank for rank, _ in owners)
+        held: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+        for (rank, name), owner in owners.items():
+            held[rank][name] = got[owner][name]
+        return step, held
+    finally:
+        for f in files.values():
+            f.close()

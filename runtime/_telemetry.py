@@ -78,11 +78,15 @@ class ControllerTelemetry:
         self.rec.flush()
 
     def recovery(self, failure: BaseException, *, step: int | None, restart: int,
-                 restored: int, replayed: int, took_s: float) -> None:
-        """The mesh is running again after ``failure`` (``distribute(fault_tolerance=True)``)."""
+                 restored: int, replayed: int, took_s: float, plan: Plan) -> None:
+        """The mesh is running again after ``failure`` (``distribute(fault_tolerance=True)``),
+        on ``plan`` (another mesh's after a shrink, ``elastic=``)."""
         ranks = ",".join(map(str, getattr(failure, "ranks", ()) or ()))
+        mesh = plan.mesh
         self.rec.add("recoveries", (now_us(), step, ranks, getattr(failure, "reason", "error"),
-                                    restart, restored, replayed, int(took_s * 1e6)))
+                                    restart, restored, replayed, int(took_s * 1e6),
+                                    json.dumps(dict(mesh.axes)), mesh.size, plan.strategy,
+                                    plan.estimated_step_time_s * 1e6))
         self.rec.flush()
 
     def close(self) -> None:

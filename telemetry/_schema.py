@@ -51,7 +51,8 @@ TABLES: dict[str, pa.Schema] = {
     "recoveries": _schema(
         ("run_id", _s), ("rank", _i32), ("time_us", _i64), ("step", _i64), ("ranks", _s),
         ("kind", _s), ("restart", _i32), ("restored_step", _i64), ("replayed", _i32),
-        ("recover_us", _i64)),
+        ("recover_us", _i64), ("mesh", _s), ("world_size", _i32), ("strategy", _s),
+        ("est_step_us", _f64)),
     "plan_nodes": _schema(
         ("run_id", _s), ("node", _s), ("target", _s), ("kind", _s), ("phase", _s),
         ("module", _s), ("source", _s), ("inputs", _s), ("outputs", _s),

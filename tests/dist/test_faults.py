@@ -248,3 +248,42 @@ def test_under_mpiexec_every_rank_starts_again(plugin) -> None:
     assert got[2] == 1
     assert got[4] == [0, 1]
     _same(got, want)
+
+
+@pytest.mark.timeout(180)
+def test_elastic_a_failed_rank_shrinks_the_mesh_and_the_run_goes_on(plugin) -> None:
+    """``elastic=True``: FSDP on 4 ranks, rank 2 killed in step 2's backward. 3 ranks cannot
+    split the batch of 4, so the run goes on on 2 (fsdp again), from the snapshot after step
+    1. The reference is that by hand: steps 0-1 on dp4, the state moved, steps 2-3 on dp2:
+    equal with no tolerance (the same sums in the same order on each mesh); nothing is left."""
+    def run(mesh, steps, faults=(), sd=None, **options):
+        if faults:
+            os.environ["MESHPLAN_TEST_FAULTS"] = json.dumps(list(faults))
+        ex = gpt.build(optimizer="adamw", clip=1.0)
+        with meshplan.distribute(ex.step, mesh=mesh, topology="h100", telemetry=False,
+                                 strategy="fsdp", **options) as step:
+            if sd is not None:
+                step(*ex.batch(steps[0] - 1))     # the first call runs on the controller
+                step.load_state_dict(sd)
+            losses = [step(*ex.batch(i)).detach() for i in steps]
+            return losses, step.state_dict(), step, set(step._workers.pids)
+
+    first = run({"dp": 4}, [0, 1])
+    second = run({"dp": 2}, [2, 3], sd=first[1])
+    got = run({"dp": 4}, [0, 1, 2, 3], faults=[plugin(2, 2, "backward", "kill")],
+              fault_tolerance=True, elastic=True)
+    step = got[2]
+    assert step.restarts == 1 and step.mesh == {"dp": 2} and step.plan.mesh.sizes == (2,)
+    assert step.plan.strategy == "fsdp"
+    _same((got[0], got[1]), (first[0] + second[0], second[1]))
+    _gone(got[3])
+
+
+@pytest.mark.timeout(120)
+def test_elastic_below_its_least_ranks_is_an_error_naming_why(plugin) -> None:
+    with pytest.raises(meshplan.RuntimeFailure, match=r"1 rank survives .*elastic=2 goes on with no fewer than 2"):
+        _run({"dp": 2}, faults=[plugin(1, 1, "forward", "kill")], elastic=2)
+    with pytest.raises(meshplan.RuntimeFailure, match="needs fault_tolerance=True"):
+        meshplan.distribute(gpt.build().step, mesh={"dp": 2}, elastic=True)
+    with pytest.raises(meshplan.RuntimeFailure, match="an int >= 1"):
+        meshplan.distribute(gpt.build().step, mesh={"dp": 2}, fault_tolerance=True, elastic=0)

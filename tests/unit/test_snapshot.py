@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from meshplan import RuntimeFailure
-from meshplan.runtime._recovery import Recovery
-from meshplan.runtime._snapshot import Snapshot, SnapshotFiles
+from meshplan.runtime._recovery import Recovery, smaller_meshes
+from meshplan.runtime._snapshot import Snapshot, SnapshotFiles, read_mesh
 
 PIECES = {"w": ((3, 4), torch.float32), "step": ((), torch.float32),
           "ids": ((5,), torch.int64), "h": ((2, 2), torch.bfloat16)}
@@ -120,3 +120,33 @@ def test_a_rank_reads_the_pieces_another_rank_snapshots(files) -> None:
     peer.close()
     with pytest.raises(RuntimeFailure, match="holds no snapshot"):
         Snapshot.existing(files.path(0), rank=0)      # never written
+
+
+def test_the_controller_reads_a_whole_mesh_back_from_the_files_of_ranks_that_are_gone(files):
+    """``elastic=``: the newest step every holding file has (rank 0 has no snapshot of step 5,
+    so step 4), every rank's pieces from their owners' files (rank 1 holds rank 0's ``w``)."""
+    a = Snapshot(files.path(0), {"ids": PIECES["ids"]}, rank=0)
+    b = Snapshot(files.path(1), {"w": PIECES["w"], "ids": PIECES["ids"]}, rank=1)
+    for k in (3, 4):
+        a.write(k, _state(k))
+        b.write(k, {"w": _state(k)["w"], "ids": _state(k)["ids"] + 1})
+    b.write(5, _state(5))
+    owners = {(0, "w"): 1, (0, "ids"): 0, (1, "w"): 1, (1, "ids"): 1}
+    step, held = read_mesh([files.path(0), files.path(1)], owners, before=9)
+    assert step == 4
+    assert torch.equal(held[0]["w"], _state(4)["w"]) and torch.equal(held[1]["w"], held[0]["w"])
+    assert torch.equal(held[0]["ids"], _state(4)["ids"])
+    assert torch.equal(held[1]["ids"], _state(4)["ids"] + 1)
+    assert read_mesh([files.path(0), files.path(1)], owners, before=3) is None
+    a.close()
+    b.close()
+
+
+def test_a_shrink_chooses_among_the_meshes_the_survivors_can_form() -> None:
+    assert smaller_meshes({"dp": 4}, 3) == [{"dp": 3}, {"dp": 2}, {"dp": 1}]
+    assert smaller_meshes({"dp": 2, "tp": 2}, 3, least=2) == [{"dp": 2, "tp": 1},
+                                                               {"dp": 1, "tp": 2}]
+    big = smaller_meshes({"dp": 4, "tp": 8}, 31)
+    assert big[0] == {"dp": 4, "tp": 7} and len(big) == 8
+    assert all(m["dp"] <= 4 and m["tp"] <= 8 and m["dp"] * m["tp"] <= 31 for m in big)
+    assert smaller_meshes({"dp": 2}, 1, least=2) == []
