@@ -732,7 +732,7 @@ class DistributedStep:
         by_id = {v.id: v for v in self._variants.values()}
         for kept in ft.replay(restored, in_flight):
             self._send_step(by_id[kept.variant], kept.header, kept.batch)
-            workers.gather("step", self.timeout_s)
+            self._snapshots_lost(workers.gather("step", self.timeout_s))
             ft.committed(kept.step, None)
         return restored
 
@@ -786,7 +786,7 @@ class DistributedStep:
             ft.remember(step.step, step.variant, step.header, step.batch)
         for step in (k for k in kept if k.step < in_flight):
             self._send_step(by_id[step.variant], step.header, step.batch)
-            self._workers.gather("step", self.timeout_s)
+            self._snapshots_lost(self._workers.gather("step", self.timeout_s))
             ft.committed(step.step, None)
         ft.held, ft.shrunk = None, (before, mesh)
         ft.replaced = list(range(self._workers.n))
@@ -960,6 +960,7 @@ class DistributedStep:
                 variant = next(v for v in self._variants.values() if v.id == variant.id)
         dur_s = time.perf_counter() - t0
         if ft is not None:
+            self._snapshots_lost(replies)
             ft.committed(self._step_no, None if recovered else dur_s)
             if recovered:
                 self._said_recovered(*recovered, step=self._step_no)
@@ -974,6 +975,22 @@ class DistributedStep:
                 self._ship_segments()
         self._step_no += 1
         return self._traced.pack_results(results, plan.graph)
+
+    def _snapshots_lost(self, replies: list[Any]) -> None:
+        """Ranks whose snapshot copy of an earlier step failed (``Snapshot.settle``): that
+        step is not a snapshot to go back to; the one before it is, and the batches since it
+        stay kept. Said once per failed copy, and kept as a ``failures`` row (kind
+        ``snapshot``)."""
+        ft = self._ft
+        assert ft is not None
+        for rank, reply in enumerate(replies):
+            for step, why in reply.header.get("snapshots_lost", ()):
+                ft.lost(int(step))
+                logger.warning("meshplan: %s: rank %d could not copy its snapshot of step %d "
+                               "(%s); a recovery now goes back to the snapshot before it, and "
+                               "the run goes on", self.__name__, rank, step, why)
+                if self._tel is not None:
+                    self._tel.snapshot_lost(rank, int(step), why)
 
     def _send_step(self, variant: Variant, header: Mapping[str, Any],
                    batch: Mapping[str, torch.Tensor]) -> None:

@@ -269,15 +269,19 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     dur_us = int((time.perf_counter() - perf0) * 1e6)
     ns.state.update(new_state)
     ns.last_step = int(header.get("step", -1))
+    reply: dict[str, Any] = {}
+    snap = getattr(ns, "snapshot", None)
+    if snap is not None and snap.lost:    # an earlier step's copy failed: the controller
+        reply["snapshots_lost"], snap.lost = snap.lost, []    # counts on the one before
     if header.get("snapshot"):            # the state after this step, for a restart: copied
         ns.snapshot.write_behind(int(header["step"]), ns.state)    # while the reply goes
     if tel is not None:
         tel.end(ns.comm.records, start_us, perf0, dur_us, results, ns.state)
-    comm = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,
-             "dur_s": r.dur_s} for r in ns.comm.records]
+    reply["comm"] = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,
+                      "dur_s": r.dur_s} for r in ns.comm.records]
     if state.rank == 0:
-        return {"comm": comm}, [r.cpu() for r in results if isinstance(r, torch.Tensor)]
-    return {"comm": comm}, []
+        return reply, [r.cpu() for r in results if isinstance(r, torch.Tensor)]
+    return reply, []
 
 
 @register("probe_links")

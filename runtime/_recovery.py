@@ -122,6 +122,11 @@ class Recovery:
             oldest = self._snaps[0]
             self._since = {s: r for s, r in self._since.items() if s > oldest}
 
+    def lost(self, step: int) -> None:
+        """A rank's snapshot of ``step`` failed (its older one is whole): a restart cannot go
+        back to ``step``, so the batches after the snapshot before it stay kept."""
+        self._snaps = [s for s in self._snaps if s != step]
+
     def kept_after(self, step: int) -> list[Remembered]:
         """Every kept step after ``step`` (the interrupted one too, if it was kept), in order."""
         return [self._since[s] for s in sorted(self._since) if s > step]

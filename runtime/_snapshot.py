@@ -119,7 +119,10 @@ class Snapshot:
         self.index = index
         self.header_bytes, self.slot_bytes = _layout(index)
         self._copying: threading.Thread | None = None
-        self._failed: BaseException | None = None
+        self._failed: tuple[int, BaseException] | None = None
+        # (step, why) of copies that failed since the owner last looked (``settle``): their
+        # slot is invalid, the snapshot before is kept, and the run goes on
+        self.lost: list[tuple[int, str]] = []
         text = json.dumps(index, separators=(",", ":")).encode()
         self._map, have = _open(path, rank, self.header_bytes + 2 * self.slot_bytes)
         if have == 0:
@@ -132,7 +135,7 @@ class Snapshot:
     def existing(cls, path: str, *, rank: int) -> Snapshot:
         """Rank ``rank``'s file as its owner laid it out, to read from (``read(mine=False)``)."""
         self = cls.__new__(cls)
-        self.rank, self._copying, self._failed = rank, None, None
+        self.rank, self._copying, self._failed, self.lost = rank, None, None, []
         self._map, have = _open(path, rank, 0)
         magic, length, *_ = _HEAD.unpack_from(self._map, 0) if have >= _HEAD.size else (
             b"", 0)
@@ -198,20 +201,23 @@ class Snapshot:
         def copy() -> None:
             try:
                 self.write(step, held)
-            except BaseException as exc:  # noqa: BLE001 - raised by settle(), in the handler
-                self._failed = exc
+            except BaseException as exc:  # noqa: BLE001 - kept in lost by settle()
+                self._failed = (step, exc)
         self._copying = threading.Thread(target=copy, name="meshplan-snapshot", daemon=True)
         self._copying.start()
 
     def settle(self) -> None:
-        """Wait for a ``write_behind`` in flight; raise what it raised."""
+        """Wait for a ``write_behind`` in flight. A copy that failed (out of memory, say) is
+        not an error of the step: its slot stays invalid, the snapshot before it is kept, and
+        ``lost`` says so (the worker tells the controller, which then counts on the older
+        snapshot and keeps the batches since)."""
         if self._copying is not None:
             self._copying.join()
             self._copying = None
         failed, self._failed = self._failed, None
         if failed is not None:
-            raise RuntimeFailure(f"rank {self.rank}: its last snapshot failed ({failed}); the "
-                                 "one before it is kept") from failed
+            step, exc = failed
+            self.lost.append((step, f"{type(exc).__name__}: {exc}"))
 
     def read(self, step: int, names: Sequence[str] | None = None, *,
              mine: bool = True) -> dict[str, torch.Tensor]:

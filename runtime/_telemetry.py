@@ -77,6 +77,10 @@ class ControllerTelemetry:
                                       tb), rank=rank)
         self.rec.flush()
 
+    def snapshot_lost(self, rank: int, step: int, why: str) -> None:
+        """Rank ``rank``'s snapshot copy of ``step`` failed; the run went on."""
+        self.rec.add("failures", (now_us(), step, "snapshot", why, None, None), rank=rank)
+
     def recovery(self, failure: BaseException, *, step: int | None, restart: int,
                  restored: int, replayed: int, took_s: float, plan: Plan) -> None:
         """The mesh is running again after ``failure`` (``distribute(fault_tolerance=True)``),

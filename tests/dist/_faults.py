@@ -11,7 +11,8 @@ kernels replaced it), ``allreduce`` (entering the step's first all-reduce), ``sn
 way through copying the state into the snapshot), ``state`` (``get_state``: ``state_dict()``),
 ``restore`` (``restore_snapshot``: a fault during a recovery).
 how: ``kill`` (SIGKILL), ``segv`` (SIGSEGV), ``exit`` (``os._exit(3)``), ``stop`` (SIGSTOP),
-``hang`` (sleeps: alive and running, but never answers).
+``hang`` (sleeps: alive and running, but never answers), ``raise`` (an exception where it
+fires: at ``snapshot``, a copy that fails while the rank lives on).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def _fire(fault: dict) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif how == "hang":
         time.sleep(3600)
+    elif how == "raise":
+        raise MemoryError("injected: the snapshot copy ran out of memory")
     else:
         raise ValueError(f"unknown fault {how!r}")
 

@@ -139,6 +139,21 @@ def test_snapshots_every_other_step_replay_the_steps_since(reference, plugin) ->
     _same(got, reference)
 
 
+@pytest.mark.timeout(120)
+def test_a_snapshot_copy_that_fails_keeps_the_one_before_and_the_run_goes_on(
+        reference, plugin, caplog) -> None:
+    """Rank 1's copy of step 1 fails (an exception in the copy thread, as out of memory
+    would): the step itself is fine, a warning says so, and when rank 0 is killed in step 2
+    the mesh goes back to step 0's snapshot (the newest both hold) and re-runs steps 1-2."""
+    faults = [plugin(1, 1, "snapshot", "raise", "a"), plugin(0, 2, "backward", "kill", "b")]
+    got = _run({"dp": 2}, faults=faults)
+    said = caplog.text
+    assert "rank 1 could not copy its snapshot of step 1 (MemoryError" in said
+    assert "back to its snapshot after step 0 and re-ran 2 steps" in said
+    assert got[2] == 1
+    _same(got, reference)
+
+
 @pytest.mark.timeout(180)
 def test_sharded_state_on_four_ranks(plugin) -> None:
     """FSDP x TP: every rank holds pieces no other rank has; the replacement reads its own
