@@ -2,7 +2,7 @@
 cost when nothing fails, and the same kills under torchrun.
 
     python benchmarks/faults.py [--ranks 4] [--kills 20] [--steps 30] [--rounds 2]
-                                [--torchrun-kills 4] [--quick]
+                                [--torchrun-kills 4] [--elastic 0] [--quick]
 
 The GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, data parallel:
@@ -24,6 +24,9 @@ global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, dat
   the next step every rank completed after it (the steps the restart re-runs since the last
   checkpoint included), i.e. to the first step rank 0 logs with torchrun's restart count above
   0 (a step that was finishing as the kill landed does not count).
+
+- **elastic** (``--elastic N``): ``shrinking``: N shrinks of a ``dp`` mesh under
+  ``elastic=True``, from the kill to the interrupted call's return on the smaller mesh.
 
 Churn follows from the recovery's cost: a run that loses ``c`` seconds per kill (kill to the
 next committed step, less one step) at one kill per ``T`` seconds of training keeps
@@ -69,7 +72,7 @@ class _Seen(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
-        if "restoring the mesh" in text:
+        if "from its in-memory snapshots (restart" in text:
             self.failures.append(time.monotonic())
         if "recovered" in text:
             self.lines.append(text)
@@ -103,45 +106,89 @@ def recovery(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
     ex = _example()
     step = meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
                                fault_tolerance=True, max_restarts=kills + 1)
-    detect, back, replaced, durations = [], [], [], []
+    detect, back, replaced = [], [], []
     try:
         with step:
-            i = 0
-            for _ in range(5):                       # warm up; the median step
-                t0 = time.perf_counter()
-                step(*ex.batch(i))
-                durations.append(time.perf_counter() - t0)
-                i += 1
-            typical = statistics.median(durations)
+            i, typical = _warm_up(step, ex)
             for k in range(kills):
                 for _ in range(2):                   # a couple of clean steps between kills
                     step(*ex.batch(i))
                     i += 1
-                pid = rng.choice(step._workers.pids)
-                delay = rng.uniform(0.0, typical)
-                killed: list[float] = []
-                timer = threading.Timer(delay, lambda p=pid: (killed.append(time.monotonic()),
-                                                              os.kill(p, signal.SIGKILL)))
-                before = len(seen.failures)
-                timer.start()
-                step(*ex.batch(i))
-                i += 1
-                timer.join()
-                if len(seen.failures) == before:     # the kill came after the step: the next
-                    step(*ex.batch(i))               # call sees it and recovers
-                    i += 1
-                done = time.monotonic()
-                detect.append(seen.failures[before] - killed[0])
-                back.append(done - killed[0])
+                seen_s, back_s, i = _kill_in_a_step(step, ex, i, rng, typical, seen)
+                detect.append(seen_s)
+                back.append(back_s)
                 replaced.append(len(step._ft.replaced))
-                print(f"  kill {k + 1}/{kills}: pid {pid} at +{delay * 1e3:.0f} ms; seen after "
-                      f"{detect[-1]:.2f} s, next committed step after {back[-1]:.2f} s "
-                      f"({replaced[-1]} rank{'s' * (replaced[-1] != 1)} started)", flush=True)
+                print(f"  kill {k + 1}/{kills}: seen after {detect[-1]:.2f} s, next committed "
+                      f"step after {back[-1]:.2f} s ({replaced[-1]} rank"
+                      f"{'s' * (replaced[-1] != 1)} started)", flush=True)
             restarts = step.restarts
     finally:
         logging.getLogger("meshplan").removeHandler(seen)
     return {"detect": detect, "back": back, "replaced": replaced, "restarts": restarts,
             "step_s": typical}
+
+
+def shrinking(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
+    """``elastic=True``: runs on ``ranks`` ranks, each killed one rank at a time (at a random
+    moment of a step, as ``recovery``) until one rank is left, then a new run, until ``kills``
+    shrinks were measured. Measured from the kill to the interrupted call's return on the
+    smaller mesh (re-planned, the state moved through the controller, every rank started)."""
+    rng = random.Random(seed)
+    seen = _Seen()
+    logging.getLogger("meshplan").addHandler(seen)
+    logging.getLogger("meshplan").setLevel(logging.WARNING)
+    back: list[float] = []
+    meshes: list[tuple[int, int]] = []
+    try:
+        while len(back) < kills:
+            ex = _example()
+            with meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp",
+                                     telemetry=False, fault_tolerance=True, elastic=True,
+                                     max_restarts=ranks) as step:
+                i, typical = _warm_up(step, ex)
+                while step._workers.n > 1 and len(back) < kills:
+                    before = step._workers.n
+                    _, back_s, i = _kill_in_a_step(step, ex, i, rng, typical, seen)
+                    back.append(back_s)
+                    meshes.append((before, step._workers.n))
+                    print(f"  shrink {len(back)}/{kills}: dp{before} -> dp{step._workers.n}, "
+                          f"next committed step after {back_s:.2f} s", flush=True)
+                    i, typical = _warm_up(step, ex, i)
+    finally:
+        logging.getLogger("meshplan").removeHandler(seen)
+    return {"back": back, "meshes": meshes}
+
+
+def _warm_up(step, ex, i: int = 0) -> tuple[int, float]:  # noqa: ANN001
+    """A few calls; the index of the next batch and the median call's time."""
+    durations = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        step(*ex.batch(i))
+        durations.append(time.perf_counter() - t0)
+        i += 1
+    return i, statistics.median(durations)
+
+
+def _kill_in_a_step(step, ex, i: int, rng: random.Random, typical: float,  # noqa: ANN001
+                    seen: _Seen) -> tuple[float, float, int]:
+    """SIGKILL a random worker at a random moment within one typical step after a call starts;
+    from the kill: when the controller saw it, when the next committed step returned."""
+    pid = rng.choice(step._workers.pids)
+    delay = rng.uniform(0.0, typical)
+    killed: list[float] = []
+    timer = threading.Timer(delay, lambda p=pid: (killed.append(time.monotonic()),
+                                                  os.kill(p, signal.SIGKILL)))
+    before = len(seen.failures)
+    timer.start()
+    step(*ex.batch(i))
+    i += 1
+    timer.join()
+    if len(seen.failures) == before:     # the kill came after the step: the next call sees
+        step(*ex.batch(i))               # it and recovers
+        i += 1
+    done = time.monotonic()
+    return seen.failures[before] - killed[0], done - killed[0], i
 
 
 _TORCHRUN_SCRIPT = textwrap.dedent('''
@@ -276,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="overhead: steps per run")
     ap.add_argument("--rounds", type=int, default=2, help="overhead: rounds of off/on")
     ap.add_argument("--torchrun-kills", type=int, default=4)
+    ap.add_argument("--elastic", type=int, default=0,
+                    help="also measure this many shrinks under elastic=True (0: skip)")
     ap.add_argument("--quick", action="store_true", help="2 ranks, 3 kills, 1 torchrun kill")
     a = ap.parse_args(argv)
     if a.quick:
@@ -301,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     rates = [60, 600, 3600]
     print("churn: throughput kept at one kill per " + ", ".join(
         f"{r} s: {r / (r + lost):.1%}" for r in rates) + f" (each kill costs {lost:.2f} s)")
+    if a.elastic:
+        sh = shrinking(a.ranks, a.elastic)
+        print(f"meshplan elastic: {len(sh['back'])} shrinks ("
+              + ", ".join(f"dp{x}->dp{y}" for x, y in sorted(set(sh["meshes"])))
+              + f"); kill -> next committed step p50 {_pct(sh['back'], .5):.2f} s / p99 "
+              f"{_pct(sh['back'], .99):.2f} s", flush=True)
     if a.torchrun_kills:
         tr = torchrun(a.ranks, a.torchrun_kills)
         if tr["back"]:
