@@ -230,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     from ._cli_files import add_files_commands
+    from ._cli_k8s import add_k8s_commands
     from ._cli_plan import add_plan_commands
     from ._cli_run import add_run_commands
     from ._cli_sandbox import add_sandbox_commands
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_files_commands(sub)
     add_telemetry_commands(sub)
     add_sandbox_commands(sub)
+    add_k8s_commands(sub)
     return p
 
 
