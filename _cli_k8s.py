@@ -5,6 +5,11 @@
                           [--cpu C] [--memory M] [--node-selector K=V ...] [--controller ADDR]
         print the Indexed Job (or JobSet) and the headless Service that run PLAN's mesh, as
         YAML, for review or GitOps; the Secret with the run's key is the controller's to make
+    meshplan k8s status [--namespace NS]
+        this user's meshplan Jobs and their pods' phases
+    meshplan k8s delete --all-mine [--namespace NS]
+        delete this user's meshplan Jobs (their pods go with them), Services and Secrets:
+        what a controller killed before its shutdown left
 """
 
 from __future__ import annotations
@@ -44,6 +49,16 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:
                    "placeholder the controller fills at launch)")
     m.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     m.set_defaults(func=_guarded(cmd_manifest))
+    st = k_sub.add_parser("status", help="this user's meshplan Jobs and their pods")
+    st.add_argument("--namespace", default=None, help="one namespace (default: every one)")
+    st.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    st.set_defaults(func=_guarded(cmd_status))
+    d = k_sub.add_parser("delete", help="delete what meshplan made for this user")
+    d.add_argument("--all-mine", action="store_true", required=True,
+                   help="every Job, Service and Secret labelled with this user as owner")
+    d.add_argument("--namespace", default=None, help="one namespace (default: every one)")
+    d.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    d.set_defaults(func=_guarded(cmd_delete))
 
 
 def cmd_manifest(args: argparse.Namespace) -> int:
@@ -72,4 +87,28 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     sys.stdout.write(f"# meshplan: {plan.mesh} ({world} ranks) from {args.plan}; the run's "
                      "Secret (<name>-key) is made by the controller at launch\n")
     sys.stdout.write(to_yaml(objects))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .runtime._k8s_launch import status_of_mine
+
+    rows = status_of_mine(args.namespace)
+    if not rows:
+        print("no meshplan Jobs of this user")
+    for job, pods in rows:
+        print(job)
+        for pod in pods:
+            print(f"  {pod}")
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from .runtime._k8s_launch import delete_all_mine
+
+    done = delete_all_mine(args.namespace)
+    for what in done:
+        print(f"deleted {what}")
+    if not done:
+        print("nothing of this user's to delete")
     return 0

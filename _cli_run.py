@@ -58,8 +58,9 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--steps", type=int, default=1, help="how many steps to run")
     r.add_argument("--mesh", help="the mesh to run on (checked against the plan's)")
     r.add_argument("--launcher", default="local",
-                   help="local (default), mpi (mpiexec; pip install 'meshplan[mpi]') or "
-                   "slurm (srun, in the allocation this runs in or a new one from salloc)")
+                   help="local (default), mpi (mpiexec; pip install 'meshplan[mpi]'), "
+                   "slurm (srun, in the allocation this runs in or a new one from salloc) "
+                   "or k8s (an Indexed Job's pods; pip install 'meshplan[k8s]')")
     r.add_argument("--hosts", help="with --launcher mpi: where the ranks run, a,b or a:4,b:4 "
                    "or a hostfile (default: $MESHPLAN_HOSTS, else this host)")
     r.add_argument("--slurm", metavar="OPTIONS",
@@ -67,6 +68,9 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
                    "time=30 (nodes, partition, time, account, qos, constraint, overcommit, "
                    "wait_s, job_name; args and srun_args: more salloc / srun arguments, "
                    "space-separated)")
+    r.add_argument("--k8s", metavar="OPTIONS",
+                   help="with --launcher k8s: key=value,... such as image=registry/train:1,"
+                   "pods=2,namespace=ml,gpus_per_pod=8,queue=team-a (README, \"Kubernetes\")")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
     r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "
@@ -184,9 +188,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from .planner import Plan, parse_mesh
 
-    if args.launcher not in ("local", "mpi", "slurm"):
+    if args.launcher not in ("local", "mpi", "slurm", "k8s"):
         raise RuntimeFailure(f"launcher {args.launcher!r} is not available; use "
-                             "--launcher local, mpi or slurm")
+                             "--launcher local, mpi, slurm or k8s")
+    if args.k8s and args.launcher != "k8s":
+        raise RuntimeFailure("--k8s sets the Kubernetes launcher's options; add --launcher k8s")
     if args.hosts and args.launcher != "mpi":
         raise RuntimeFailure("--hosts places ranks under --launcher mpi; add --launcher mpi")
     if args.slurm and args.launcher != "slurm":
@@ -207,7 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     opts = _decorator_options(fn)
     step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
                                launcher=args.launcher, hosts=args.hosts or None,
-                               slurm=args.slurm or None,
+                               slurm=args.slurm or None, k8s=args.k8s or None,
                                timeout_s=opts["timeout_s"],
                                telemetry=_telemetry(args), checkpoint=args.checkpoint,
                                precision=args.precision or opts["precision"])

@@ -34,7 +34,10 @@ from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, STATE_ROLES, Role
 from ..planner import Plan, check_recompute, plan_graph
 from ..telemetry import Level, TelemetryConfig
+from ._checks import check_indices
 from ._files import FILES_PLUGIN
+from ._k8s import K8sOptions
+from ._k8s_launch import K8sLauncher
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
 from ._recovery import RECOVERABLE, Recovery, smaller_meshes
@@ -48,12 +51,11 @@ from ._telemetry import (
     merge_answers,
     steps_timer,
 )
-from ._checks import check_indices
 from ._variants import MAX_VARIANTS, Variant, call_inputs, what_changed
 
 logger = logging.getLogger(__name__)
 
-LAUNCHERS = ("local", "mpi", "slurm")
+LAUNCHERS = ("local", "mpi", "slurm", "k8s")
 SHIP_EVERY_S = 10.0     # how often ranks on a disk this host does not see send their segments
 _SYNC_S = 5.0           # how long survivors of a failure may take to leave their step
 
@@ -72,7 +74,8 @@ class DistributedStep:
                  calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
                  device: str | None = None, fault_tolerance: bool = False,
                  max_restarts: int = 3, snapshot_every: int = 1,
-                 hang_s: float = STOPPED_S, elastic: bool | int = False) -> None:
+                 hang_s: float = STOPPED_S, elastic: bool | int = False,
+                 k8s: Any = None) -> None:
         if launcher not in LAUNCHERS:
             raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
                                  f"{', '.join(map(repr, LAUNCHERS))}")
@@ -82,6 +85,13 @@ class DistributedStep:
                      f"launcher={launcher!r} runs every rank on this host")
             raise RuntimeFailure(f"hosts= places ranks under launcher='mpi'; {where} (drop "
                                  "hosts=, or pass launcher='mpi')")
+        if k8s is not None and launcher != "k8s":
+            raise RuntimeFailure(f"k8s= sets the Kubernetes launcher's options; launcher="
+                                 f"{launcher!r} does not use Kubernetes (pass launcher='k8s', "
+                                 "or drop k8s=)")
+        if launcher == "k8s" and k8s is None:
+            raise RuntimeFailure("launcher='k8s' needs k8s={'image': ...}: the container "
+                                 "image the pods run, and how many (README, \"Kubernetes\")")
         if slurm is not None and launcher != "slurm":
             raise RuntimeFailure(f"slurm= sets the Slurm launcher's options; launcher="
                                  f"{launcher!r} does not use Slurm (pass launcher='slurm', or "
@@ -91,6 +101,7 @@ class DistributedStep:
         self._ft = _fault_tolerance(fault_tolerance, launcher, hosts, max_restarts,
                                     snapshot_every, self.hang_s, elastic)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
+        self.k8s = K8sOptions.parse(k8s) if launcher == "k8s" else None
         self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -548,6 +559,7 @@ class DistributedStep:
                            "use them", os.environ["MESHPLAN_HOSTS"])
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
                     else SlurmLauncher(self.slurm) if self.launcher == "slurm"
+                    else K8sLauncher(self.k8s) if self.launcher == "k8s"
                     else LocalLauncher())
         plugins = ",".join(filter(None, (_HANDLERS, FILES_PLUGIN,
                                          os.environ.get("MESHPLAN_WORKER_PLUGINS"))))
@@ -1201,7 +1213,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
                device: str | None = None, fault_tolerance: bool = False,
                max_restarts: int = 3, snapshot_every: int = 1,
-               hang_s: float = STOPPED_S, elastic: bool | int = False) -> Any:
+               hang_s: float = STOPPED_S, elastic: bool | int = False,
+               k8s: Any = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -1259,6 +1272,11 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     through the controller, the kept steps re-run on it, and the run goes on there, with the
     same global batch; the results then follow the smaller mesh's sums, not bit for bit the
     old mesh's. The warning line and the ``recoveries`` row name the new mesh.
+    ``launcher="k8s"``: the ranks run in the pods of an Indexed Job (with a headless Service
+    and a Secret holding the channel key) made with the ``kubernetes`` client from
+    ``$KUBECONFIG``; ``k8s``: its options (``runtime._k8s.K8sOptions``), e.g. ``{"image":
+    "registry/train:1", "pods": 4, "gpus_per_pod": 8, "namespace": "ml"}``; the pods must
+    reach this machine (README, "Kubernetes").
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -1269,7 +1287,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                calibrate=calibrate, hosts=hosts, slurm=slurm, device=device,
                                fault_tolerance=fault_tolerance, max_restarts=max_restarts,
                                snapshot_every=snapshot_every, hang_s=hang_s,
-                               elastic=elastic)
+                               elastic=elastic, k8s=k8s)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -1323,10 +1341,11 @@ def _fault_tolerance(on: Any, launcher: str, hosts: Any, max_restarts: Any,
         return None
     if on is not True:
         raise RuntimeFailure(f"distribute(fault_tolerance={on!r}): pass True or False")
-    elsewhere = launcher == "slurm" or (launcher == "mpi" and (
+    elsewhere = launcher in ("slurm", "k8s") or (launcher == "mpi" and (
         hosts is not None or os.environ.get("MESHPLAN_HOSTS")))
     if elsewhere:
         where = ("launcher='slurm' runs them on the allocation's nodes" if launcher == "slurm"
+                 else "launcher='k8s' runs them in pods" if launcher == "k8s"
                  else "hosts= (or $MESHPLAN_HOSTS) puts them on other hosts")
         raise RuntimeFailure(
             f"distribute(fault_tolerance=True, launcher={launcher!r}): restarting from "

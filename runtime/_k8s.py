@@ -119,6 +119,8 @@ class K8sOptions:
         mistake, naming the key and how to fix it."""
         if isinstance(value, K8sOptions):
             value = dataclasses.asdict(value)
+        if isinstance(value, str):
+            value = _from_text(value)
         if not isinstance(value, Mapping):
             raise RuntimeFailure(f"k8s={value!r}: pass a dict of options, e.g. "
                                  "{'image': 'registry/train:1', 'pods': 4}")
@@ -204,6 +206,30 @@ class K8sOptions:
         return pods, per
 
 
+_INTS = ("pods", "ranks_per_pod", "gpus_per_pod", "active_deadline_s", "ttl_s")
+
+
+def _from_text(text: str) -> dict[str, Any]:
+    """``meshplan run --k8s image=IMG,pods=2,...``: the scalar options as key=value pairs."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise RuntimeFailure(f"--k8s {text!r}: {item!r} is not key=value (e.g. "
+                                 "image=registry/train:1,pods=2)")
+        key = key.strip()
+        if key in _INTS:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise RuntimeFailure(f"--k8s {key}={value!r}: pass an int") from None
+        elif key == "one_per_node":
+            out[key] = value.lower() in ("1", "true", "yes")
+        else:
+            out[key] = value
+    return out
+
+
 def resource_name(run_id: str) -> str:
     """The Job's, Service's and pods' base name for a run (a DNS label)."""
     name = f"meshplan-{run_id.lower()}"
@@ -228,10 +254,12 @@ def labels(run_id: str) -> dict[str, str]:
 
 
 def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
-              store: tuple[str, int] | None, controller_host: str) -> list[dict[str, Any]]:
+              store: tuple[str, int] | None, controller_host: str,
+              extra_env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The Job (or JobSet) and the headless Service that run ``world`` ranks for run
     ``run_id``, whose workers connect to the controller at ``address`` (``tcp://host:port``)
-    and rendezvous through its store at ``store`` (host, port)."""
+    and rendezvous through its store at ``store`` (host, port); ``extra_env``: the
+    launcher's own variables for the workers (the worker plugins)."""
     pods, per = opts.layout(world)
     name = resource_name(run_id)
     meta_labels = {**opts.labels, **labels(run_id)}
@@ -240,7 +268,7 @@ def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
         meta["annotations"] = dict(opts.annotations)
     template = _pod_template(opts, name=name, run_id=run_id, world=world, per=per,
                              address=address, store=store, controller_host=controller_host,
-                             pod_labels=meta_labels)
+                             pod_labels=meta_labels, extra_env=extra_env or {})
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": pods, "parallelism": pods,
         "backoffLimit": 0,
@@ -288,8 +316,9 @@ def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
 
 def _pod_template(opts: K8sOptions, *, name: str, run_id: str, world: int, per: int,
                   address: str, store: tuple[str, int] | None, controller_host: str,
-                  pod_labels: Mapping[str, str]) -> dict[str, Any]:
-    env = [{"name": k, "value": v} for k, v in sorted(opts.env.items())]
+                  pod_labels: Mapping[str, str], extra_env: Mapping[str, str]
+                  ) -> dict[str, Any]:
+    env = [{"name": k, "value": str(v)} for k, v in sorted({**opts.env, **extra_env}.items())]
     env += [{"name": k, "value": str(v)} for k, v in (
         ("MESHPLAN_CONTROLLER", address), ("MESHPLAN_RUN_ID", run_id),
         ("MESHPLAN_WORLD_SIZE", world), (ENV_RANKS_PER_POD, per),

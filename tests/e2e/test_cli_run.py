@@ -99,7 +99,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
         results["bad:mesh"] = run("--mesh", "dp=4")
         results["bad:no-function"] = run(target=str(folder / "gpt_distributed.py:nosuch"))
         results["bad:no-file"] = run(target=str(folder / "nofile.py:train_step"))
-        results["bad:launcher"] = run("--launcher", "k8s")
+        results["bad:launcher"] = run("--launcher", "ray")
         results["bad:compile-no-function"] = in_process(
             "compile", str(folder / "gpt_distributed.py:nosuch"), "-o", str(folder / "x.plan"))
         results["bad:data"] = run("--data", "no_such_module_xyz:batches")
@@ -205,7 +205,7 @@ BAD = {
     "no-function": ("TraceError", "has no function 'nosuch'"),
     "no-file": ("TraceError", "nofile.py' does not exist"),
     "launcher": ("RuntimeFailure",
-                 "launcher 'k8s' is not available; use --launcher local, mpi or slurm"),
+                 "launcher 'ray' is not available; use --launcher local, mpi, slurm or k8s"),
     "compile-no-function": ("TraceError", "has no function 'nosuch'"),
     "data": ("TraceError", "cannot import 'no_such_module_xyz'"),
     "memory-limit": ("PlanError", "expected a size such as 70GB"),

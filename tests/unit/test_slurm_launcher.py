@@ -77,8 +77,10 @@ def test_distribute_options_belong_to_their_launcher() -> None:
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, slurm={"nodes": 2})
     with pytest.raises(RuntimeFailure, match="launcher='slurm' runs the ranks on the Slurm"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, launcher="slurm", hosts=["a"])
-    with pytest.raises(RuntimeFailure, match="launcher 'k8s' is not available; use one of"):
-        meshplan.distribute(lambda x: x, mesh={"dp": 2}, launcher="k8s")
+    with pytest.raises(RuntimeFailure, match="launcher 'ray' is not available; use one of"):
+        meshplan.distribute(lambda x: x, mesh={"dp": 2}, launcher="ray")
+    with pytest.raises(RuntimeFailure, match="k8s= sets the Kubernetes launcher's options"):
+        meshplan.distribute(lambda x: x, mesh={"dp": 2}, k8s={"image": "x"})
     with pytest.raises(RuntimeFailure, match="unknown option 'gpus'"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, launcher="slurm", slurm={"gpus": 8})
 

@@ -1,0 +1,461 @@
+"""The ``k8s`` launcher: the ranks run in the pods of an Indexed Job (``_k8s.py``), made and
+watched with the official ``kubernetes`` client.
+
+``K8sLauncher(options).launch(n)`` returns the same :class:`Workers` as the other launchers.
+What it does, in order:
+
+1. **Access.** The kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``), or the pod's service
+   account when the controller runs in the cluster; the namespace must exist. A missing
+   config, a refused credential, a missing namespace: one error each, before anything exists.
+2. **Objects.** The Job first, then the headless Service and the Secret with the channel key,
+   both owned by the Job (``ownerReferences``): deleting the Job deletes them. The pods wait
+   for the Secret (their volume) before they start.
+3. **Watch.** One thread lists the run's pods (label ``meshplan.dev/run``) and watches from
+   the list's ``resourceVersion``; an expired version (``410 Gone``) re-lists and goes on from
+   the new one; the watch is renewed every few minutes, so no proxy timeout ends it silently.
+   A pod's phase becomes its ranks' state for :class:`Workers`: a pod that failed, succeeded,
+   or was deleted is its ranks' exit (``podFailurePolicy`` ignores disruptions, so an evicted
+   pod is made again by the Job controller; the run in progress still sees its ranks go).
+4. **Gang deadline.** Every rank must say hello within ``start_timeout_s`` (default 300 s),
+   else every object is deleted and one error names the pods that did not start and why
+   (unschedulable, image pull errors, waiting for a volume).
+5. **Logs.** Each pod's log is streamed to the controller's stderr, each line prefixed with the
+   pod's ranks.
+6. **Shutdown.** The ranks are told to stop; the Job is deleted with background propagation
+   (its pods, Service and Secret go with it), and the launcher waits, bounded, for the pods to
+   be gone. ``meshplan k8s delete --all-mine`` sweeps what a controller killed before that
+   left (every object labelled with this user as its owner).
+
+The control channel listens on TCP (CURVE, the run's keys) on this machine's address toward
+the API server: the pods must be able to reach it (a controller in the cluster, or on a
+network the pods route to). Not built: reaching pods through a port-forward from a laptop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlparse
+
+from .._errors import RuntimeFailure
+from . import _channel as P
+from ._channel import ControllerChannel, Secret
+from ._k8s import (
+    OWNER_LABEL,
+    RUN_LABEL,
+    K8sOptions,
+    manifests,
+    owner,
+    resource_name,
+    secret_manifest,
+)
+from ._launch import RendezvousStore, WorkerFailure, Workers, _Group
+
+__all__ = ["K8sLauncher", "delete_all_mine", "status_of_mine"]
+
+logger = logging.getLogger("meshplan.runtime")
+
+K8S_FIX = "pip install 'meshplan[k8s]' (the kubernetes client)"
+WATCH_RENEW_S = 240          # a watch is renewed this often (servers and proxies end idle ones)
+DELETE_WAIT_S = 30.0
+
+
+def _clients() -> tuple[Any, Any, str]:
+    """(CoreV1Api, BatchV1Api, the API server's URL) from the kubeconfig, or the service
+    account in a pod."""
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:
+        raise RuntimeFailure(f"launcher='k8s' needs the kubernetes client: {K8S_FIX}") from exc
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+            config.load_incluster_config()
+        else:
+            # $KUBECONFIG as it is now (the client reads it once, when first imported)
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG")
+                                    or os.path.expanduser("~/.kube/config"))
+    except Exception as exc:  # noqa: BLE001 - the config loaders raise many kinds
+        where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise RuntimeFailure(f"launcher='k8s': no usable kubeconfig ({where}: {exc}); set "
+                             "$KUBECONFIG to a cluster's config (kubectl config view shows "
+                             "the current one), or run the controller in a pod") from exc
+    api = client.ApiClient()
+    return client.CoreV1Api(api), client.BatchV1Api(api), api.configuration.host
+
+
+def _api_error(exc: Exception, doing: str, namespace: str) -> RuntimeFailure:
+    status = getattr(exc, "status", None)
+    if status in (401, 403):
+        why = (f"the cluster refused this user ({status}): it needs to create Jobs, Services "
+               f"and Secrets and to list, watch and read the logs of Pods in {namespace!r}")
+    elif status == 404:
+        why = f"namespace {namespace!r} does not exist (kubectl create namespace {namespace})"
+    elif status is None:
+        why = f"the API server cannot be reached ({exc})"
+    else:
+        why = f"{status} {getattr(exc, 'reason', '')}: {getattr(exc, 'body', '')}"[:400]
+    return RuntimeFailure(f"launcher='k8s': {doing}: {why}")
+
+
+class _Pods:
+    """The run's pods as the watch last saw them, by completion index, and a thread that keeps
+    them so (list, then watch; re-list on 410)."""
+
+    def __init__(self, core: Any, namespace: str, run_id: str, pods: int) -> None:
+        self.core, self.namespace, self.n = core, namespace, pods
+        self.selector = f"{RUN_LABEL}={run_id.lower()}"
+        self.by_index: dict[int, dict[str, Any]] = {}
+        self.gone: dict[int, int] = {}            # index -> exit code it ended with
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.relists = 0
+        self._thread = threading.Thread(target=self._run, name="meshplan-k8s-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.rest import ApiException
+
+        version = None
+        while not self.stopped.is_set():
+            try:
+                if version is None:
+                    listed = self.core.list_namespaced_pod(self.namespace,
+                                                           label_selector=self.selector)
+                    for pod in listed.items:
+                        self._see("MODIFIED", pod)
+                    version = listed.metadata.resource_version
+                w = watch.Watch()
+                for event in w.stream(self.core.list_namespaced_pod, self.namespace,
+                                      label_selector=self.selector, resource_version=version,
+                                      allow_watch_bookmarks=True,
+                                      timeout_seconds=WATCH_RENEW_S):
+                    if self.stopped.is_set():
+                        w.stop()
+                        break
+                    if event["type"] != "BOOKMARK":
+                        self._see(event["type"], event["object"])
+                    version = w.resource_version or version
+            except ApiException as exc:
+                if exc.status == 410:            # expired: list again, watch from there
+                    self.relists += 1
+                    version = None
+                    continue
+                logger.warning("meshplan: watching the pods failed (%s); trying again", exc)
+                self.stopped.wait(1.0)
+            except Exception as exc:  # noqa: BLE001 - a dropped connection: watch again
+                if not self.stopped.is_set():
+                    logger.debug("meshplan: the pod watch ended (%s); watching again", exc)
+                    self.stopped.wait(0.5)
+
+    def _see(self, kind: str, pod: Any) -> None:
+        labels = pod.metadata.labels or {}
+        try:
+            index = int(labels.get("batch.kubernetes.io/job-completion-index", ""))
+        except ValueError:
+            return
+        with self.lock:
+            held = self.by_index.get(index)
+            if held is not None and held["name"] != pod.metadata.name and kind == "DELETED":
+                return                           # an older pod of this index
+            phase = "Deleted" if kind == "DELETED" else (pod.status.phase or "Pending")
+            self.by_index[index] = {"name": pod.metadata.name, "phase": phase,
+                                    "why": _why_waiting(pod), "pod": pod}
+            if phase in ("Failed", "Succeeded", "Deleted") and index not in self.gone:
+                self.gone[index] = _exit_code(pod, phase)
+
+    def exit_code(self, index: int) -> int | None:
+        with self.lock:
+            return self.gone.get(index)
+
+    def not_started(self) -> list[str]:
+        """'<pod>: why' for every pod not Running yet (or never seen)."""
+        out = []
+        with self.lock:
+            for i in range(self.n):
+                held = self.by_index.get(i)
+                if held is None:
+                    out.append(f"pod {i}: not created (the Job controller made no pod; a "
+                               "quota or admission webhook may have refused it: kubectl "
+                               "describe job)")
+                elif held["phase"] != "Running":
+                    out.append(f"{held['name']}: {held['phase']}"
+                               + (f" ({held['why']})" if held["why"] else ""))
+        return out
+
+    def names(self) -> list[str]:
+        with self.lock:
+            return [v["name"] for v in self.by_index.values()]
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _why_waiting(pod: Any) -> str:
+    status = pod.status
+    bits = []
+    for cond in (status.conditions or []) if status else []:
+        if cond.status == "False" and cond.reason:
+            bits.append(f"{cond.reason}: {cond.message or ''}".strip(": "))
+    for cs in (status.container_statuses or []) if status else []:
+        waiting = cs.state.waiting if cs.state else None
+        if waiting is not None and waiting.reason:
+            bits.append(f"{waiting.reason}: {waiting.message or ''}".strip(": "))
+    return "; ".join(bits)
+
+
+def _exit_code(pod: Any, phase: str) -> int:
+    for cs in (pod.status.container_statuses or []) if pod.status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None and term.exit_code is not None:
+            return int(term.exit_code)
+    return 0 if phase == "Succeeded" else 137          # deleted, evicted: killed
+
+
+class _PodRank:
+    """What :class:`Workers` sees of one rank: the state of the pod that runs it."""
+
+    stdin = None
+
+    def __init__(self, pods: _Pods, index: int, group: _K8sGroup) -> None:
+        self.pods, self.index, self.group = pods, index, group
+        self.pid: int | None = None
+        self.local = False                 # another host: only the pod's end ends it
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.pods.exit_code(self.index)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                import subprocess
+                raise subprocess.TimeoutExpired("pod", timeout)
+            time.sleep(0.05)
+        return self.returncode or 0
+
+    def terminate(self) -> None:
+        self.group.delete()
+
+    kill = terminate
+
+
+class _K8sGroup(_Group):
+    """A launch's pods: stopping it deletes the Job (and with it the pods, the Service and
+    the Secret) and waits, bounded, until the pods are gone."""
+
+    def __init__(self, channel: ControllerChannel, store: RendezvousStore, batch: Any,
+                 namespace: str, name: str) -> None:
+        super().__init__(channel, store)
+        self.batch, self.namespace, self.name = batch, namespace, name
+        self.pods: _Pods | None = None
+        self._deleted = False
+        self.waiting: list[str] = []        # the pods not running when it was stopped
+
+    def delete(self) -> None:
+        if self._deleted:
+            return
+        self._deleted = True
+        from kubernetes.client import V1DeleteOptions
+        from kubernetes.client.rest import ApiException
+        try:
+            self.batch.delete_namespaced_job(
+                self.name, self.namespace,
+                body=V1DeleteOptions(propagation_policy="Background", grace_period_seconds=5))
+        except ApiException as exc:
+            if exc.status != 404:
+                logger.warning("meshplan: deleting Job %s/%s failed (%s); delete it with "
+                               "meshplan k8s delete --all-mine", self.namespace, self.name,
+                               exc.status)
+        except Exception as exc:  # noqa: BLE001 - the API server gone: say what is left
+            logger.warning("meshplan: could not delete Job %s/%s (%s); delete it with "
+                           "meshplan k8s delete --all-mine", self.namespace, self.name, exc)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.pods is not None:
+            self.waiting = self.pods.not_started()
+        self.delete()
+        deadline = time.monotonic() + DELETE_WAIT_S
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - bounded: what is left, the sweep removes
+                break
+        if self.pods is not None:
+            self.pods.stop()
+        self.close_ends()
+
+
+class K8sLauncher:
+    """Start ``n`` ranks in the pods of a Kubernetes Job; see the module docstring."""
+
+    def __init__(self, options: K8sOptions | Mapping[str, Any], *,
+                 start_timeout_s: float = 300.0) -> None:
+        self.options = K8sOptions.parse(options)
+        self.start_timeout_s = start_timeout_s
+
+    def launch(self, n: int, *, env: Mapping[str, str] | None = None,
+               cwd: str | os.PathLike | None = None) -> Workers:
+        from kubernetes.client.rest import ApiException
+
+        opts = self.options
+        pods_n, per = opts.layout(n)
+        core, batch, url = _clients()
+        ns = opts.namespace
+        try:
+            core.read_namespace(ns)
+        except ApiException as exc:
+            if exc.status not in (401, 403):     # may not read namespaces: creating says
+                raise _api_error(exc, f"checking namespace {ns!r}", ns) from exc
+        except Exception as exc:  # noqa: BLE001 - urllib3's connection errors
+            raise _api_error(exc, "reaching the API server", ns) from exc
+        secret, run_id = Secret.new(), secrets.token_hex(8)
+        host = _address_toward(url)
+        group = _K8sGroup(ControllerChannel(secret, run_id, host, transport="tcp"),
+                          RendezvousStore(host), batch, ns, resource_name(run_id))
+        extra = {k: v for k, v in (env or {}).items()}
+        job, service = manifests(opts, world=n, run_id=run_id, address=group.channel.address,
+                                 store=(host, group.store.port),
+                                 controller_host=socket.gethostname(), extra_env=extra)
+        try:
+            try:
+                made = batch.create_namespaced_job(ns, job)
+            except ApiException as exc:
+                raise _api_error(exc, "creating the Job", ns) from exc
+            group.pods = _Pods(core, ns, run_id, pods_n)
+            owned = [{"apiVersion": "batch/v1", "kind": "Job", "name": made.metadata.name,
+                      "uid": made.metadata.uid, "controller": False,
+                      "blockOwnerDeletion": True}]
+            service["metadata"]["ownerReferences"] = owned
+            key = secret_manifest(opts, run_id, secret.hex())
+            key["metadata"]["ownerReferences"] = owned
+            try:
+                core.create_namespaced_service(ns, service)
+                core.create_namespaced_secret(ns, key)
+            except ApiException as exc:
+                raise _api_error(exc, "creating the Service and Secret", ns) from exc
+            group.procs = [_PodRank(group.pods, r // per, group) for r in range(n)]
+            workers = Workers(group, run_id=run_id, master_addr=host,
+                              master_port=group.store.port, log_dir=None)
+            _stream_logs(core, ns, group, per)
+            try:
+                hellos = workers.gather(P.HELLO, timeout_s=self.start_timeout_s)
+            except WorkerFailure as exc:
+                group.stop()
+                waiting = group.waiting
+                if exc.reason == "timeout" and waiting:
+                    raise RuntimeFailure(
+                        f"launcher='k8s': not every pod of Job {ns}/{made.metadata.name} "
+                        f"started within {self.start_timeout_s:g} s (start_timeout_s); "
+                        "everything was deleted. Not started:\n  " + "\n  ".join(waiting)
+                    ) from exc
+                raise
+        except BaseException:
+            group.stop()
+            raise
+        for proc, hello in zip(group.procs, hellos):
+            proc.pid = int(hello.header["pid"])
+        workers.pids = tuple(p.pid for p in group.procs)
+        workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
+        return workers
+
+
+def _address_toward(url: str) -> str:
+    """This machine's address on the route to the API server (where pods reach it)."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 443
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        return P.address_toward(info[0], info[4])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _stream_logs(core: Any, namespace: str, group: _K8sGroup, per: int) -> None:
+    """A thread per pod, once it runs, copying its log to stderr with its ranks in front."""
+    pods = group.pods
+    assert pods is not None
+    started: set[str] = set()
+
+    def follow(name: str, index: int) -> None:
+        prefix = (f"[rank {index * per}] " if per == 1
+                  else f"[ranks {index * per}-{index * per + per - 1}] ")
+        try:
+            resp = core.read_namespaced_pod_log(name, namespace, follow=True,
+                                                _preload_content=False)
+            for line in resp:
+                sys.stderr.write(prefix + line.decode(errors="replace"))
+        except Exception:  # noqa: BLE001 - the pod went; its log ends here
+            pass
+
+    def watch_for_running() -> None:
+        while not pods.stopped.is_set():
+            with pods.lock:
+                running = [(v["name"], i) for i, v in pods.by_index.items()
+                           if v["phase"] in ("Running", "Succeeded", "Failed")
+                           and v["name"] not in started]
+            for name, index in running:
+                started.add(name)
+                t = threading.Thread(target=follow, args=(name, index), daemon=True,
+                                     name=f"meshplan-k8s-log-{index}")
+                t.start()
+            pods.stopped.wait(0.2)
+    threading.Thread(target=watch_for_running, daemon=True, name="meshplan-k8s-logs").start()
+
+
+def delete_all_mine(namespace: str | None = None) -> list[str]:
+    """Delete every Job, Service and Secret meshplan made for this user (label
+    ``meshplan.dev/owner``), in ``namespace`` or every namespace the config allows; the
+    pods go with their Jobs. Returns what was deleted, as ``kind/namespace/name``."""
+    from kubernetes.client import V1DeleteOptions
+
+    core, batch, _ = _clients()
+    selector = f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by=meshplan"
+    done = []
+    body = V1DeleteOptions(propagation_policy="Background")
+    for kind, lister, deleter in (
+            ("job", batch.list_namespaced_job, batch.delete_namespaced_job),
+            ("service", core.list_namespaced_service, core.delete_namespaced_service),
+            ("secret", core.list_namespaced_secret, core.delete_namespaced_secret)):
+        for ns in _namespaces(core, namespace):
+            for obj in lister(ns, label_selector=selector).items:
+                deleter(obj.metadata.name, ns, body=body)
+                done.append(f"{kind}/{ns}/{obj.metadata.name}")
+    return done
+
+
+def _namespaces(core: Any, namespace: str | None) -> list[str]:
+    if namespace:
+        return [namespace]
+    return [n.metadata.name for n in core.list_namespace().items]
+
+
+def status_of_mine(namespace: str | None = None) -> list[tuple[str, list[str]]]:
+    """This user's meshplan Jobs (``namespace/name: state``) and their pods' phases."""
+    core, batch, _ = _clients()
+    selector = f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by=meshplan"
+    rows = []
+    for ns in _namespaces(core, namespace):
+        for job in batch.list_namespaced_job(ns, label_selector=selector).items:
+            run = (job.metadata.labels or {}).get(RUN_LABEL, "")
+            pods = core.list_namespaced_pod(ns, label_selector=f"{RUN_LABEL}={run}").items
+            conds = [c.type for c in (job.status.conditions or []) if c.status == "True"] \
+                if job.status else []
+            rows.append((f"{ns}/{job.metadata.name}: {', '.join(conds) or 'active'}",
+                         [f"{p.metadata.name}: {p.status.phase if p.status else '?'}"
+                          for p in pods]))
+    return rows

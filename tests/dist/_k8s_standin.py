@@ -1,0 +1,517 @@
+"""A stand-in Kubernetes API server and kubelet on loopback, for testing ``launcher="k8s"``
+without a cluster (none can run here).
+
+It speaks the API's wire format for what the launcher uses, over plain HTTP on 127.0.0.1:
+create / get / list / delete of Secrets, Services, Pods and batch/v1 Jobs in namespaces,
+label selectors (``k=v``, ``k!=v``, ``k``), watches (``?watch=true``: a stream of JSON lines
+``{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}`` after ``resourceVersion``,
+``410 Gone`` as an ERROR event when that version is older than the server keeps, bookmarks
+when asked, ``timeoutSeconds``), pod logs (``follow``), ``DELETE`` with ``propagationPolicy``
+(the owner's dependents by ``ownerReferences`` go too), 404 / 409 as ``Status`` objects.
+
+Its job controller makes an Indexed Job's pods (one per completion index, labelled and owned
+as the real one does); its kubelet runs each pod's container command as a local process: the
+image is not pulled (``python`` is this interpreter), the pod's Secret volumes are written to
+a folder of their own and the variables that point into their mount path point there (a pod
+waits in ``ContainerCreating`` until its Secret exists), ``JOB_COMPLETION_INDEX`` is set, the
+output is the pod's log; phases go Pending -> Running -> Succeeded / Failed with the exit
+code in ``containerStatuses``. Deleting a pod sends SIGTERM, then SIGKILL after its grace.
+A test can ask for pods that never schedule (``unschedulable``), an image that cannot be
+pulled (``bad_images``) or evict a running pod (``evict``).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+_KINDS = {  # plural -> (apiVersion, kind)
+    "secrets": ("v1", "Secret"), "services": ("v1", "Service"), "pods": ("v1", "Pod"),
+    "jobs": ("batch/v1", "Job"),
+}
+_PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/([^/]+)/([a-z]+)(?:/([^/]+))?"
+                   r"(?:/(log))?$")
+KEEP_EVENTS = 1000
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+
+
+def _matches(labels: dict, selector: str | None) -> bool:
+    for term in filter(None, (selector or "").split(",")):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = term.replace("==", "=").split("=", 1)
+            if labels.get(k) != v:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+class StandIn:
+    """The server, its objects and its kubelet. ``with StandIn() as k: k.kubeconfig``."""
+
+    def __init__(self, namespaces=("default",)) -> None:
+        self.namespaces = set(namespaces)
+        self.objects: dict[str, dict[tuple[str, str], dict]] = {p: {} for p in _KINDS}
+        self.events: list[tuple[int, str, str, dict]] = []   # (rv, plural, type, object)
+        self._rv = itertools.count(1)
+        self.rv = 0
+        self.lock = threading.Condition()
+        self.procs: dict[tuple[str, str], subprocess.Popen] = {}
+        self.unschedulable = False
+        self.bad_images: set[str] = set()
+        self.root = tempfile.mkdtemp(prefix="k8s-standin-")
+        self.requests: list[tuple[str, str]] = []
+        self._closing = False
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.kubeconfig = os.path.join(self.root, "kubeconfig")
+        with open(self.kubeconfig, "w") as f:
+            json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "standin",
+                       "clusters": [{"name": "standin", "cluster": {"server": self.url}}],
+                       "users": [{"name": "tester", "user": {"token": "standin"}}],
+                       "contexts": [{"name": "standin", "context": {
+                           "cluster": "standin", "user": "tester", "namespace": "default"}}]},
+                      f)
+        self._threads = [threading.Thread(target=self.server.serve_forever, daemon=True),
+                         threading.Thread(target=self._kubelet, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def __enter__(self) -> StandIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closing = True
+        with self.lock:
+            procs = list(self.procs.values())
+            self.lock.notify_all()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.server.shutdown()
+        self.server.server_close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ---- the store --------------------------------------------------------------------
+
+    def _event(self, plural: str, kind: str, obj: dict) -> None:
+        rv = next(self._rv)
+        self.rv = rv
+        obj["metadata"]["resourceVersion"] = str(rv)
+        self.events.append((rv, plural, kind, copy.deepcopy(obj)))
+        del self.events[:-KEEP_EVENTS]
+        self.lock.notify_all()
+
+    def create(self, plural: str, ns: str, obj: dict) -> tuple[int, dict]:
+        with self.lock:
+            if ns not in self.namespaces:
+                return 404, _status(404, "NotFound", f'namespaces "{ns}" not found')
+            name = obj.get("metadata", {}).get("name")
+            if not name and obj.get("metadata", {}).get("generateName"):
+                name = obj["metadata"]["generateName"] + secrets.token_hex(3)[:5]
+            if (ns, name) in self.objects[plural]:
+                return 409, _status(409, "AlreadyExists",
+                                    f'{plural} "{name}" already exists')
+            obj = copy.deepcopy(obj)
+            api, kind = _KINDS[plural]
+            obj.setdefault("apiVersion", api)
+            obj.setdefault("kind", kind)
+            meta = obj.setdefault("metadata", {})
+            meta.update(name=name, namespace=ns, uid=secrets.token_hex(16),
+                        creationTimestamp=_now())
+            meta.setdefault("labels", {})
+            if plural == "pods":
+                obj["status"] = {"phase": "Pending", "conditions": []}
+            if plural == "jobs":
+                obj["status"] = {}
+            self.objects[plural][(ns, name)] = obj
+            self._event(plural, "ADDED", obj)
+            if plural == "jobs" and not obj["spec"].get("suspend"):
+                self._make_pods(obj)
+            return 201, copy.deepcopy(obj)
+
+    def _make_pods(self, job: dict) -> None:
+        spec, meta = job["spec"], job["metadata"]
+        for index in range(int(spec.get("completions", 1))):
+            tmpl = copy.deepcopy(spec["template"])
+            labels = {**tmpl.get("metadata", {}).get("labels", {}),
+                      "job-name": meta["name"], "batch.kubernetes.io/job-name": meta["name"],
+                      "batch.kubernetes.io/job-completion-index": str(index),
+                      "batch.kubernetes.io/controller-uid": meta["uid"]}
+            pod = {"metadata": {"name": f"{meta['name']}-{index}-{secrets.token_hex(3)[:5]}",
+                                "labels": labels,
+                                "annotations": {"batch.kubernetes.io/job-completion-index":
+                                                str(index)},
+                                "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
+                                                     "name": meta["name"], "uid": meta["uid"],
+                                                     "controller": True}]},
+                   "spec": {**tmpl["spec"], "hostname": f"{meta['name']}-{index}"}}
+            self.create("pods", meta["namespace"], pod)
+
+    def update_status(self, ns: str, name: str, **status) -> None:
+        with self.lock:
+            pod = self.objects["pods"].get((ns, name))
+            if pod is None:
+                return
+            pod["status"].update(status)
+            self._event("pods", "MODIFIED", pod)
+
+    def delete(self, plural: str, ns: str, name: str, propagate: bool = True
+               ) -> tuple[int, dict]:
+        with self.lock:
+            obj = self.objects[plural].pop((ns, name), None)
+            if obj is None:
+                return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+            self._event(plural, "DELETED", obj)
+            uid = obj["metadata"]["uid"]
+            if propagate:
+                for other in list(self.objects):
+                    for (ons, oname), o in list(self.objects[other].items()):
+                        owners = o["metadata"].get("ownerReferences", [])
+                        if ons == ns and any(r.get("uid") == uid for r in owners):
+                            self.delete(other, ons, oname)
+            proc = self.procs.get((ns, name)) if plural == "pods" else None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            threading.Thread(target=_kill_after, args=(proc, 10.0), daemon=True).start()
+        return 200, _status(200, "Deleted", "") | {"status": "Success"}
+
+    def live(self) -> dict[str, list[str]]:
+        """What is left: plural -> names, and the pods' processes still running."""
+        with self.lock:
+            left = {p: sorted(n for _, n in objs) for p, objs in self.objects.items() if objs}
+        running = [n for (_, n), p in self.procs.items() if p.poll() is None]
+        if running:
+            left["processes"] = sorted(running)
+        return left
+
+    def evict(self, name: str, ns: str = "default") -> None:
+        """As a node drain does: the pod gets DisruptionTarget and is deleted."""
+        with self.lock:
+            pod = self.objects["pods"].get((ns, name))
+            if pod is not None:
+                pod["status"]["conditions"].append(
+                    {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"})
+                self._event("pods", "MODIFIED", pod)
+        self.delete("pods", ns, name)
+
+    # ---- the kubelet ------------------------------------------------------------------
+
+    def _kubelet(self) -> None:
+        while not self._closing:
+            with self.lock:
+                pending = [p for p in self.objects["pods"].values()
+                           if p["status"]["phase"] == "Pending"]
+                running = [(k, p) for k, p in self.procs.items()]
+            for pod in pending:
+                self._try_start(pod)
+            for (ns, name), proc in running:
+                code = proc.poll()
+                if code is None:
+                    continue
+                with self.lock:
+                    pod = self.objects["pods"].get((ns, name))
+                    if pod is None or pod["status"]["phase"] not in ("Running",):
+                        continue
+                    pod["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
+                    pod["status"]["containerStatuses"] = [{
+                        "name": "worker", "ready": False, "restartCount": 0,
+                        "image": pod["spec"]["containers"][0]["image"], "imageID": "",
+                        "state": {"terminated": {"exitCode": code if code >= 0 else 128 - code,
+                                                 "reason": "Completed" if code == 0 else "Error",
+                                                 "finishedAt": _now()}}}]
+                    self._event("pods", "MODIFIED", pod)
+            time.sleep(0.05)
+
+    def _try_start(self, pod: dict) -> None:
+        meta, spec = pod["metadata"], pod["spec"]
+        ns, name = meta["namespace"], meta["name"]
+        (container,) = spec["containers"]
+        with self.lock:
+            if (ns, name) in self.procs or (ns, name) not in self.objects["pods"]:
+                return
+            if self.unschedulable:
+                conds = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                          "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
+                if pod["status"].get("conditions") != conds:
+                    pod["status"]["conditions"] = conds
+                    self._event("pods", "MODIFIED", pod)
+                return
+            waiting = None
+            if container["image"] in self.bad_images:
+                waiting = {"reason": "ErrImagePull", "message": f'failed to pull image '
+                           f'"{container["image"]}": not found'}
+            secrets_ = {}
+            for vol in spec.get("volumes", []):
+                if "secret" in vol:
+                    s = self.objects["secrets"].get((ns, vol["secret"]["secretName"]))
+                    if s is None and waiting is None:
+                        waiting = {"reason": "ContainerCreating", "message": ""}
+                    secrets_[vol["name"]] = s
+            if waiting is not None:
+                status = [{"name": "worker", "ready": False, "restartCount": 0,
+                           "image": container["image"], "imageID": "",
+                           "state": {"waiting": waiting}}]
+                if pod["status"].get("containerStatuses") != status:
+                    pod["status"]["containerStatuses"] = status
+                    self._event("pods", "MODIFIED", pod)
+                return
+            root = os.path.join(self.root, name)
+            mounts = {}
+            for m in container.get("volumeMounts", []):
+                s = secrets_.get(m["name"])
+                if s is None:
+                    continue
+                folder = os.path.join(root, m["name"])
+                os.makedirs(folder, exist_ok=True)
+                for k, v in {**s.get("stringData", {}), **{
+                        k: __import__("base64").b64decode(v).decode()
+                        for k, v in s.get("data", {}).items()}}.items():
+                    with open(os.path.join(folder, k), "w") as f:
+                        f.write(v)
+                    os.chmod(os.path.join(folder, k), 0o400)
+                mounts[m["mountPath"]] = folder
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MESHPLAN_")}
+            for e in container.get("env", []):
+                value = e.get("value", "")
+                for path, folder in mounts.items():
+                    if value.startswith(path + "/"):
+                        value = folder + value[len(path):]
+                env[e["name"]] = value
+            env["JOB_COMPLETION_INDEX"] = meta["annotations"][
+                "batch.kubernetes.io/job-completion-index"]
+            env["HOSTNAME"] = spec.get("hostname", name)
+            cmd = list(container["command"]) + list(container.get("args", []))
+            if cmd[0] in ("python", "python3"):
+                cmd[0] = sys.executable
+            os.makedirs(root, exist_ok=True)
+            log = open(os.path.join(root, "log"), "wb")
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            log.close()
+            self.procs[(ns, name)] = proc
+            pod["status"].update(
+                phase="Running", podIP="127.0.0.1", startTime=_now(),
+                conditions=[{"type": "PodScheduled", "status": "True"},
+                            {"type": "Ready", "status": "True"}],
+                containerStatuses=[{"name": "worker", "ready": True, "restartCount": 0,
+                                    "image": container["image"], "imageID": "",
+                                    "state": {"running": {"startedAt": _now()}}}])
+            self._event("pods", "MODIFIED", pod)
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.root, name, "log")
+
+    # ---- HTTP ---------------------------------------------------------------------------
+
+    def _handler(self):
+        standin = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self):
+                url = urlparse(self.path)
+                q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                standin.requests.append((self.command, url.path))
+                if url.path == "/api/v1/namespaces":
+                    return self._send(200, {"kind": "NamespaceList", "apiVersion": "v1",
+                                            "metadata": {"resourceVersion": str(standin.rv)},
+                                            "items": [{"metadata": {"name": n}}
+                                                      for n in sorted(standin.namespaces)]})
+                if url.path.startswith("/api/v1/namespaces/") and url.path.count("/") == 4:
+                    ns = url.path.rsplit("/", 1)[1]
+                    if ns in standin.namespaces:
+                        return self._send(200, {"kind": "Namespace", "apiVersion": "v1",
+                                                "metadata": {"name": ns}})
+                    return self._send(404, _status(404, "NotFound",
+                                                   f'namespaces "{ns}" not found'))
+                m = _PATH.match(url.path)
+                if not m or m.group(2) not in _KINDS:
+                    return self._send(404, _status(404, "NotFound", f"no route {url.path}"))
+                return m.group(1), m.group(2), m.group(3), m.group(4), q
+
+            def do_POST(self) -> None:
+                r = self._route()
+                if r is None:
+                    return
+                ns, plural, name, _, _ = r
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self._send(*standin.create(plural, ns, body))
+
+            def do_DELETE(self) -> None:
+                r = self._route()
+                if r is None:
+                    return
+                ns, plural, name, _, q = r
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+                policy = body.get("propagationPolicy") or q.get("propagationPolicy")
+                # a Job's default (no policy) orphans its pods, as the real API does
+                propagate = policy in ("Background", "Foreground") or plural != "jobs"
+                self._send(*standin.delete(plural, ns, name, propagate))
+
+            def do_GET(self) -> None:
+                r = self._route()
+                if r is None:
+                    return
+                ns, plural, name, log, q = r
+                if log:
+                    return self._log(ns, name, q)
+                if name:
+                    with standin.lock:
+                        obj = standin.objects[plural].get((ns, name))
+                    if obj is None:
+                        return self._send(404, _status(404, "NotFound",
+                                                       f'{plural} "{name}" not found'))
+                    return self._send(200, obj)
+                if q.get("watch") in ("true", "1"):
+                    return self._watch(ns, plural, q)
+                with standin.lock:
+                    items = [copy.deepcopy(o) for (ons, _), o in standin.objects[plural].items()
+                             if ons == ns and _matches(o["metadata"].get("labels", {}),
+                                                        q.get("labelSelector"))]
+                    rv = standin.rv
+                api, kind = _KINDS[plural]
+                self._send(200, {"kind": f"{kind}List", "apiVersion": api,
+                                 "metadata": {"resourceVersion": str(rv)}, "items": items})
+
+            def _stream_start(self) -> None:
+                """A streamed answer, in chunks as the API server sends them (a client
+                reads each chunk as it comes)."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+
+            def _chunk(self, data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            def _stream_end(self) -> None:
+                try:
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+            def _line(self, obj: dict) -> None:
+                self._chunk((json.dumps(obj) + "\n").encode())
+
+            def _watch(self, ns: str, plural: str, q: dict) -> None:
+                since = int(q.get("resourceVersion") or 0)
+                deadline = time.monotonic() + float(q.get("timeoutSeconds") or 1800)
+                bookmarks = q.get("allowWatchBookmarks") in ("true", "1")
+                self._stream_start()
+                with standin.lock:
+                    oldest = standin.events[0][0] if standin.events else standin.rv + 1
+                if since and since < oldest - 1:
+                    self._line({"type": "ERROR", "object": _status(
+                        410, "Expired", f"too old resource version: {since} ({oldest - 1})")})
+                    return self._stream_end()
+                last_bookmark = time.monotonic()
+                try:
+                    while time.monotonic() < deadline and not standin._closing:
+                        with standin.lock:
+                            out = [(rv, t, o) for rv, p, t, o in standin.events
+                                   if rv > since and p == plural
+                                   and o["metadata"]["namespace"] == ns
+                                   and _matches(o["metadata"].get("labels", {}),
+                                                q.get("labelSelector"))]
+                            if not out:
+                                standin.lock.wait(0.2)
+                        for rv, t, o in out:
+                            self._line({"type": t, "object": o})
+                            since = rv
+                        if bookmarks and time.monotonic() - last_bookmark > 1.0:
+                            last_bookmark = time.monotonic()
+                            api, kind = _KINDS[plural]
+                            self._line({"type": "BOOKMARK", "object": {
+                                "kind": kind, "apiVersion": api,
+                                "metadata": {"resourceVersion": str(max(since, 1))}}})
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+                self._stream_end()
+
+            def _log(self, ns: str, name: str, q: dict) -> None:
+                path = standin.log_path(name)
+                follow = q.get("follow") in ("true", "1")
+                with standin.lock:
+                    pod = standin.objects["pods"].get((ns, name))
+                if pod is None:
+                    return self._send(404, _status(404, "NotFound", f'pods "{name}" not found'))
+                self._stream_start()
+                pos = 0
+                try:
+                    while True:
+                        data = b""
+                        if os.path.exists(path):
+                            with open(path, "rb") as f:
+                                f.seek(pos)
+                                data = f.read()
+                        if data:
+                            pos += len(data)
+                            self._chunk(data)
+                        proc = standin.procs.get((ns, name))
+                        gone = (ns, name) not in standin.objects["pods"]
+                        if not follow or gone or standin._closing or (
+                                proc is not None and proc.poll() is not None and not data):
+                            return self._stream_end()
+                        time.sleep(0.1)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        return Handler
+
+
+def _kill_after(proc: subprocess.Popen, grace_s: float) -> None:
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.wait()

@@ -1,0 +1,169 @@
+"""``launcher="k8s"`` end to end against the loopback stand-in API server and kubelet
+(``_k8s_standin.py``; no real cluster can run here): the official ``kubernetes`` client makes
+the Job, Service and Secret, watches the pods, streams their logs, deletes everything at
+shutdown. Tolerances as ``test_mpi.py``: losses rel 1e-5, parameters 3e-5 (the mesh sums in
+another order than one process).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.examples import gpt
+
+pytest.importorskip("kubernetes", reason="pip install 'meshplan[k8s]'")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _k8s_standin import StandIn  # noqa: E402
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    with StandIn(namespaces=("default", "ml")) as k:
+        monkeypatch.setenv("KUBECONFIG", k.kubeconfig)
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield k
+        deadline = time.monotonic() + 15
+        while k.live() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert k.live() == {}, f"left in the cluster: {k.live()}"
+
+
+@pytest.mark.timeout(240)
+def test_gpt_on_two_pods_of_two_ranks_equals_one_process(cluster, capfd) -> None:
+    torch.manual_seed(0)
+    ex, ref = gpt.build(seed=0), gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 2, "tp": 2}, launcher="k8s",
+                               k8s={"image": "registry.example/train:1", "pods": 2,
+                                    "namespace": "ml"},
+                               telemetry=False, timeout_s=120)
+    got, want = [], []
+    with step:
+        for i in range(3):
+            got.append(float(step(*ex.batch(i)).detach()))
+            want.append(float(ref.step(*ref.batch(i)).detach()))
+        kinds = {p: sorted(n) for p, n in cluster.live().items()}
+        step.sync()
+    assert got == pytest.approx(want, rel=1e-5)
+    diff = max(float((p - q).abs().max()) for p, q in zip(ex.model.parameters(),
+                                                          ref.model.parameters()))
+    assert diff < 3e-5
+    name = kinds["jobs"][0]
+    assert kinds["services"] == [name] and kinds["secrets"] == [f"{name}-key"]
+    assert len(kinds["pods"]) == 2
+    assert any(m == "POST" and p.endswith("/namespaces/ml/jobs") for m, p in cluster.requests)
+
+
+@pytest.mark.timeout(120)
+def test_pods_that_never_start_are_named_and_nothing_is_left(cluster) -> None:
+    """The gang deadline: no node fits the pods; one error names both pods and the
+    scheduler's reason, and the Job (with its pods, Service, Secret) is gone."""
+    cluster.unschedulable = True
+    ex = gpt.build(seed=0)
+    from meshplan.runtime._k8s_launch import K8sLauncher
+
+    launcher = K8sLauncher({"image": "img:1", "pods": 2}, start_timeout_s=4)
+    with pytest.raises(meshplan.RuntimeFailure) as err:
+        launcher.launch(2, env={})
+    text = str(err.value)
+    assert "not every pod" in text and "Unschedulable" in text, text
+    assert text.count("meshplan-") >= 2
+    del ex
+
+
+@pytest.mark.timeout(60)
+def test_bad_access_and_input_say_what_is_wrong(cluster, monkeypatch, tmp_path) -> None:
+    from meshplan.runtime._k8s_launch import K8sLauncher
+
+    with pytest.raises(meshplan.RuntimeFailure, match="namespace 'nope' does not exist"):
+        K8sLauncher({"image": "img:1", "namespace": "nope"}).launch(2)
+    with pytest.raises(meshplan.RuntimeFailure, match="make pods x ranks_per_pod equal 4"):
+        K8sLauncher({"image": "img:1", "pods": 3}).launch(4)
+    with pytest.raises(meshplan.RuntimeFailure, match="needs k8s="):
+        meshplan.distribute(gpt.build().step, mesh={"dp": 2}, launcher="k8s")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    with pytest.raises(meshplan.RuntimeFailure, match="no usable kubeconfig"):
+        K8sLauncher({"image": "img:1"}).launch(2)
+
+
+@pytest.mark.timeout(120)
+def test_an_evicted_pod_fails_the_run_cleanly(cluster) -> None:
+    """A node drain evicts pod 1 mid-run: the next call raises naming its ranks, and the
+    shutdown leaves nothing (no Job, pod, Service, Secret or process)."""
+    ex = gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="k8s",
+                               k8s={"image": "img:1", "pods": 2}, telemetry=False,
+                               timeout_s=60)
+    with step:
+        step(*ex.batch(0))
+        pod = next(n for n in cluster.live()["pods"] if "-1-" in n)
+        cluster.evict(pod)
+        with pytest.raises(meshplan.RuntimeFailure) as err:
+            for i in range(1, 4):
+                step(*ex.batch(i))
+    assert "rank 2" in str(err.value) or "ranks 2" in str(err.value), str(err.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_controller_leaves_what_the_sweep_deletes(cluster, tmp_path) -> None:
+    """``kill -9`` of a controller between steps leaves its Job running (its ranks wait for
+    it); ``meshplan k8s status`` shows it and ``meshplan k8s delete --all-mine`` deletes the
+    Job, whose pods, Service and Secret go with it."""
+    import os
+    import signal
+    import subprocess
+
+    script = tmp_path / "ctl.py"
+    script.write_text(
+        "import sys, time\n"
+        "from meshplan.runtime._k8s_launch import K8sLauncher\n"
+        "w = K8sLauncher({'image': 'img:1', 'pods': 2}).launch(2)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n")
+    ctl = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "KUBECONFIG": cluster.kubeconfig})
+    try:
+        assert ctl.stdout.readline().strip() == "ready"
+    finally:
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait()
+    assert len(cluster.live().get("pods", [])) == 2
+    cli = [sys.executable, "-m", "meshplan", "k8s"]
+    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig}
+    out = subprocess.run([*cli, "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "default/meshplan-" in out.stdout, out.stderr
+    assert out.stdout.count(": Running") == 2, out.stdout
+    out = subprocess.run([*cli, "delete", "--all-mine"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "deleted job/default/meshplan-" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_meshplan_run_with_the_k8s_launcher(cluster, tmp_path, capsys, monkeypatch) -> None:
+    """``meshplan compile`` then ``meshplan run --launcher k8s --k8s image=...,pods=2``, as a
+    user runs a compiled plan on a cluster; the losses are the JSON lines it prints."""
+    import json
+    import shutil
+
+    from meshplan import cli
+
+    repo = Path(__file__).resolve().parents[2]
+    for name in ("gpt_distributed.py", "gpt.py", "_common.py"):
+        shutil.copy(repo / "examples" / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    step = str(tmp_path / "gpt_distributed.py:train_step")
+    assert cli.main(["compile", step, "-o", "gpt.plan"]) == 0
+    capsys.readouterr()
+    assert cli.main(["run", step, "--plan", "gpt.plan", "--steps", "2", "--json",
+                     "--telemetry", "off", "--launcher", "k8s",
+                     "--k8s", "image=registry.example/train:1,pods=2"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len([x for x in lines if "loss" in x]) == 2, lines
+    assert cli.main(["run", step, "--plan", "gpt.plan", "--k8s", "image=x"]) == 1
+    assert "add --launcher k8s" in capsys.readouterr().err
