@@ -290,7 +290,10 @@ class _K8sGroup(_Group):
             self.waiting = self.pods.not_started()
         self.delete()
         deadline = time.monotonic() + DELETE_WAIT_S
+        seen = set() if self.pods is None else set(self.pods.by_index)
         for proc in self.procs:
+            if getattr(proc, "index", None) not in seen:
+                continue                  # its pod was never made: nothing to wait for
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except Exception:  # noqa: BLE001 - bounded: what is left, the sweep removes

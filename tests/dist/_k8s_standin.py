@@ -85,6 +85,9 @@ class StandIn:
         self.procs: dict[tuple[str, str], subprocess.Popen] = {}
         self.unschedulable = False
         self.bad_images: set[str] = set()
+        self.pod_quota: int | None = None     # pods the namespace's quota admits (None: any)
+        self.keep_events = KEEP_EVENTS        # older versions than these are 410 Gone
+        self.watch_epoch = 0                  # end_watches() ends every open watch
         self.root = tempfile.mkdtemp(prefix="k8s-standin-")
         self.requests: list[tuple[str, str]] = []
         self._closing = False
@@ -130,7 +133,7 @@ class StandIn:
         self.rv = rv
         obj["metadata"]["resourceVersion"] = str(rv)
         self.events.append((rv, plural, kind, copy.deepcopy(obj)))
-        del self.events[:-KEEP_EVENTS]
+        del self.events[:-self.keep_events]
         self.lock.notify_all()
 
     def create(self, plural: str, ns: str, obj: dict) -> tuple[int, dict]:
@@ -143,6 +146,11 @@ class StandIn:
             if (ns, name) in self.objects[plural]:
                 return 409, _status(409, "AlreadyExists",
                                     f'{plural} "{name}" already exists')
+            if plural == "pods" and self.pod_quota is not None and \
+                    len(self.objects["pods"]) >= self.pod_quota:
+                return 403, _status(403, "Forbidden", f'pods "{name}" is forbidden: exceeded '
+                                    'quota: pods, requested: pods=1, limited: pods='
+                                    f'{self.pod_quota}')
             obj = copy.deepcopy(obj)
             api, kind = _KINDS[plural]
             obj.setdefault("apiVersion", api)
@@ -215,6 +223,13 @@ class StandIn:
         if running:
             left["processes"] = sorted(running)
         return left
+
+    def end_watches(self) -> None:
+        """End every open watch stream (a dropped connection, a proxy's timeout): clients
+        watch again from the last version they saw."""
+        with self.lock:
+            self.watch_epoch += 1
+            self.lock.notify_all()
 
     def evict(self, name: str, ns: str = "default") -> None:
         """As a node drain does: the pod gets DisruptionTarget and is deleted."""
@@ -452,8 +467,10 @@ class StandIn:
                         410, "Expired", f"too old resource version: {since} ({oldest - 1})")})
                     return self._stream_end()
                 last_bookmark = time.monotonic()
+                epoch = standin.watch_epoch
                 try:
-                    while time.monotonic() < deadline and not standin._closing:
+                    while time.monotonic() < deadline and not standin._closing and \
+                            standin.watch_epoch == epoch:
                         with standin.lock:
                             out = [(rv, t, o) for rv, p, t, o in standin.events
                                    if rv > since and p == plural
