@@ -46,6 +46,40 @@ _KINDS = {  # plural -> (apiVersion, kind)
 _PATH = re.compile(r"^/(?:api/v1|apis/batch/v1)/namespaces/([^/]+)/([a-z]+)(?:/([^/]+))?"
                    r"(?:/(log))?$")
 KEEP_EVENTS = 1000
+_VERBS = ["create", "delete", "get", "list", "watch"]
+_RESOURCES = {  # group version -> its resources, as discovery lists them (kubectl reads them)
+    "v1": [("pods", "pod", "Pod", ["po"]), ("services", "service", "Service", ["svc"]),
+           ("secrets", "secret", "Secret", []), ("namespaces", "namespace", "Namespace", ["ns"])],
+    "batch/v1": [("jobs", "job", "Job", [])],
+}
+
+
+def _discovery(path: str, url: str) -> dict | None:
+    """The legacy discovery documents (``/version``, ``/api``, ``/apis``, ``/api/v1``,
+    ``/apis/batch/v1``), for kubectl."""
+    if path == "/version":
+        return {"major": "1", "minor": "37", "gitVersion": "v1.37.0-standin",
+                "platform": "linux/amd64"}
+    if path == "/api":
+        return {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
+            {"clientCIDR": "0.0.0.0/0", "serverAddress": url.removeprefix("http://")}]}
+    if path == "/apis":
+        gv = {"groupVersion": "batch/v1", "version": "v1"}
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+            {"name": "batch", "versions": [gv], "preferredVersion": gv}]}
+    gv = {"/api/v1": "v1", "/apis/batch/v1": "batch/v1"}.get(path)
+    if gv is None:
+        return None
+    resources = []
+    for plural, singular, kind, short in _RESOURCES[gv]:
+        resources.append({"name": plural, "singularName": singular, "kind": kind,
+                          "namespaced": plural != "namespaces", "shortNames": short,
+                          "verbs": ["get", "list"] if plural == "namespaces" else _VERBS})
+        if plural == "pods":
+            resources.append({"name": "pods/log", "singularName": "", "kind": "Pod",
+                              "namespaced": True, "verbs": ["get"]})
+    return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
+            "resources": resources}
 
 
 def _now() -> str:
@@ -371,6 +405,9 @@ class StandIn:
                 url = urlparse(self.path)
                 q = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 standin.requests.append((self.command, url.path))
+                found = _discovery(url.path, standin.url) if self.command == "GET" else None
+                if found is not None:
+                    return self._send(200, found)
                 if url.path == "/api/v1/namespaces":
                     return self._send(200, {"kind": "NamespaceList", "apiVersion": "v1",
                                             "metadata": {"resourceVersion": str(standin.rv)},

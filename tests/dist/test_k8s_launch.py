@@ -194,3 +194,52 @@ def test_meshplan_run_with_the_k8s_launcher(cluster, tmp_path, capsys, monkeypat
     assert len([x for x in lines if "loss" in x]) == 2, lines
     assert cli.main(["run", step, "--plan", "gpt.plan", "--k8s", "image=x"]) == 1
     assert "add --launcher k8s" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(__import__("shutil").which("kubectl") is None, reason="needs kubectl")
+def test_kubectl_sees_and_deletes_what_the_launcher_made(cluster, tmp_path, monkeypatch):
+    """The stand-in cross-checked with the real kubectl (discovery, lists with label
+    selectors, logs, a cascading delete): the Job, its two pods with their completion
+    indexes, a pod's log (a worker plugin prints into it), and ``kubectl delete job
+    --cascade=background`` taking the pods, Service and Secret with it."""
+    import json
+    import subprocess
+
+    (tmp_path / "_say_rank.py").write_text(
+        "import os, sys\nprint('rank', os.environ['MESHPLAN_RANK'], 'up', file=sys.stderr, "
+        "flush=True)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    from meshplan.runtime._k8s_launch import K8sLauncher
+
+    workers = K8sLauncher({"image": "img:1", "pods": 2}).launch(
+        2, env={"MESHPLAN_WORKER_PLUGINS": "_say_rank"})
+
+    def kubectl(*args: str) -> str:
+        r = subprocess.run(["kubectl", "--kubeconfig", cluster.kubeconfig, *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    try:
+        run = workers.run_id
+        jobs = json.loads(kubectl("get", "jobs", "-o", "json"))["items"]
+        assert [j["spec"]["completionMode"] for j in jobs] == ["Indexed"]
+        pods = json.loads(kubectl("get", "pods", "-l", f"meshplan.dev/run={run}",
+                                  "-o", "json"))["items"]
+        index = "batch.kubernetes.io/job-completion-index"
+        assert sorted(p["metadata"]["labels"][index] for p in pods) == ["0", "1"]
+        assert {p["status"]["phase"] for p in pods} == {"Running"}
+        first = next(p["metadata"]["name"] for p in pods
+                     if p["metadata"]["labels"][index] == "1")
+        deadline = time.monotonic() + 20
+        while "rank 1 up" not in kubectl("logs", first) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "rank 1 up" in kubectl("logs", first)
+        kubectl("delete", "job", jobs[0]["metadata"]["name"], "--cascade=background")
+        deadline = time.monotonic() + 20
+        while cluster.live() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.live() == {}
+    finally:
+        workers.shutdown()
