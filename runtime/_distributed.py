@@ -102,6 +102,8 @@ class DistributedStep:
                                     snapshot_every, self.hang_s, elastic)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         self.k8s = K8sOptions.parse(k8s) if launcher == "k8s" else None
+        if self.k8s is not None and device is None:    # the pods' GPUs, not this host's
+            device = "cuda" if self.k8s.gpus_per_pod else "cpu"
         self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -1161,10 +1163,12 @@ def resolve_device(device: str | None, launcher: str) -> tuple[str, str]:
         raise RuntimeFailure(f"distribute(device={device!r}): pass 'cuda' (each rank takes "
                              "the GPU of its local rank) or 'cpu'; a rank's GPU is chosen by "
                              "its launcher, not by an index here")
-    if device == "cuda" and not seen and launcher == "slurm":
-        # a login node often has no GPU: each rank checks its own node (handlers._rank_device)
-        return device, (f"cuda ({how}; the controller sees no GPU, each rank needs one on its "
-                        "node), NCCL between ranks with their own GPU, gloo through host "
+    if device == "cuda" and not seen and launcher in ("slurm", "k8s"):
+        # a login node or a laptop often has no GPU: each rank checks its own node or pod
+        # (handlers._rank_device)
+        where = "node" if launcher == "slurm" else "pod (k8s gpus_per_pod)"
+        return device, (f"cuda ({how}; the controller sees no GPU, each rank needs one in its "
+                        f"{where}), NCCL between ranks with their own GPU, gloo through host "
                         "memory between ranks that share one")
     if device == "cuda" and not seen:
         build = torch.version.cuda or "none: a CPU build"

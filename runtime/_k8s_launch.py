@@ -316,6 +316,11 @@ class K8sLauncher:
         from kubernetes.client.rest import ApiException
 
         opts = self.options
+        if opts.kind != "Job":
+            raise RuntimeFailure(
+                f"launcher='k8s' runs Indexed Jobs; k8s={{'kind': {opts.kind!r}}} is for "
+                "meshplan k8s manifest --kind JobSet (printed to apply yourself: a controller "
+                "attaching to pods it did not make is not built yet)")
         pods_n, per = opts.layout(n)
         core, batch, url = _clients()
         ns = opts.namespace

@@ -111,6 +111,11 @@ def test_bad_access_and_input_say_what_is_wrong(cluster, monkeypatch, tmp_path) 
         K8sLauncher({"image": "img:1", "namespace": "nope"}).launch(2)
     with pytest.raises(meshplan.RuntimeFailure, match="make pods x ranks_per_pod equal 4"):
         K8sLauncher({"image": "img:1", "pods": 3}).launch(4)
+    with pytest.raises(meshplan.RuntimeFailure, match="runs Indexed Jobs"):
+        K8sLauncher({"image": "img:1", "kind": "JobSet"}).launch(2)
+    step = meshplan.distribute(gpt.build().step, mesh={"dp": 2}, launcher="k8s",
+                               k8s={"image": "img:1", "gpus_per_pod": 1})
+    assert step.device == "cuda"            # the pods' GPUs, whatever this host has
     with pytest.raises(meshplan.RuntimeFailure, match="needs k8s="):
         meshplan.distribute(gpt.build().step, mesh={"dp": 2}, launcher="k8s")
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
