@@ -23,6 +23,7 @@ import torch
 
 import meshplan
 from meshplan.examples import gpt
+from meshplan.runtime._mpi_launch import _alive
 
 STEPS = 4
 _HERE = Path(__file__).resolve().parent
@@ -87,13 +88,6 @@ def _gone(pids) -> None:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), "a worker outlived the run"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(120)

@@ -30,6 +30,7 @@ from meshplan.runtime._k8s import (
     secret_manifest,
     to_yaml,
 )
+from meshplan.runtime._mpi_launch import _alive
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install 'meshplan[k8s]'")
 VERSIONS = ("1.35.0", "1.36.0", "1.37.0")
@@ -199,13 +200,6 @@ def test_the_pod_entry_starts_its_ranks_and_ends_with_the_first_that_fails(tmp_p
                 p.kill()
         group.stop()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except OSError:
-        return False
 
 
 def test_to_yaml_is_one_stream_kubectl_reads() -> None:
