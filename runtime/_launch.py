@@ -105,10 +105,11 @@ class _Group:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
-                try:
-                    os.kill(proc.pid, signal.SIGCONT)   # a stopped rank acts on SIGTERM now
-                except OSError:
-                    pass
+                if getattr(proc, "local", True) and proc.pid is not None:
+                    try:            # a stopped rank acts on SIGTERM now (not a pid elsewhere)
+                        os.kill(proc.pid, signal.SIGCONT)
+                    except OSError:
+                        pass
         _close_pipes(self.procs)        # EOF on stdin: the worker's guard exits at once
         deadline = time.monotonic() + grace_s
         for proc in self.procs:
