@@ -169,6 +169,24 @@ def test_priced_out_columns_do_not_change_the_optimum() -> None:
     assert got["objective"] == pytest.approx(want["objective"], rel=1e-9)
 
 
+def test_the_parallel_dual_simplex_finds_the_serial_plan(monkeypatch) -> None:
+    """Large LPs run HiGHS's parallel dual (PAMI, 2 threads) where 2 CPUs are usable: forced
+    here on the GPT's (small) LP, the plan is the serial one, layout for layout."""
+    from meshplan.planner import _solve
+
+    def plan():
+        p = plan_graph(_graph("gpt"), {"dp": 2, "tp": 2}, topology="h100")
+        return p.input_layouts, [(q.node, q.outputs) for q in p.placements], \
+            p.estimated_step_time_s
+
+    monkeypatch.setenv(_solve.ENV_LP_THREADS, "1")
+    serial = plan()
+    monkeypatch.setenv(_solve.ENV_LP_THREADS, "2")
+    monkeypatch.setattr(_solve, "PAMI_MIN_COLUMNS", 0)
+    assert _solve.lp_threads() == 2
+    assert plan() == serial
+
+
 def test_bad_pins() -> None:
     g = _graph("mlp")
     with pytest.raises(PlanError, match="unknown input 'nope'"):
