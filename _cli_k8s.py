@@ -7,6 +7,8 @@
         YAML, for review or GitOps; the Secret with the run's key is the controller's to make
     meshplan k8s status [--namespace NS]
         this user's meshplan Jobs and their pods' phases
+    meshplan k8s logs [--run RUN] [--namespace NS] [--follow]
+        the logs of this user's meshplan pods, each line prefixed with its pod
     meshplan k8s delete --all-mine [--namespace NS]
         delete this user's meshplan Jobs (their pods go with them), Services and Secrets:
         what a controller killed before its shutdown left
@@ -53,6 +55,12 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--namespace", default=None, help="one namespace (default: every one)")
     st.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     st.set_defaults(func=_guarded(cmd_status))
+    lg = k_sub.add_parser("logs", help="the logs of this user's meshplan pods")
+    lg.add_argument("--run", default=None, help="one run's pods (its run id)")
+    lg.add_argument("--namespace", default=None, help="one namespace (default: every one)")
+    lg.add_argument("--follow", "-f", action="store_true", help="until the pods end")
+    lg.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    lg.set_defaults(func=_guarded(cmd_logs))
     d = k_sub.add_parser("delete", help="delete what meshplan made for this user")
     d.add_argument("--all-mine", action="store_true", required=True,
                    help="every Job, Service and Secret labelled with this user as owner")
@@ -111,4 +119,13 @@ def cmd_delete(args: argparse.Namespace) -> int:
         print(f"deleted {what}")
     if not done:
         print("nothing of this user's to delete")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from .runtime._k8s_launch import logs_of_mine
+
+    if not logs_of_mine(args.namespace, args.run, args.follow):
+        print("no meshplan pods of this user" + (f" in run {args.run}" if args.run else ""),
+              file=sys.stderr)
     return 0

@@ -58,7 +58,7 @@ from ._k8s import (
 )
 from ._launch import RendezvousStore, WorkerFailure, Workers, _Group
 
-__all__ = ["K8sLauncher", "delete_all_mine", "status_of_mine"]
+__all__ = ["K8sLauncher", "delete_all_mine", "logs_of_mine", "status_of_mine"]
 
 logger = logging.getLogger("meshplan.runtime")
 
@@ -467,3 +467,39 @@ def status_of_mine(namespace: str | None = None) -> list[tuple[str, list[str]]]:
                          [f"{p.metadata.name}: {p.status.phase if p.status else '?'}"
                           for p in pods]))
     return rows
+
+
+def logs_of_mine(namespace: str | None = None, run: str | None = None,
+                 follow: bool = False, out: Any = None) -> int:
+    """Write the logs of this user's meshplan pods (of run ``run`` only, when given) to
+    ``out`` (stdout), each line prefixed with its pod; ``follow``: until the pods end.
+    Returns how many pods there were."""
+    core, _, _ = _clients()
+    out = out or sys.stdout
+    selector = f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by=meshplan"
+    if run:
+        selector += f",{RUN_LABEL}={run.lower()}"
+    pods = [(ns, p.metadata.name) for ns in _namespaces(core, namespace)
+            for p in core.list_namespaced_pod(ns, label_selector=selector).items]
+    lock = threading.Lock()
+
+    def copy(ns: str, name: str) -> None:
+        try:
+            resp = core.read_namespaced_pod_log(name, ns, follow=follow,
+                                                _preload_content=False)
+            for line in resp:
+                with lock:
+                    out.write(f"[{name}] " + line.decode(errors="replace"))
+        except Exception as exc:  # noqa: BLE001 - a pod gone, a log not there yet
+            with lock:
+                out.write(f"[{name}] (no log: {getattr(exc, 'reason', exc)})\n")
+
+    threads = [threading.Thread(target=copy, args=pod, daemon=True) for pod in pods]
+    for t in threads:
+        t.start()
+        if not follow:
+            t.join()                      # one pod after the other, in order
+    for t in threads:
+        t.join()
+    out.flush()
+    return len(pods)

@@ -11,8 +11,9 @@ kernels replaced it), ``allreduce`` (entering the step's first all-reduce), ``sn
 way through copying the state into the snapshot), ``state`` (``get_state``: ``state_dict()``),
 ``restore`` (``restore_snapshot``: a fault during a recovery).
 how: ``kill`` (SIGKILL), ``segv`` (SIGSEGV), ``exit`` (``os._exit(3)``), ``stop`` (SIGSTOP),
-``hang`` (sleeps: alive and running, but never answers), ``raise`` (an exception where it
-fires: at ``snapshot``, a copy that fails while the rank lives on).
+``hang`` (sleeps: alive and running, but never answers), ``drop`` (closes its control
+socket, then as ``hang``: a connection lost while the process lives), ``raise`` (an exception
+where it fires: at ``snapshot``, a copy that fails while the rank lives on).
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def _fire(fault: dict) -> None:
     elif how == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif how == "hang":
+        time.sleep(3600)
+    elif how == "drop":                  # the control connection goes; the process stays
+        import gc
+
+        from meshplan.runtime._channel import WorkerChannel
+        for obj in gc.get_objects():
+            if isinstance(obj, WorkerChannel):
+                obj._socket.close(linger=0)
         time.sleep(3600)
     elif how == "raise":
         raise MemoryError("injected: the snapshot copy ran out of memory")

@@ -105,11 +105,14 @@ def test_a_failed_rank_restarts_the_mesh_and_the_run_is_bit_for_bit_the_same(
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_hangs_past_the_step_deadline_restarts_every_rank(reference, plugin) -> None:
-    """Alive, running, never answering: after three measured steps a step may take ten times
-    their median (at least hang_s); then every rank starts again (the hung one cannot be told
-    from a slow one, and its peers wait for it)."""
-    got = _run({"dp": 2}, faults=[plugin(0, 3, "backward", "hang")], hang_s=1.5)
+@pytest.mark.parametrize("how", ["hang", "drop"])
+def test_a_rank_that_hangs_past_the_step_deadline_restarts_every_rank(reference, plugin,
+                                                                      how) -> None:
+    """Alive, running, never answering (``hang``; ``drop``: its control connection closed as
+    well): after three measured steps a step may take ten times their median (at least
+    hang_s); then every rank starts again (the hung one cannot be told from a slow one, and
+    its peers wait for it)."""
+    got = _run({"dp": 2}, faults=[plugin(0, 3, "backward", how)], hang_s=1.5)
     assert got[2] == 1
     assert got[4] == [0, 1]
     _same(got, reference)

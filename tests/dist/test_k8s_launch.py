@@ -206,8 +206,9 @@ def test_meshplan_run_with_the_k8s_launcher(cluster, tmp_path, capsys, monkeypat
 def test_kubectl_sees_and_deletes_what_the_launcher_made(cluster, tmp_path, monkeypatch):
     """The stand-in cross-checked with the real kubectl (discovery, lists with label
     selectors, logs, a cascading delete): the Job, its two pods with their completion
-    indexes, a pod's log (a worker plugin prints into it), and ``kubectl delete job
-    --cascade=background`` taking the pods, Service and Secret with it."""
+    indexes, a pod's log (a worker plugin prints into it; ``meshplan k8s logs`` shows it
+    too), and ``kubectl delete job --cascade=background`` taking the pods, Service and
+    Secret with it."""
     import json
     import subprocess
 
@@ -241,6 +242,12 @@ def test_kubectl_sees_and_deletes_what_the_launcher_made(cluster, tmp_path, monk
         while "rank 1 up" not in kubectl("logs", first) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "rank 1 up" in kubectl("logs", first)
+        import io
+
+        from meshplan.runtime._k8s_launch import logs_of_mine
+        buf = io.StringIO()                      # meshplan k8s logs --run RUN
+        assert logs_of_mine(run=run, out=buf) == 2
+        assert f"[{first}] rank 1 up" in buf.getvalue(), buf.getvalue()
         kubectl("delete", "job", jobs[0]["metadata"]["name"], "--cascade=background")
         deadline = time.monotonic() + 20
         while cluster.live() and time.monotonic() < deadline:
