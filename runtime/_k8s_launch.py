@@ -113,6 +113,7 @@ class _Pods:
         self.selector = f"{RUN_LABEL}={run_id.lower()}"
         self.by_index: dict[int, dict[str, Any]] = {}
         self.gone: dict[int, int] = {}            # index -> exit code it ended with
+        self.ended: dict[int, str] = {}           # index -> what ended its pod
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.relists = 0
@@ -171,6 +172,7 @@ class _Pods:
                                     "why": _why_waiting(pod), "pod": pod}
             if phase in ("Failed", "Succeeded", "Deleted") and index not in self.gone:
                 self.gone[index] = _exit_code(pod, phase)
+                self.ended[index] = _why_ended(pod, phase)
 
     def exit_code(self, index: int) -> int | None:
         with self.lock:
@@ -212,6 +214,24 @@ def _why_waiting(pod: Any) -> str:
     return "; ".join(bits)
 
 
+def _why_ended(pod: Any, phase: str) -> str:
+    """One line on how a pod ended: evicted or preempted (its DisruptionTarget condition),
+    deleted, or its container's end (OOMKilled, Error, Completed)."""
+    name, status = pod.metadata.name, pod.status
+    for cond in (status.conditions or []) if status else []:
+        if cond.type == "DisruptionTarget" and cond.status == "True":
+            return (f"pod {name} was disrupted ({cond.reason or 'DisruptionTarget'}: evicted, "
+                    "preempted or its node drained); its ranks went with it")
+    for cs in (status.container_statuses or []) if status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            said = f": {term.message.strip()}" if term.message else ""
+            return f"pod {name} {phase.lower()}: its container ended ({term.reason}{said})"
+    if phase == "Deleted":
+        return f"pod {name} was deleted (kubectl delete, or its Job was)"
+    return f"pod {name} {phase.lower()}"
+
+
 def _exit_code(pod: Any, phase: str) -> int:
     for cs in (pod.status.container_statuses or []) if pod.status else []:
         term = cs.state.terminated if cs.state else None
@@ -235,6 +255,12 @@ class _PodRank:
         if self.returncode is None:
             self.returncode = self.pods.exit_code(self.index)
         return self.returncode
+
+    @property
+    def ended(self) -> str | None:
+        """How its pod ended (``Workers`` adds it to the failure's message)."""
+        with self.pods.lock:
+            return self.pods.ended.get(self.index)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -573,6 +573,9 @@ class Workers:
         on = f" (on {host})" if host else ""
         lines = [f"rank {rank}{on} {_describe_exit(code)} while the controller waited for "
                  f"{kind!r}"]
+        why = getattr(self._group.procs[rank], "ended", None)   # what the launcher knows
+        if why:
+            lines.append(f"  {why}")
         tail = _tail(self.log_dir / f"rank{rank}.err" if self.log_dir else None)
         if tail:
             lines += [f"  stderr of rank {rank} (last lines, {self.log_dir}/rank{rank}.err):", tail]

@@ -138,7 +138,8 @@ def test_an_evicted_pod_fails_the_run_cleanly(cluster) -> None:
         with pytest.raises(meshplan.RuntimeFailure) as err:
             for i in range(1, 4):
                 step(*ex.batch(i))
-    assert "rank 2" in str(err.value) or "ranks 2" in str(err.value), str(err.value)
+    text = str(err.value)
+    assert "rank 2" in text and f"pod {pod} was disrupted (EvictionByEvictionAPI" in text, text
 
 
 @pytest.mark.timeout(120)
