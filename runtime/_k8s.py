@@ -88,6 +88,8 @@ class K8sOptions:
     ttl_s: ``ttlSecondsAfterFinished`` (default 600: a finished Job is deleted 10 min later).
     service_account, image_pull_secrets, labels, annotations, env: as in the pod spec.
     python: the interpreter in the image (``"python"``).
+    controller_host: the address the controller listens on and the pods connect to; None:
+        this machine's address on its route to the API server (in a pod: the pod's IP).
     """
 
     image: str
@@ -112,6 +114,7 @@ class K8sOptions:
     annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     python: str = "python"
+    controller_host: str | None = None
 
     @classmethod
     def parse(cls, value: Any) -> K8sOptions:
@@ -178,6 +181,10 @@ class K8sOptions:
                 isinstance(t, Mapping) for t in self.tolerations):
             raise bad("tolerations", "pass a list of tolerations as the API spells them, "
                       "e.g. [{'key': 'gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}]")
+        if self.controller_host is not None and not (
+                isinstance(self.controller_host, str) and self.controller_host.strip()):
+            raise bad("controller_host", "pass this machine's address the pods can reach "
+                      "(an IP or a host name), or leave it out")
         taken = {ENV_RANKS_PER_POD, ENV_SECRET_FILE, ENV_K8S}
         clash = sorted(k for k in self.env if k in taken or k.startswith("MESHPLAN_"))
         if clash:

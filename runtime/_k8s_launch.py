@@ -27,8 +27,9 @@ What it does, in order:
    left (every object labelled with this user as its owner).
 
 The control channel listens on TCP (CURVE, the run's keys) on this machine's address toward
-the API server: the pods must be able to reach it (a controller in the cluster, or on a
-network the pods route to). Not built: reaching pods through a port-forward from a laptop.
+the API server, or on ``k8s={"controller_host": ...}``: the pods must be able to reach it (a
+controller in the cluster, or on a network the pods route to). Not built: reaching pods
+through a port-forward from a laptop.
 """
 
 from __future__ import annotations
@@ -358,7 +359,7 @@ class K8sLauncher:
         except Exception as exc:  # noqa: BLE001 - urllib3's connection errors
             raise _api_error(exc, "reaching the API server", ns) from exc
         secret, run_id = Secret.new(), secrets.token_hex(8)
-        host = _address_toward(url)
+        host = opts.controller_host or _address_toward(url)
         group = _K8sGroup(ControllerChannel(secret, run_id, host, transport="tcp"),
                           RendezvousStore(host), batch, ns, resource_name(run_id))
         extra = {k: v for k, v in (env or {}).items()}

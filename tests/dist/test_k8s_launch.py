@@ -40,7 +40,7 @@ def test_gpt_on_two_pods_of_two_ranks_equals_one_process(cluster, capfd) -> None
     ex, ref = gpt.build(seed=0), gpt.build(seed=0)
     step = meshplan.distribute(ex.step, mesh={"dp": 2, "tp": 2}, launcher="k8s",
                                k8s={"image": "registry.example/train:1", "pods": 2,
-                                    "namespace": "ml"},
+                                    "namespace": "ml", "controller_host": "127.0.0.1"},
                                telemetry=False, timeout_s=120)
     got, want = [], []
     with step:
