@@ -18,6 +18,11 @@ output is the pod's log; phases go Pending -> Running -> Succeeded / Failed with
 code in ``containerStatuses``. Deleting a pod sends SIGTERM, then SIGKILL after its grace.
 A test can ask for pods that never schedule (``unschedulable``), an image that cannot be
 pulled (``bad_images``) or evict a running pod (``evict``).
+
+On the hosts of a sandbox (``runtime/_sandbox.py``): ``python _k8s_standin.py SANDBOX ROOT``
+serves on the sandbox's controller host (run it there) and starts pod ``i`` on host ``i mod
+hosts`` (in its namespaces, through ``nsenter``), keeping its files under ``ROOT`` (a folder
+every host sees); it prints its kubeconfig's path, and stops when its stdin closes.
 """
 
 from __future__ import annotations
@@ -109,7 +114,10 @@ def _matches(labels: dict, selector: str | None) -> bool:
 class StandIn:
     """The server, its objects and its kubelet. ``with StandIn() as k: k.kubeconfig``."""
 
-    def __init__(self, namespaces=("default",)) -> None:
+    def __init__(self, namespaces=("default",), *, host: str = "127.0.0.1",
+                 place=None, root: str | None = None) -> None:
+        """``place(index, argv) -> argv``: how pod ``index``'s command starts (default: here);
+        ``root``: the folder to keep pods' files in (default: a temporary one)."""
         self.namespaces = set(namespaces)
         self.objects: dict[str, dict[tuple[str, str], dict]] = {p: {} for p in _KINDS}
         self.events: list[tuple[int, str, str, dict]] = []   # (rv, plural, type, object)
@@ -122,12 +130,13 @@ class StandIn:
         self.pod_quota: int | None = None     # pods the namespace's quota admits (None: any)
         self.keep_events = KEEP_EVENTS        # older versions than these are 410 Gone
         self.watch_epoch = 0                  # end_watches() ends every open watch
-        self.root = tempfile.mkdtemp(prefix="k8s-standin-")
+        self.root = tempfile.mkdtemp(prefix="k8s-standin-", dir=root)
+        self.place = place
         self.requests: list[tuple[str, str]] = []
         self._closing = False
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = ThreadingHTTPServer((host, 0), self._handler())
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         self.kubeconfig = os.path.join(self.root, "kubeconfig")
         with open(self.kubeconfig, "w") as f:
             json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "standin",
@@ -364,6 +373,9 @@ class StandIn:
             cmd = list(container["command"]) + list(container.get("args", []))
             if cmd[0] in ("python", "python3"):
                 cmd[0] = sys.executable
+            index = int(env["JOB_COMPLETION_INDEX"])
+            if self.place is not None:
+                cmd = self.place(index, cmd)
             os.makedirs(root, exist_ok=True)
             log = open(os.path.join(root, "log"), "wb")
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -569,3 +581,16 @@ def _kill_after(proc: subprocess.Popen, grace_s: float) -> None:
         except OSError:
             proc.kill()
         proc.wait()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    from meshplan.runtime._sandbox import Sandbox
+
+    box = Sandbox.open(sys.argv[1])
+    hosts = [h.name for h in box.hosts]
+    standin = StandIn(host=box.ctl.address, root=sys.argv[2],
+                      place=lambda i, cmd: box.argv(cmd, host=hosts[i % len(hosts)]))
+    print(standin.kubeconfig, flush=True)
+    sys.stdin.read()
+    standin.close()

@@ -1,7 +1,8 @@
 """Run by ``test_sandbox.py`` as the controller inside a sandbox (``meshplan sandbox run``):
 the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one process.
 
-    python _multihost_job.py MESH_JSON STRATEGY DB STEPS [LAUNCHER [SLURM_JSON]]
+    python _multihost_job.py MESH_JSON STRATEGY DB STEPS [LAUNCHER [OPTIONS_JSON]]
+                                    (OPTIONS_JSON: slurm= or k8s=, by LAUNCHER)
     python _multihost_job.py cut RESULT   (see ``cut``)
     python _multihost_job.py unreachable RESULT
     python _multihost_job.py die RESULT             (slurm: a rank is killed; see ``die``)
@@ -151,10 +152,12 @@ def main() -> None:
         return refused(*sys.argv[2:5])
     mesh, strategy, db, steps = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     launcher = sys.argv[5] if len(sys.argv) > 5 else "mpi"
-    slurm = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+    options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+    slurm = options if launcher == "slurm" else None
+    k8s = options if launcher == "k8s" else None
     ex, ref = gpt.build(seed=0), gpt.build(seed=0)
     step = meshplan.distribute(ex.step, mesh=mesh, launcher=launcher, strategy=strategy,
-                               telemetry=db, timeout_s=120, slurm=slurm)
+                               telemetry=db, timeout_s=120, slurm=slurm, k8s=k8s)
     got, want = [], []
     with step:
         for i in range(steps):

@@ -212,6 +212,45 @@ def test_gpt_on_two_hosts_under_mpi_equals_one_process(box) -> None:
     assert r["param_diff"] < 3e-5
 
 
+@needs_namespaces
+@pytest.mark.timeout(180)
+def test_gpt_on_two_pods_on_two_hosts_equals_one_process(box, monkeypatch) -> None:
+    """``launcher="k8s"`` across hosts: the stand-in API server (``_k8s_standin.py``) serves
+    on NAME-ctl and its kubelet starts pod 0 on h0 and pod 1 on h1; the controller, on
+    NAME-ctl, reaches it over the bridge, and the pods' ranks reach the controller (TCP with
+    CURVE, heartbeats: another host) and each other (gloo between hosts, shared memory inside
+    a pod). Equal to one process; the Job and its pods are gone at the end."""
+    import json
+
+    pytest.importorskip("kubernetes", reason="pip install 'meshplan[k8s]'")
+    work = tempfile.mkdtemp(prefix="meshplan-k8s-", dir="/var/tmp")
+    here = Path(__file__).parent
+    server = subprocess.Popen(box.argv([sys.executable, str(here / "_k8s_standin.py"),
+                                        box.name, work]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        kubeconfig = server.stdout.readline().strip()
+        assert kubeconfig, "the stand-in did not start"
+        monkeypatch.setenv("KUBECONFIG", kubeconfig)
+        out = _out(box, [sys.executable, str(here / "_multihost_job.py"),
+                         json.dumps({"dp": 2, "tp": 2}), "auto", os.path.join(work, "t.duckdb"),
+                         "3", "k8s", json.dumps({"image": "registry.example/train:1",
+                                                 "pods": 2})])
+        left = _out(box, ["kubectl", "--kubeconfig", kubeconfig, "get", "jobs,pods", "-n", "default",
+                          "-o", "name"]) if shutil.which("kubectl") else ""
+    finally:
+        server.stdin.close()
+        server.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+    r = json.loads(out.splitlines()[-1])
+    h0, h1 = (h.name for h in box.hosts)
+    assert r["controller"] == box.ctl.name
+    assert r["hosts"] == [h0, h0, h1, h1]          # pod 0 (ranks 0-1) on h0, pod 1 on h1
+    assert r["got"] == pytest.approx(r["want"], rel=1e-5)      # as under mpi
+    assert r["param_diff"] < 3e-5
+    assert left == ""
+
+
 def _in_netns(holder: int) -> list[str]:
     """The processes in the network namespace ``holder`` holds, the holder aside."""
     st = os.stat(f"/proc/{holder}/ns/net")
