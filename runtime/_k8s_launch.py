@@ -402,8 +402,11 @@ class K8sLauncher:
         except BaseException:
             group.stop()
             raise
-        for proc, hello in zip(group.procs, hellos):
+        here, now = socket.gethostname(), time.monotonic()
+        for rank, (proc, hello) in enumerate(zip(group.procs, hellos)):
             proc.pid = int(hello.header["pid"])
+            if hello.header.get("hostname") != here:     # it beats from now on (_worker)
+                group.channel.last_beat.setdefault(rank, now)
         workers.pids = tuple(p.pid for p in group.procs)
         workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
         return workers
