@@ -1266,8 +1266,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     mesh, brings every rank back to the newest snapshot and re-runs the steps since: the call
     returns what it would have, the state is bit for bit the fault-free run's, and a warning
     line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
-    ``max_restarts`` restarts in one run, ``RuntimeFailure``. Local launcher only for now
-    (README, "Fault tolerance"). ``hang_s``: how long a rank may stay stopped (SIGSTOP) while
+    ``max_restarts`` restarts in one run, ``RuntimeFailure``. The local launcher, and mpi
+    with every rank on this host, for now (README, "Fault tolerance"). ``hang_s``: how long a rank may stay stopped (SIGSTOP) while
     the controller waits for it before it counts as failed (default 10 s). ``elastic``
     (with fault tolerance): True, or the fewest ranks to go on with, makes a failure shrink
     the mesh instead of starting the failed ranks again: the step is planned again for the
