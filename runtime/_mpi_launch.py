@@ -296,6 +296,15 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _last_words(tail: list[str], n: int = 10) -> list[str]:
+    """The last ``n`` lines of a launcher's stderr, after the launcher's own lines that came
+    before them (ssh's, the sandbox's: those that are not hydra's ``[mpiexec@...]`` or
+    ``[proxy:...]``), which name the host best and which a rank's or proxy's later lines
+    must not push out (seen under load: the "no host" line was gone from the last 10)."""
+    own = [line for line in tail[:-n] if line.strip() and not line.startswith("[")]
+    return own[-3:] + tail[-n:]
+
+
 def _tee(stream, on_line=None) -> tuple[list[str], threading.Thread]:  # noqa: ANN001
     """Copy a launcher's stderr (mpiexec's or srun's own messages, and the ranks' without a
     log_dir) to ours as it comes, keeping its last lines for an error message and passing each
@@ -309,7 +318,7 @@ def _tee(stream, on_line=None) -> tuple[list[str], threading.Thread]:  # noqa: A
             except OSError:
                 pass
             tail.append(raw.decode(errors="replace").rstrip())
-            del tail[:-20]
+            del tail[:-50]
             if on_line is not None:
                 on_line(tail[-1])
         stream.close()
@@ -459,7 +468,7 @@ class MPILauncher(LocalLauncher):
             # (and its launcher, ssh) said names the host better than a rank's exit code
             if group.stderr_thread is not None:      # its last lines, to the end
                 group.stderr_thread.join(5.0)
-            said = "\n".join(f"    {line}" for line in group.stderr_tail[-10:])
+            said = "\n".join(f"    {line}" for line in _last_words(group.stderr_tail))
             where = ", ".join(f"{h} ({k} rank{'s' * (k != 1)})" for h, k in placement)
             raise WorkerFailure(
                 f"mpiexec ended (code {group.mpiexec.returncode}) before every rank started on "

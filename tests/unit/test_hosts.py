@@ -61,3 +61,17 @@ def test_run_cli_hosts_need_the_mpi_launcher(capsys) -> None:
 
     assert main(["run", "examples/gpt.py:train_step", "--plan", "x.plan", "--hosts", "a,b"]) == 1
     assert "--hosts places ranks under --launcher mpi" in capsys.readouterr().err
+
+
+def test_the_launchers_own_words_survive_later_lines() -> None:
+    """mpiexec's error keeps the sandbox's or ssh's line naming the host, however many
+    hydra or rank lines came after it (under load the "no host" line fell out of the last
+    10, and tests/dist/test_sandbox.py's unreachable-host check failed)."""
+    from meshplan.runtime._mpi_launch import _last_words
+
+    tail = ["[proxy:0@h0] started", "meshplan sandbox x: no host 10.1.2.3",
+            *[f"[mpiexec@ctl] line {i}" for i in range(12)]]
+    said = _last_words(tail)
+    assert said[0] == "meshplan sandbox x: no host 10.1.2.3"
+    assert said[1:] == tail[-10:]
+    assert _last_words(tail[1:6]) == tail[1:6]        # short: all of it, once
