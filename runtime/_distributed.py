@@ -40,7 +40,7 @@ from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._mpi_launch import MPILauncher
-from ._recovery import RECOVERABLE, Recovery, smaller_meshes
+from ._recovery import RECOVERABLE, Recovery, Remembered, smaller_meshes
 from ._slurm_launch import SlurmLauncher, SlurmOptions
 from ._snapshot import read_mesh
 from ._telemetry import (
@@ -743,11 +743,7 @@ class DistributedStep:
         for variant in sorted(self._variants.values(), key=lambda v: v.id):
             if variant.id != 0:
                 self._add_program(variant, new)
-        by_id = {v.id: v for v in self._variants.values()}
-        for kept in ft.replay(restored, in_flight):
-            self._send_step(by_id[kept.variant], kept.header, kept.batch)
-            self._snapshots_lost(workers.gather("step", self.timeout_s))
-            ft.committed(kept.step, None)
+        self._rerun(ft.replay(restored, in_flight))
         return restored
 
     def _shrink(self, failure: WorkerFailure, in_flight: int) -> int:
@@ -767,7 +763,7 @@ class DistributedStep:
         if ft.held is None:                   # the state is still in the mesh's snapshots
             assert ft.files is not None and ft.owners is not None
             found = read_mesh([ft.files.path(r) for r in range(len(ft.files.fds))],
-                              ft.owners, in_flight)
+                              ft.owners, lambda held: ft.restore_point(held, in_flight))
             if found is None:
                 self._stop_workers()
                 raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a "
@@ -775,11 +771,7 @@ class DistributedStep:
                                      "memory: load the last checkpoint")
             restored, held = found
             self._stop_workers()
-            sizes = self.plan.mesh.sizes
-            self._write_local({name: assemble({rank_coords(r, sizes): h[name]
-                                               for r, h in enumerate(held)},
-                                              self.plan.input_layouts[name], sizes)
-                               for name in held[0]})
+            self._write_local(_assemble_state(self.plan, held))
             ft.held = (restored, ft.kept_after(restored))
         else:
             self._stop_workers()
@@ -795,16 +787,22 @@ class DistributedStep:
             new = Variant.of(variant.id, plan, tuple(call_inputs(plan)))
             self._add_program(new)
             self._variants[key] = new
-        by_id = {v.id: v for v in self._variants.values()}
         for step in kept:
             ft.remember(step.step, step.variant, step.header, step.batch)
-        for step in (k for k in kept if k.step < in_flight):
-            self._send_step(by_id[step.variant], step.header, step.batch)
-            self._snapshots_lost(self._workers.gather("step", self.timeout_s))
-            ft.committed(step.step, None)
+        self._rerun([k for k in kept if k.step < in_flight])
         ft.held, ft.shrunk = None, (before, mesh)
         ft.replaced = list(range(self._workers.n))
         return restored
+
+    def _rerun(self, steps: list[Remembered]) -> None:
+        """Run the kept ``steps`` (``Recovery.replay``) again on every rank, in order."""
+        ft, workers = self._ft, self._workers
+        assert ft is not None and workers is not None
+        by_id = {v.id: v for v in self._variants.values()}
+        for kept in steps:
+            self._send_step(by_id[kept.variant], kept.header, kept.batch)
+            self._snapshots_lost(workers.gather("step", self.timeout_s))
+            ft.committed(kept.step, None)
 
     def _smaller_plan(self, alive: int) -> tuple[dict[str, int], list[Plan]]:
         """The mesh a shrink goes on with, and its plan for every program the run holds (the
@@ -828,8 +826,7 @@ class DistributedStep:
                                    strategy=self.strategy,
                                    memory_limit_bytes=self.memory_limit_bytes,
                                    recompute=self.recompute)
-                pins = {n.target: first.input_layouts[n.target] for n in first.graph.inputs
-                        if n.meta.role in STATE_ROLES}
+                pins = _state_pins(first)
                 plans = [first, *(plan_graph(g, mesh, topology=self.topology,
                                              strategy=self.strategy,
                                              memory_limit_bytes=self.memory_limit_bytes,
@@ -919,11 +916,9 @@ class DistributedStep:
                        "%d of at most %d on this mesh)", self.__name__,
                        what_changed(self._primary_key, key), len(self._variants) + 1,
                        MAX_VARIANTS)
-        base = self.plan
-        pins = {n.target: base.input_layouts[n.target] for n in base.graph.inputs
-                if n.meta.role in STATE_ROLES}
         plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
-                          memory_limit_bytes=self.memory_limit_bytes, pins=pins,
+                          memory_limit_bytes=self.memory_limit_bytes,
+                          pins=_state_pins(self.plan),
                           recompute=self.recompute)
         variant = Variant.of(len(self._variants), plan, tuple(call_inputs(plan)))
         with self._recording_failures():
@@ -1135,16 +1130,12 @@ class DistributedStep:
         assert workers is not None
         workers.broadcast("get_state", {"rma": self.launcher == "mpi"})
         replies = workers.gather("get_state", self.timeout_s)
-        sizes = plan.mesh.sizes
         held = [dict(zip(msg.header["names"], msg.tensors)) for msg in replies]
         if replies[0].header.get("ranks"):      # mpi: rank 0 read every rank's pieces by RMA
             names, ts = replies[0].header["names"], replies[0].tensors
             held = [dict(zip(names, ts[r * len(names):(r + 1) * len(names)]))
                     for r in range(workers.n)]
-        pieces = [(rank_coords(rank, sizes), h) for rank, h in enumerate(held)]
-        return {name: assemble({c: held[name] for c, held in pieces},
-                               plan.input_layouts[name], sizes)
-                for name in replies[0].header["names"]}
+        return _assemble_state(plan, held)
 
     def _write_local(self, values: Mapping[str, torch.Tensor]) -> None:
         self._traced.write_state(dict(values), *self._example_data())
@@ -1408,6 +1399,22 @@ def _piece_keys(plan: Plan, names: list[str]) -> dict[tuple[int, str], tuple]:
                           local_slices(shapes[name], layouts[name], sizes, coords))
             keys[(rank, name)] = (name, where, holds_zeros(layouts[name], coords))
     return keys
+
+
+def _assemble_state(plan: Plan, held: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole state tensors from every rank's pieces (``held[rank]``: name -> its piece)."""
+    sizes = plan.mesh.sizes
+    coords = [rank_coords(rank, sizes) for rank in range(len(held))]
+    return {name: assemble({c: h[name] for c, h in zip(coords, held)},
+                           plan.input_layouts[name], sizes)
+            for name in held[0]}
+
+
+def _state_pins(plan: Plan) -> dict[str, Any]:
+    """Where ``plan`` holds every state tensor: the pins that keep another program's state
+    where this one's is."""
+    return {n.target: plan.input_layouts[n.target] for n in plan.graph.inputs
+            if n.meta.role in STATE_ROLES}
 
 
 def _owned(values: Mapping[str, Any], owners: dict[tuple[int, str], int] | None,

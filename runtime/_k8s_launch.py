@@ -49,6 +49,7 @@ from .._errors import RuntimeFailure
 from . import _channel as P
 from ._channel import ControllerChannel, Secret
 from ._k8s import (
+    MANAGED_BY,
     OWNER_LABEL,
     RUN_LABEL,
     K8sOptions,
@@ -423,6 +424,15 @@ def _address_toward(url: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def _copy_log(core: Any, namespace: str, name: str, prefix: str, follow: bool,
+              write: Any) -> None:
+    """Pass every line of pod ``name``'s log to ``write``, ``prefix`` in front; ``follow``:
+    until the pod ends. The API's errors are the caller's."""
+    resp = core.read_namespaced_pod_log(name, namespace, follow=follow, _preload_content=False)
+    for line in resp:
+        write(prefix + line.decode(errors="replace"))
+
+
 def _stream_logs(core: Any, namespace: str, group: _K8sGroup, per: int) -> None:
     """A thread per pod, once it runs, copying its log to stderr with its ranks in front."""
     pods = group.pods
@@ -433,10 +443,7 @@ def _stream_logs(core: Any, namespace: str, group: _K8sGroup, per: int) -> None:
         prefix = (f"[rank {index * per}] " if per == 1
                   else f"[ranks {index * per}-{index * per + per - 1}] ")
         try:
-            resp = core.read_namespaced_pod_log(name, namespace, follow=True,
-                                                _preload_content=False)
-            for line in resp:
-                sys.stderr.write(prefix + line.decode(errors="replace"))
+            _copy_log(core, namespace, name, prefix, True, sys.stderr.write)
         except Exception:  # noqa: BLE001 - the pod went; its log ends here
             pass
 
@@ -462,7 +469,7 @@ def delete_all_mine(namespace: str | None = None) -> list[str]:
     from kubernetes.client import V1DeleteOptions
 
     core, batch, _ = _clients()
-    selector = f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by=meshplan"
+    selector = _mine()
     done = []
     body = V1DeleteOptions(propagation_policy="Background")
     for kind, lister, deleter in (
@@ -476,6 +483,11 @@ def delete_all_mine(namespace: str | None = None) -> list[str]:
     return done
 
 
+def _mine() -> str:
+    """The label selector of what meshplan made for this user."""
+    return f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by={MANAGED_BY}"
+
+
 def _namespaces(core: Any, namespace: str | None) -> list[str]:
     if namespace:
         return [namespace]
@@ -485,7 +497,7 @@ def _namespaces(core: Any, namespace: str | None) -> list[str]:
 def status_of_mine(namespace: str | None = None) -> list[tuple[str, list[str]]]:
     """This user's meshplan Jobs (``namespace/name: state``) and their pods' phases."""
     core, batch, _ = _clients()
-    selector = f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by=meshplan"
+    selector = _mine()
     rows = []
     for ns in _namespaces(core, namespace):
         for job in batch.list_namespaced_job(ns, label_selector=selector).items:
@@ -506,20 +518,20 @@ def logs_of_mine(namespace: str | None = None, run: str | None = None,
     Returns how many pods there were."""
     core, _, _ = _clients()
     out = out or sys.stdout
-    selector = f"{OWNER_LABEL}={owner()},app.kubernetes.io/managed-by=meshplan"
+    selector = _mine()
     if run:
         selector += f",{RUN_LABEL}={run.lower()}"
     pods = [(ns, p.metadata.name) for ns in _namespaces(core, namespace)
             for p in core.list_namespaced_pod(ns, label_selector=selector).items]
     lock = threading.Lock()
 
+    def write(text: str) -> None:
+        with lock:
+            out.write(text)
+
     def copy(ns: str, name: str) -> None:
         try:
-            resp = core.read_namespaced_pod_log(name, ns, follow=follow,
-                                                _preload_content=False)
-            for line in resp:
-                with lock:
-                    out.write(f"[{name}] " + line.decode(errors="replace"))
+            _copy_log(core, ns, name, f"[{name}] ", follow, write)
         except Exception as exc:  # noqa: BLE001 - a pod gone, a log not there yet
             with lock:
                 out.write(f"[{name}] (no log: {getattr(exc, 'reason', exc)})\n")

@@ -297,10 +297,11 @@ def _alive(pid: int) -> bool:
 
 
 def _last_words(tail: list[str], n: int = 10) -> list[str]:
-    """The last ``n`` lines of a launcher's stderr, after the launcher's own lines that came
-    before them (ssh's, the sandbox's: those that are not hydra's ``[mpiexec@...]`` or
-    ``[proxy:...]``), which name the host best and which a rank's or proxy's later lines
-    must not push out (seen under load: the "no host" line was gone from the last 10)."""
+    """The last ``n`` lines of a launcher's stderr (mpiexec's, srun's), after the launcher's
+    own lines that came before them (ssh's, the sandbox's, srun's: those that are not
+    bracketed, as hydra's ``[mpiexec@...]``, ``[proxy:...]`` and the ranks' ``[rank N]``
+    are), which name the host best and which later lines must not push out (seen under
+    load: the "no host" line was gone from the last 10)."""
     own = [line for line in tail[:-n] if line.strip() and not line.startswith("[")]
     return own[-3:] + tail[-n:]
 

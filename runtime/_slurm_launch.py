@@ -56,6 +56,7 @@ from . import _channel as P
 from ._channel import ControllerChannel, Secret
 from ._launch import LocalLauncher, RendezvousStore, WorkerFailure, Workers, _Group
 from ._mpi_launch import (
+    _last_words,
     _pdeathsig_setter,
     _RankProc,
     _watch_exits,
@@ -563,7 +564,7 @@ class SlurmLauncher(LocalLauncher):
                 raise
             if group.stderr_thread is not None:
                 group.stderr_thread.join(5.0)
-            said = "\n".join(f"    {line}" for line in group.stderr_tail[-10:])
+            said = "\n".join(f"    {line}" for line in _last_words(group.stderr_tail))
             raise WorkerFailure(
                 f"srun ended (code {group.srun.returncode}) before every rank started on "
                 f"{', '.join(used)} ({per} rank{'s' * (per != 1)} each, Slurm job "

@@ -31,7 +31,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -249,11 +249,13 @@ class Snapshot:
 
 
 def read_mesh(paths: Sequence[str], owners: Mapping[tuple[int, str], int],
-              before: int) -> tuple[int, list[dict[str, torch.Tensor]]] | None:
+              choose: Callable[[list[list[int]]], int | None]
+              ) -> tuple[int, list[dict[str, torch.Tensor]]] | None:
     """The controller reads a whole mesh's snapshot itself (``distribute(elastic=)``: the
-    ranks are gone, their files are not): the newest step before ``before`` that every file
-    holding pieces has, and every rank's pieces of it (``owners``: (rank, name) -> the rank
-    whose file holds that piece). None when no such step exists."""
+    ranks are gone, their files are not): the step ``choose`` picks from the steps each file
+    holding pieces has (``Recovery.restore_point``), and every rank's pieces of it
+    (``owners``: (rank, name) -> the rank whose file holds that piece). None when no step is
+    chosen."""
     holders = sorted(set(owners.values()))
     files: dict[int, Snapshot] = {}
     try:
@@ -262,11 +264,9 @@ def read_mesh(paths: Sequence[str], owners: Mapping[tuple[int, str], int],
                 files[r] = Snapshot.existing(paths[r], rank=r)
             except RuntimeFailure:              # a file no rank ever wrote
                 return None
-        common = set.intersection(*(set(f.steps()) for f in files.values())) if files else set()
-        usable = [s for s in common if s < before]
-        if not usable:
+        step = choose([f.steps() for f in files.values()])
+        if step is None:
             return None
-        step = max(usable)
         wanted: dict[int, set[str]] = {}
         for (_, name), owner in owners.items():
             wanted.setdefault(owner, set()).add(name)

@@ -132,12 +132,13 @@ def test_the_controller_reads_a_whole_mesh_back_from_the_files_of_ranks_that_are
         b.write(k, {"w": _state(k)["w"], "ids": _state(k)["ids"] + 1})
     b.write(5, _state(5))
     owners = {(0, "w"): 1, (0, "ids"): 0, (1, "w"): 1, (1, "ids"): 1}
-    step, held = read_mesh([files.path(0), files.path(1)], owners, before=9)
+    choose = Recovery(max_restarts=1, snapshot_every=1, hang_s=1.0).restore_point
+    step, held = read_mesh([files.path(0), files.path(1)], owners, lambda h: choose(h, 9))
     assert step == 4
     assert torch.equal(held[0]["w"], _state(4)["w"]) and torch.equal(held[1]["w"], held[0]["w"])
     assert torch.equal(held[0]["ids"], _state(4)["ids"])
     assert torch.equal(held[1]["ids"], _state(4)["ids"] + 1)
-    assert read_mesh([files.path(0), files.path(1)], owners, before=3) is None
+    assert read_mesh([files.path(0), files.path(1)], owners, lambda h: choose(h, 3)) is None
     a.close()
     b.close()
 
