@@ -21,7 +21,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,10 +39,11 @@ from ._files import FILES_PLUGIN
 from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
-from ._mpi_launch import MPILauncher
+from ._keepers import KEEPER_PLUGIN, MeshSnapshots
+from ._mpi_launch import MPILauncher, host_slots, is_this_host
 from ._recovery import RECOVERABLE, Recovery, Remembered, smaller_meshes
-from ._slurm_launch import SlurmLauncher, SlurmOptions
-from ._snapshot import read_mesh
+from ._slurm_launch import Allocation, SlurmLauncher, SlurmOptions, slurm_nodes
+from ._snapshot import SnapshotFiles, read_mesh
 from ._telemetry import (
     ControllerTelemetry,
     QueryResult,
@@ -98,9 +99,12 @@ class DistributedStep:
                                  "drop slurm=)")
         self.launcher, self.hosts = launcher, hosts
         self.hang_s = _positive("hang_s", hang_s)
-        self._ft = _fault_tolerance(fault_tolerance, launcher, hosts, max_restarts,
+        self._ft = _fault_tolerance(fault_tolerance, launcher, max_restarts,
                                     snapshot_every, self.hang_s, elastic)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
+        # under fault tolerance, the Slurm allocation every launch of the run uses (restarted
+        # ranks go back to their nodes, where their snapshots are); given back at shutdown
+        self._allocation: Allocation | None = None
         self.k8s = K8sOptions.parse(k8s) if launcher == "k8s" else None
         if self.k8s is not None and device is None:    # the pods' GPUs, not this host's
             device = "cuda" if self.k8s.gpus_per_pod else "cpu"
@@ -376,6 +380,9 @@ class DistributedStep:
             self._shipper = None
         if self._ft is not None:
             self._ft.close()               # the snapshots go with the mesh
+        if self._allocation is not None:
+            self._allocation.release()
+            self._allocation = None
         if self._tel is not None:
             self._tel.close()
             self._tel = None
@@ -560,7 +567,7 @@ class DistributedStep:
                            "runs every rank on this one; pass launcher='mpi' or 'slurm' to "
                            "use them", os.environ["MESHPLAN_HOSTS"])
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
-                    else SlurmLauncher(self.slurm) if self.launcher == "slurm"
+                    else self._slurm_launcher(world) if self.launcher == "slurm"
                     else K8sLauncher(self.k8s) if self.launcher == "k8s"
                     else LocalLauncher())
         plugins = ",".join(filter(None, (_HANDLERS, FILES_PLUGIN,
@@ -631,34 +638,87 @@ class DistributedStep:
         if ft is None:
             return {}
         world = math.prod(self.plan.mesh.sizes)
-        files = ft.open(world)
+        if ft.files is None:
+            ft.files = self._snapshot_files(world)
+        files = ft.files
         if ft.owners is None:
             ft.owners = self._snapshot_owners()
         names = sorted(n for r, n in ft.owners if r == rank)
         return {"path": files.path(rank), "paths": [files.path(r) for r in range(world)],
                 "own": [n for n in names if ft.owners[(rank, n)] == rank],
                 "from": {n: ft.owners[(rank, n)] for n in names},
+                "replica": getattr(files, "replica", lambda r: None)(rank),
                 "restore": restore, "step": self._step_no - 1}
 
+    def _slurm_launcher(self, world: int) -> SlurmLauncher:
+        """The Slurm launcher of a launch; under fault tolerance, in the allocation the run
+        keeps (asked for at the first launch when the controller runs outside one)."""
+        if self._ft is None:
+            return SlurmLauncher(self.slurm)
+        if self._allocation is None:
+            self._allocation = SlurmLauncher(self.slurm).allocation(world)
+        return SlurmLauncher(self.slurm, env=self._allocation.environ())
+
+    def _rank_hosts(self, world: int) -> list[str | None]:
+        """The host of every rank, None for the controller's own (where the controller holds
+        the snapshot files): the mpi launcher's placement (``host_slots``), or the Slurm
+        allocation's nodes, consecutive ranks on one."""
+        if self.launcher == "slurm" and self._allocation is not None:
+            nodes = self._allocation.nodes[:slurm_nodes(self._allocation, world,
+                                                          self.slurm.nodes, say=False)]
+            names = [nodes[r * len(nodes) // world] for r in range(world)]
+        else:
+            placement = host_slots(self.hosts, world) if self.launcher == "mpi" else None
+            if placement is None:
+                return [None] * world
+            names = [h for h, k in placement for _ in range(k)]
+        return [None if is_this_host(h) else h for h in names]
+
+    def _snapshot_files(self, world: int) -> Any:
+        """Every rank's snapshot file: memory files this process holds, and for ranks on other
+        hosts, one snapshot keeper per host started with the ranks' launcher
+        (``_keepers.py``)."""
+        hosts = self._rank_hosts(world)
+        if all(h is None for h in hosts):
+            return SnapshotFiles(world)
+        env = {"MESHPLAN_WORKER_PLUGINS": KEEPER_PLUGIN}
+
+        def launch(names: list[str]) -> Workers:
+            if self.launcher == "slurm":       # a step of its own, beside the ranks' steps
+                assert self.slurm is not None and self._allocation is not None
+                options = dataclasses.replace(self.slurm, nodes=len(names), srun_args=(
+                    *self.slurm.srun_args, "--overlap", f"--nodelist={','.join(names)}",
+                    "--kill-on-bad-exit=0"))
+                return SlurmLauncher(options, env=self._allocation.environ()).launch(
+                    len(names), env=env)
+            # one job for every keeper, which goes on when one of them (its host) is lost
+            return MPILauncher(hosts=[f"{h}:1" for h in names],
+                               mpiexec_args=("-disable-auto-cleanup",)).launch(
+                len(names), env=env)
+        return MeshSnapshots(hosts, launch, self.timeout_s)
+
     def _snapshot_owners(self) -> dict[tuple[int, str], int]:
-        """(rank, state name) -> the rank whose snapshot holds that rank's piece. Ranks holding
-        the same piece (data-parallel replicas, tensor-parallel replicated norms) share its
-        snapshot out: each distinct piece is copied by one of its holders, the largest pieces
-        first, each to the holder that copies the fewest bytes so far. So under data
-        parallelism every rank copies about 1/n of the state per snapshot, not all of it."""
+        """(rank, state name) -> the rank whose snapshot holds that rank's piece. Ranks of one
+        host holding the same piece (data-parallel replicas, tensor-parallel replicated norms)
+        share its snapshot out: each distinct piece is copied by one of its holders on every
+        host that has one (a restarted rank reads its pieces on its own host), the largest
+        pieces first, each to the holder that copies the fewest bytes so far. So under data
+        parallelism every rank copies about 1/n of its host's state per snapshot, not all of
+        it."""
         plan = self.plan
         dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
+        hosts = self._rank_hosts(math.prod(plan.mesh.sizes))
         holders: dict[tuple, list[int]] = {}
         for (rank, _), key in _piece_keys(plan, self._state_names()).items():
-            holders.setdefault(key, []).append(rank)
-        nbytes = {key: math.prod(b - a for a, b in key[1]) * dtypes[key[0]].itemsize
+            holders.setdefault((hosts[rank], *key), []).append(rank)
+        nbytes = {key: math.prod(b - a for a, b in key[2]) * dtypes[key[1]].itemsize
                   for key in holders}
         load = [0] * math.prod(plan.mesh.sizes)
         owners = {}
-        for key in sorted(holders, key=lambda k: (-nbytes[k], k)):
+        for key in sorted(holders, key=lambda k: (-nbytes[k], k[1:], k[0] or "")):
             owner = min(holders[key], key=lambda r: (load[r], r))
             load[owner] += nbytes[key]
-            owners.update({(rank, key[0]): owner for rank in holders[key]})
+            owners.update({(rank, key[1]): owner for rank in holders[key]})
         return owners
 
     def _launch_state(self) -> dict[str, torch.Tensor]:
@@ -710,9 +770,11 @@ class DistributedStep:
                 failure = again
         return failure, restored, started
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, lost: bool = False) -> None:
+        """Stop every worker now; ``lost``: some are on a lost host, whose launcher processes
+        would not answer a polite end (a short grace, then the kill)."""
         if self._workers is not None:
-            self._workers.stop()
+            self._workers.stop(grace_s=0.5 if lost else None)
 
     def _restart(self, failure: WorkerFailure, in_flight: int) -> int:
         """Replace the failed ranks (``_replace``), or when that cannot be done, start every
@@ -760,21 +822,23 @@ class DistributedStep:
         if self.launcher == "local" and workers is not None and not workers.closed:
             failed |= set(workers.failed_ranks())     # another rank that died with it
         # (mpiexec ends every rank once one dies: there the failure's ranks are the failed)
+        if failure.reason == "lost" and self.launcher == "mpi":
+            failed |= self._drop_hosts(failure.ranks, n)
         if ft.held is None:                   # the state is still in the mesh's snapshots
             assert ft.files is not None and ft.owners is not None
-            found = read_mesh([ft.files.path(r) for r in range(len(ft.files.fds))],
-                              ft.owners, lambda held: ft.restore_point(held, in_flight))
+            found = read_mesh(ft.files, ft.owners,
+                              lambda held: ft.restore_point(held, in_flight))
             if found is None:
                 self._stop_workers()
                 raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a "
                                      "snapshot on every rank; the run cannot go on from "
                                      "memory: load the last checkpoint")
             restored, held = found
-            self._stop_workers()
+            self._stop_workers(lost=failure.reason == "lost")
             self._write_local(_assemble_state(self.plan, held))
             ft.held = (restored, ft.kept_after(restored))
         else:
-            self._stop_workers()
+            self._stop_workers(lost=failure.reason == "lost")
         restored, kept = ft.held
         before = dict(self.mesh)
         mesh, plans = self._smaller_plan(n - len(failed))
@@ -793,6 +857,25 @@ class DistributedStep:
         ft.held, ft.shrunk = None, (before, mesh)
         ft.replaced = list(range(self._workers.n))
         return restored
+
+    def _drop_hosts(self, ranks: Sequence[int], world: int) -> set[int]:
+        """A shrink after hosts were lost (no heartbeat from ``ranks``): their snapshots are
+        read from the copies on the next hosts from now on (``MeshSnapshots.lose``), and the
+        smaller mesh goes on the other hosts, as many ranks on each as before. Returns every
+        rank of the lost hosts."""
+        placement = host_slots(self.hosts, world)
+        if placement is None:
+            return set(ranks)
+        owner = [h for h, k in placement for _ in range(k)]
+        lost = {owner[r] for r in ranks}
+        files = self._ft.files if self._ft is not None else None
+        if hasattr(files, "lose"):
+            files.lose(ranks)
+        logger.warning("meshplan: %s: host%s %s lost; the mesh goes on without %s",
+                       self.__name__, "s" * (len(lost) != 1), ", ".join(sorted(lost)),
+                       "them" if len(lost) != 1 else "it")
+        self.hosts = [f"{h}:{k}" for h, k in placement if h not in lost]
+        return {r for r, h in enumerate(owner) if h in lost}
 
     def _rerun(self, steps: list[Remembered]) -> None:
         """Run the kept ``steps`` (``Recovery.replay``) again on every rank, in order."""
@@ -822,6 +905,10 @@ class DistributedStep:
                 break
             size = math.prod(mesh.values())
             try:
+                if self.launcher == "mpi":       # the hosts must split the smaller mesh too
+                    host_slots(self.hosts, size)
+                elif self.launcher == "slurm" and self._allocation is not None:
+                    slurm_nodes(self._allocation, size, self.slurm.nodes, say=False)
                 first = plan_graph(programs[0], mesh, topology=self.topology,
                                    strategy=self.strategy,
                                    memory_limit_bytes=self.memory_limit_bytes,
@@ -993,6 +1080,13 @@ class DistributedStep:
         ft = self._ft
         assert ft is not None
         for rank, reply in enumerate(replies):
+            if reply.header.get("replica_lost"):
+                why = reply.header["replica_lost"]
+                logger.warning("meshplan: %s: rank %d: %s; its snapshots go on without a copy "
+                               "on another host (a loss of its host now loses them)",
+                               self.__name__, rank, why)
+                if self._tel is not None:
+                    self._tel.snapshot_lost(rank, self._step_no, f"replica: {why}")
             for step, why in reply.header.get("snapshots_lost", ()):
                 ft.lost(int(step))
                 logger.warning("meshplan: %s: rank %d could not copy its snapshot of step %d "
@@ -1251,14 +1345,16 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     between ranks that share one) or ``"cpu"``; None (the default): ``"cuda"`` when this host
     sees a GPU, else ``"cpu"``; the plan summary says which. Not under ``launcher="mpi"``.
     ``fault_tolerance``: True keeps every rank's state in memory after every
-    ``snapshot_every``-th step (a copy per rank, in memory files the controller holds) and the
+    ``snapshot_every``-th step (a copy per rank, in memory files the controller holds, or on
+    another host a snapshot keeper there, with a copy on the next host's keeper) and the
     batches since; when a rank exits, is killed, stays stopped for ``hang_s`` or a step outlives
     ten times the usual step time (never less than ``hang_s``), the controller restarts the
     mesh, brings every rank back to the newest snapshot and re-runs the steps since: the call
     returns what it would have, the state is bit for bit the fault-free run's, and a warning
     line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
-    ``max_restarts`` restarts in one run, ``RuntimeFailure``. The local launcher, and mpi
-    with every rank on this host, for now (README, "Fault tolerance"). ``hang_s``: how long a rank may stay stopped (SIGSTOP) while
+    ``max_restarts`` restarts in one run, ``RuntimeFailure``. The local and mpi launchers
+    (``hosts=`` too), not yet slurm or k8s (README, "Fault tolerance"). ``hang_s``: how long a
+    rank may stay stopped (SIGSTOP) while
     the controller waits for it before it counts as failed (default 10 s). ``elastic``
     (with fault tolerance): True, or the fewest ranks to go on with, makes a failure shrink
     the mesh instead of starting the failed ranks again: the step is planned again for the
@@ -1266,7 +1362,9 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     estimated step time among meshes of that size), the newest snapshot's state moves to it
     through the controller, the kept steps re-run on it, and the run goes on there, with the
     same global batch; the results then follow the smaller mesh's sums, not bit for bit the
-    old mesh's. The warning line and the ``recoveries`` row name the new mesh.
+    old mesh's. The warning line and the ``recoveries`` row name the new mesh. Under mpi with
+    ``hosts=``, a lost host (no heartbeat) is dropped: its ranks' snapshots are read from the
+    copies on the next host, and the smaller mesh runs on the other hosts.
     ``launcher="k8s"``: the ranks run in the pods of an Indexed Job (with a headless Service
     and a Secret holding the channel key) made with the ``kubernetes`` client from
     ``$KUBECONFIG``; ``k8s``: its options (``runtime._k8s.K8sOptions``), e.g. ``{"image":
@@ -1320,7 +1418,7 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-def _fault_tolerance(on: Any, launcher: str, hosts: Any, max_restarts: Any,
+def _fault_tolerance(on: Any, launcher: str, max_restarts: Any,
                      snapshot_every: Any, hang_s: float, elastic: Any = False
                      ) -> Recovery | None:
     if not (elastic is None or isinstance(elastic, bool) or
@@ -1336,17 +1434,13 @@ def _fault_tolerance(on: Any, launcher: str, hosts: Any, max_restarts: Any,
         return None
     if on is not True:
         raise RuntimeFailure(f"distribute(fault_tolerance={on!r}): pass True or False")
-    elsewhere = launcher in ("slurm", "k8s") or (launcher == "mpi" and (
-        hosts is not None or os.environ.get("MESHPLAN_HOSTS")))
-    if elsewhere:
-        where = ("launcher='slurm' runs them on the allocation's nodes" if launcher == "slurm"
-                 else "launcher='k8s' runs them in pods" if launcher == "k8s"
-                 else "hosts= (or $MESHPLAN_HOSTS) puts them on other hosts")
+    if launcher == "k8s":
         raise RuntimeFailure(
-            f"distribute(fault_tolerance=True, launcher={launcher!r}): restarting from "
-            "in-memory snapshots needs every rank on the controller's host for now (its "
-            f"snapshots live in memory files the controller holds), and {where}; use "
-            "launcher='local' or 'mpi' on this host, or save_checkpoint() every few steps and "
+            "distribute(fault_tolerance=True, launcher='k8s'): restarting from in-memory "
+            "snapshots needs a process that outlives the ranks on every host (the controller "
+            "on its own, a snapshot keeper the mpi and slurm launchers start on the others), "
+            "and launcher='k8s' runs them in pods, where none is started yet; use "
+            "launcher='local', 'mpi' or 'slurm', or save_checkpoint() every few steps and "
             "load_checkpoint() after a failure")
     for name, value in (("max_restarts", max_restarts), ("snapshot_every", snapshot_every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (

@@ -45,13 +45,13 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     if header.get("checkpoint"):          # the rest of the state: this rank's pieces of a file
         ns.state.update({k: v.to(ns.device) for k, v in
                          _checkpoint_pieces(state.rank, plan, header["checkpoint"]).items()})
+    ns.shared_gpu, ns.timeout_s = shared_gpu, float(header.get("timeout_s", 300.0))
     snap = header.get("snapshot")
     if snap:                              # distribute(fault_tolerance=True): _snapshot.py
         _open_snapshot(state, snap)
     ns.kernels = bool(header.get("kernels", True))
     ns.program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
     ns.programs = {0: (ns.program, list(header["data"]))}
-    ns.shared_gpu, ns.timeout_s = shared_gpu, float(header.get("timeout_s", 300.0))
     # a replacement rank (distribute(fault_tolerance=True)) builds it with the others: rejoin
     if getattr(ns, "comm", None) is None and header.get("comm", True):
         ns.comm = _communicator(state, int(header.get("generation", 0)))
@@ -71,7 +71,7 @@ def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
     state pieces its plan gives it. A first launch writes the state it was given as the
     snapshot of the step before its first; a replacement (``restore``) only checks that the
     file holds its pieces: ``restore_snapshot`` then reads them."""
-    from ._snapshot import Snapshot
+    from ._snapshot import Replica, Snapshot
 
     ns = state.ns
     plan, sizes = ns.plan, ns.plan.mesh.sizes
@@ -90,6 +90,10 @@ def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
     ns.snap_paths = list(snap.get("paths", ()))
     ns.snapshot = Snapshot(str(snap["path"]), {n: p for n, p in pieces.items() if n in own},
                            rank=state.rank)
+    replica = snap.get("replica")
+    if replica:                           # a copy of every snapshot on the next host too
+        ns.snapshot.replica = Replica(replica["address"], bytes.fromhex(replica["key"]),
+                                      state.rank, ns.snapshot.text, ns.timeout_s)
     ns.last_step = int(snap["step"])
     # under mpi the replicated pieces come after setup (share_state), which snapshots then
     if not snap.get("restore") and all(n in ns.state for n in own):
@@ -273,6 +277,9 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     snap = getattr(ns, "snapshot", None)
     if snap is not None and snap.lost:    # an earlier step's copy failed: the controller
         reply["snapshots_lost"], snap.lost = snap.lost, []    # counts on the one before
+    replica = getattr(snap, "replica", None)
+    if replica is not None and replica.broken and not replica.said:   # said once
+        reply["replica_lost"], replica.said = replica.broken, True
     if header.get("snapshot"):            # the state after this step, for a restart: copied
         ns.snapshot.write_behind(int(header["step"]), ns.state)    # while the reply goes
     if tel is not None:

@@ -405,9 +405,15 @@ class Workers:
                 if p.poll() is not None
                 or (getattr(p, "local", True) and _proc_state(p.pid) == "T")]
 
-    def stop(self) -> None:
-        """Stop every worker now (terminate, then kill): no goodbye, nothing waited for."""
-        self._finalizer()
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop every worker now (terminate, then kill): no goodbye, nothing waited for.
+        ``grace_s``: how long terminated workers get before the kill (default: the
+        launcher's), short when some cannot answer anyway (their host is lost)."""
+        if grace_s is None or not self._finalizer.alive:
+            self._finalizer()
+            return
+        self._finalizer.detach()
+        self._group.stop(grace_s)
 
     def kill(self, ranks: Sequence[int]) -> None:
         """SIGKILL ``ranks`` (stopped ones too) and reap them."""

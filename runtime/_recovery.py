@@ -2,7 +2,8 @@
 
 On a rank that exits, is killed, stays stopped or goes silent, the controller stops the mesh,
 starts it again with the same launcher, every rank takes back its pieces of the newest
-snapshot all ranks hold (``_snapshot.py``: in memory, kept by the controller), the steps after
+snapshot all ranks hold (``_snapshot.py``: in memory, kept by the controller, or by a keeper
+on each other host, ``_keepers.py``), the steps after
 that snapshot run again from the batches kept here (the interrupted one last), and the call
 returns as if nothing happened. Every step is deterministic given its batch, its
 hyperparameters, the run's seed and its number (``backends/_rng.py``), and collectives sum in
@@ -13,7 +14,9 @@ With ``elastic``, a failed rank is not started again: the mesh shrinks to one th
 ranks can form (``smaller_meshes``), the step is planned again for it, the state of the newest
 common snapshot moves to it through the controller, and the kept steps re-run on it. The result
 then equals a run on the smaller mesh from that step on, not bit for bit the old mesh's (the
-sums of a collective run in another order).
+sums of a collective run in another order). A host lost under the mpi launcher is left out
+of the smaller mesh, its ranks' snapshots read from their copies on the next host
+(``_keepers.py``).
 
 This module is the bookkeeping: which steps a snapshot covers, the batches since the last
 one, the restart budget, the step deadline derived from measured step times, the meshes a
@@ -33,7 +36,6 @@ from typing import Any
 import torch
 
 from .._errors import RuntimeFailure
-from ._snapshot import SnapshotFiles
 
 __all__ = ["RECOVERABLE", "Recovery", "Remembered", "smaller_meshes"]
 
@@ -67,7 +69,9 @@ class Recovery:
         # kept steps after it (a failure while the smaller mesh starts goes on from there)
         self.held: tuple[int, list[Remembered]] | None = None
         self.shrunk: tuple[dict[str, int], dict[str, int]] | None = None   # the last: from, to
-        self.files: SnapshotFiles | None = None
+        # every rank's snapshot file: _snapshot.SnapshotFiles, or _keepers.MeshSnapshots when
+        # ranks run on other hosts than the controller's
+        self.files: Any = None
         self.restarts = 0
         self.generation = 0       # communicators built after a rank was replaced
         self.replaced: list[int] = []             # the ranks the last recovery started
@@ -79,11 +83,6 @@ class Recovery:
         self._snaps: list[int] = []
         self._since: dict[int, Remembered] = {}    # steps after the older one, by number
         self._durations: deque[float] = deque(maxlen=20)
-
-    def open(self, n: int) -> SnapshotFiles:
-        if self.files is None:
-            self.files = SnapshotFiles(n)
-        return self.files
 
     def close(self) -> None:
         if self.files is not None:

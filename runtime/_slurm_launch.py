@@ -66,7 +66,7 @@ from ._mpi_launch import (
     start_job,
 )
 
-__all__ = ["Allocation", "SlurmLauncher", "SlurmOptions", "worker_rank"]
+__all__ = ["Allocation", "SlurmLauncher", "SlurmOptions", "slurm_nodes", "worker_rank"]
 
 logger = logging.getLogger("meshplan.runtime")
 
@@ -279,6 +279,12 @@ class Allocation:
         alloc.cpus = cpus_per_node(cpus, len(alloc.nodes))
         return alloc
 
+    def environ(self, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+        """``base`` with this allocation as the one we run in (``current``): a launcher given
+        it uses these nodes and leaves the allocation to whoever holds it."""
+        return {**base, "SLURM_JOB_ID": self.job_id, "SLURM_JOB_NODELIST": ",".join(self.nodes),
+                "SLURM_JOB_CPUS_PER_NODE": ",".join(map(str, self.cpus))}
+
     def release(self, grace_s: float = 10.0) -> None:
         """Give back an allocation we asked for (nothing for one we run in). Idempotent."""
         proc, self.holder = self.holder, None
@@ -488,6 +494,17 @@ class SlurmLauncher(LocalLauncher):
         self.options = SlurmOptions.parse(options)
         self.env = os.environ if env is None else env
 
+    def allocation(self, n: int) -> Allocation:
+        """The allocation ``n`` ranks would run in: the one we run in, or a new one, which the
+        caller gives back (``release``) once done with it; launchers given its ``environ()``
+        run in it as in their own (``distribute(fault_tolerance=True)`` keeps one for the run,
+        so that restarted ranks find their nodes and snapshots again)."""
+        alloc = Allocation.current(self.env)
+        if alloc is not None:
+            return alloc
+        nodes = self.options.nodes or 1
+        return Allocation.request(self.options, nodes, _per_node(n, nodes, _NODES))
+
     def launch(self, n: int, *, env: Mapping[str, str] | None = None,
                cwd: str | os.PathLike | None = None) -> Workers:
         if not isinstance(n, int) or n < 1:
@@ -496,7 +513,7 @@ class SlurmLauncher(LocalLauncher):
         opts = self.options
         alloc = Allocation.current(self.env)
         if alloc is not None:
-            nodes = _nodes_in(alloc, n, opts.nodes)
+            nodes = slurm_nodes(alloc, n, opts.nodes)
             per = n // nodes
             _check_fits(alloc, nodes, per, opts.overcommit)
         else:
@@ -594,8 +611,9 @@ def _per_node(n: int, nodes: int, where: str) -> int:
     return n // nodes
 
 
-def _nodes_in(alloc: Allocation, n: int, asked: int | None) -> int:
-    """How many of the allocation's nodes the ``n`` ranks use."""
+def slurm_nodes(alloc: Allocation, n: int, asked: int | None, say: bool = True) -> int:
+    """How many of the allocation's nodes the ``n`` ranks use (``asked``: ``slurm={"nodes"}``);
+    raises when they do not split over them. ``say``: warn when some nodes stay unused."""
     have = len(alloc.nodes)
     if asked is not None:
         if asked > have:
@@ -607,7 +625,7 @@ def _nodes_in(alloc: Allocation, n: int, asked: int | None) -> int:
         _per_node(n, asked, _NODES)
         return asked
     nodes = max(d for d in range(1, min(have, n) + 1) if n % d == 0)
-    if nodes < have:
+    if nodes < have and say:
         logger.warning("meshplan: %d ranks over %d of Slurm job %s's %d nodes (the most that "
                        "split them evenly); %s sets another count", n, nodes, alloc.job_id,
                        have, _NODES)

@@ -2,9 +2,12 @@
 the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one process.
 
     python _multihost_job.py MESH_JSON STRATEGY DB STEPS [LAUNCHER [OPTIONS_JSON]]
-                                    (OPTIONS_JSON: slurm= or k8s=, by LAUNCHER)
+                                    (OPTIONS_JSON: slurm= or k8s=, by LAUNCHER,
+                                     and "distribute": more distribute() options,
+                                     "faults": $MESHPLAN_TEST_FAULTS for _faults.py)
     python _multihost_job.py cut RESULT   (see ``cut``)
     python _multihost_job.py unreachable RESULT
+    python _multihost_job.py lose RESULT            (see ``lose``)
     python _multihost_job.py die RESULT             (slurm: a rank is killed; see ``die``)
     python _multihost_job.py hold                   (slurm: one step, ``ready``, then sleep)
     python _multihost_job.py refused MESH SLURM RESULT  (slurm: the launch's error)
@@ -49,6 +52,34 @@ def cut(result: str, launcher: str = "mpi") -> None:
             out = {"type": type(exc).__name__, "reason": getattr(exc, "reason", None),
                    "hosts": list(getattr(exc, "hosts", ())), "message": str(exc),
                    "after_s": time.monotonic() - t0}
+    with open(result, "w") as f:
+        json.dump(out, f)
+
+
+def lose(result: str) -> None:
+    """``fault_tolerance=True, elastic=True`` on dp4 FSDP over two hosts: two steps, then
+    ``cut-now`` on stdout; after a line on stdin (the test has cut the second host's link),
+    two more steps, next to one process. The losses, the largest parameter difference, the
+    mesh and the hosts of the ranks after, as JSON in ``result``."""
+    import socket
+
+    ex, ref = gpt.build(optimizer="adamw", clip=1.0), gpt.build(optimizer="adamw", clip=1.0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy="fsdp",
+                               telemetry=False, timeout_s=120, fault_tolerance=True,
+                               elastic=True)
+    got, want = [], []
+    with step:
+        for i in range(4):
+            if i == 2:
+                print("cut-now", flush=True)
+                sys.stdin.readline()
+            got.append(float(step(*ex.batch(i)).detach()))
+            want.append(float(ref.step(*ref.batch(i)).detach()))
+        step.sync()
+        out = {"got": got, "want": want, "mesh": step.mesh, "restarts": step.restarts,
+               "hosts": list(step._workers.hostnames), "controller": socket.gethostname()}
+    out["param_diff"] = max(float((p - q).detach().abs().max()) for p, q in
+                            zip(ex.model.parameters(), ref.model.parameters()))
     with open(result, "w") as f:
         json.dump(out, f)
 
@@ -144,6 +175,8 @@ def main() -> None:
         return cut(*sys.argv[2:4])
     if sys.argv[1] == "unreachable":
         return unreachable(sys.argv[2])
+    if sys.argv[1] == "lose":
+        return lose(sys.argv[2])
     if sys.argv[1] == "die":
         return die(sys.argv[2])
     if sys.argv[1] == "hold":
@@ -152,26 +185,37 @@ def main() -> None:
         return refused(*sys.argv[2:5])
     mesh, strategy, db, steps = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     launcher = sys.argv[5] if len(sys.argv) > 5 else "mpi"
-    options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else None
+    options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    if "faults" in options:
+        import os
+
+        os.environ["MESHPLAN_TEST_FAULTS"] = json.dumps(options.pop("faults"))
+    more = options.pop("distribute", {})
     slurm = options if launcher == "slurm" else None
     k8s = options if launcher == "k8s" else None
     ex, ref = gpt.build(seed=0), gpt.build(seed=0)
     step = meshplan.distribute(ex.step, mesh=mesh, launcher=launcher, strategy=strategy,
-                               telemetry=db, timeout_s=120, slurm=slurm, k8s=k8s)
-    got, want = [], []
+                               telemetry=db, timeout_s=120, slurm=slurm, k8s=k8s, **more)
+    got, want, pids = [], [], set()
     with step:
         for i in range(steps):
             got.append(float(step(*ex.batch(i)).detach()))
             want.append(float(ref.step(*ref.batch(i)).detach()))
+            pids.update(step._workers.pids)
         step.sync()
         run = step.run_id
+        files = step._ft.files if step._ft is not None else None
+        keepers = getattr(files, "keepers", None)
+        extra = {"restarts": step.restarts, "keeper_hosts": list(getattr(files, "hosts", ())),
+                 "pids": sorted(pids | set(keepers.pids if keepers else ()))}
     diff = max(float((p - q).abs().max()) for p, q in zip(ex.model.parameters(),
                                                           ref.model.parameters()))
     with Store.open(db) as store:
-        hosts = store.sql(f"SELECT rank, host FROM ranks WHERE run_id = '{run}' AND rank >= 0 "
-                          "ORDER BY rank").column("host").to_pylist()
+        # DISTINCT: a rank started again (fault_tolerance=True) has a row per process
+        hosts = store.sql(f"SELECT DISTINCT rank, host FROM ranks WHERE run_id = '{run}' "
+                          "AND rank >= 0 ORDER BY rank").column("host").to_pylist()
     print(json.dumps({"got": got, "want": want, "param_diff": diff, "hosts": hosts,
-                      "controller": __import__("socket").gethostname()}))
+                      "controller": __import__("socket").gethostname(), **extra}))
 
 
 if __name__ == "__main__":

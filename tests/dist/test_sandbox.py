@@ -51,8 +51,8 @@ def box():
         b.down()
 
 
-def _out(b: Sandbox, cmd: list[str], host: str | None = None) -> str:
-    done = b.run(cmd, host=host, capture_output=True, text=True, timeout=60)
+def _out(b: Sandbox, cmd: list[str], host: str | None = None, **kwargs) -> str:
+    done = b.run(cmd, host=host, capture_output=True, text=True, timeout=60, **kwargs)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -188,28 +188,44 @@ def test_slurm_without_its_daemons_is_one_error(monkeypatch) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
                     reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
-def test_gpt_on_two_hosts_under_mpi_equals_one_process(box) -> None:
+def test_gpt_on_two_hosts_under_mpi_equals_one_process_through_a_killed_rank(box) -> None:
     """The controller on NAME-ctl, ranks 0-1 on h0 and 2-3 on h1 (``hosts=None`` reads
     ``$MESHPLAN_HOSTS``): the control channel is TCP with CURVE over the sandbox's bridge, the
     plan goes through the files chain, MPI runs between hosts. Telemetry lives on /var/tmp,
-    which the hosts share (their /tmp is their own)."""
+    which the hosts share (their /tmp is their own).
+
+    With ``fault_tolerance=True``, rank 2 (on h1) is killed mid-backward in step 1: mpiexec
+    ends every rank, the snapshots outlive them in a keeper on each host (``_keepers.py``),
+    and the restarted ranks go on from them. The run still equals one process: a lost or
+    repeated step, or a rank restored to another step's state, is off by an optimizer step,
+    far more than the tolerance. (Bit for bit against the same run without a fault:
+    ``test_faults.py`` under mpiexec on one host.) Nothing stays running, keepers included."""
     import json
 
     work = tempfile.mkdtemp(prefix="meshplan-mh-", dir="/var/tmp")
+    faults = [{"rank": 2, "step": 1, "at": "backward", "how": "kill",
+               "marker": os.path.join(work, "fired")}]
+    env = dict(os.environ, MESHPLAN_WORKER_PLUGINS="_faults", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
     try:
         job = Path(__file__).with_name("_multihost_job.py")
         out = _out(box, [sys.executable, str(job), json.dumps({"dp": 2, "tp": 2}), "auto",
-                         os.path.join(work, "t.duckdb"), "3"])
+                         os.path.join(work, "t.duckdb"), "3", "mpi",
+                         json.dumps({"distribute": {"fault_tolerance": True},
+                                     "faults": faults})], env=env)
+        assert os.path.exists(faults[0]["marker"]), "the fault did not fire"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     r = json.loads(out.splitlines()[-1])
     h0, h1 = (h.name for h in box.hosts)
     assert r["controller"] == box.ctl.name
     assert r["hosts"] == [h0, h0, h1, h1]          # consecutive ranks (the tp groups) share a host
+    assert r["restarts"] == 1 and r["keeper_hosts"] == [h0, h1]
     # dp x tp splits the batch and the matmuls: float32 sums in another order than one
     # process (tests/dist/test_distribute.py's tolerances); a wrong plan is off by far more
     assert r["got"] == pytest.approx(r["want"], rel=1e-5)
     assert r["param_diff"] < 3e-5
+    assert _gone(r["pids"], 10.0), "a rank or keeper outlived the run"
 
 
 @needs_namespaces
@@ -277,6 +293,49 @@ def test_a_host_that_loses_its_network_is_named_and_nothing_stays_running(box) -
     h1's ranks, which cannot hear from the controller any more, end by themselves, their
     hydra proxy with them."""
     _cut_a_host(box, "mpi")
+
+
+@needs_namespaces
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_elastic_goes_on_without_a_lost_host_from_the_copies_on_the_other(box) -> None:
+    """``fault_tolerance=True, elastic=True``, FSDP on dp4 over h0 and h1; h1's link goes
+    down after two steps. h1's snapshots went with it, but every snapshot of h1's ranks was
+    also copied to h0's keeper (``_snapshot.Replica``): the controller reads the mesh's state
+    from h0 alone, plans dp2 on h0, and the run goes on. It equals one process (FSDP sums in
+    another order: ``test_gpt_on_two_hosts...``'s tolerance; a step lost, repeated, or
+    restored from another step's state is off by far more)."""
+    import json
+
+    work = tempfile.mkdtemp(prefix="meshplan-lose-", dir="/var/tmp")
+    result = os.path.join(work, "result.json")
+    job = Path(__file__).with_name("_multihost_job.py")
+    proc = subprocess.Popen(box.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
+                                      str(job), "lose", result]),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    h0, h1 = box.hosts
+    try:
+        assert proc.stdout.readline().strip() == "cut-now"
+        subprocess.run(["nsenter", "--target", str(h1.pid), "--net", "--", "ip", "link", "set",
+                        "eth0", "down"], check=True)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(180) == 0
+        with open(result) as f:
+            r = json.load(f)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    assert r["restarts"] == 1 and r["mesh"] == {"dp": 2}, r
+    assert r["hosts"] == [h0.name, h0.name]
+    assert r["got"] == pytest.approx(r["want"], rel=1e-5)
+    assert r["param_diff"] < 3e-5
+    deadline = time.monotonic() + 10          # the run is over: no rank, keeper or proxy left
+    while _in_netns(h0.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_netns(h0.pid) == []
 
 
 def _cut_a_host(box: Sandbox, launcher: str) -> None:
@@ -433,21 +492,38 @@ def _queue_empty(b: Sandbox, timeout_s: float = 10.0) -> bool:
 @needs_namespaces
 @needs_slurm
 @pytest.mark.timeout(240)
-def test_gpt_on_two_slurm_nodes_equals_one_process(cluster) -> None:
+def test_gpt_on_two_slurm_nodes_equals_one_process_through_a_killed_rank(cluster) -> None:
     """Outside an allocation, ``slurm={"nodes": 2}``: salloc grants the two nodes, srun starts
     ranks 0-1 on h0 and 2-3 on h1, the losses and parameters match one process, and the
     allocation is given back at shutdown. The telemetry store is in the controller's own
-    /tmp, which the nodes do not see: their segments reach it through the channel."""
+    /tmp, which the nodes do not see: their segments reach it through the channel.
+
+    With ``fault_tolerance=True``, rank 3 (on h1) is killed mid-backward in step 1: srun ends
+    every rank; the run keeps its allocation, the snapshots outlive the ranks in a keeper per
+    node (a step of its own, ``--overlap``), and the ranks started again on the same nodes go
+    on from them (as under mpi: ``test_gpt_on_two_hosts...``)."""
     import json
 
-    job = Path(__file__).with_name("_multihost_job.py")
-    out = _out(cluster, [sys.executable, str(job), json.dumps({"dp": 2, "tp": 2}), "auto",
-                         "/tmp/tel/t.duckdb", "3", "slurm", json.dumps({"nodes": 2})])
+    work = tempfile.mkdtemp(prefix="meshplan-sf-", dir="/var/tmp")
+    faults = [{"rank": 3, "step": 1, "at": "backward", "how": "kill",
+               "marker": os.path.join(work, "fired")}]
+    env = dict(os.environ, MESHPLAN_WORKER_PLUGINS="_faults", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+    try:
+        job = Path(__file__).with_name("_multihost_job.py")
+        out = _out(cluster, [sys.executable, str(job), json.dumps({"dp": 2, "tp": 2}), "auto",
+                             "/tmp/tel/t.duckdb", "3", "slurm", json.dumps({
+                                 "nodes": 2, "distribute": {"fault_tolerance": True},
+                                 "faults": faults})], env=env)
+        assert os.path.exists(faults[0]["marker"]), "the fault did not fire"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     assert not os.path.exists("/tmp/tel/t.duckdb")        # the ctl host's /tmp, not ours
     r = json.loads(out.splitlines()[-1])
     h0, h1 = (h.name for h in cluster.hosts)
     assert r["controller"] == cluster.ctl.name
     assert r["hosts"] == [h0, h0, h1, h1]          # telemetry's ranks.host, as srun placed them
+    assert r["restarts"] == 1 and r["keeper_hosts"] == [h0, h1]
     assert r["got"] == pytest.approx(r["want"], rel=1e-5)   # as under mpi (same tolerance)
     assert r["param_diff"] < 3e-5
     assert _queue_empty(cluster)

@@ -17,7 +17,7 @@ from meshplan.runtime._slurm_launch import (
     SlurmLauncher,
     SlurmOptions,
     _check_fits,
-    _nodes_in,
+    slurm_nodes,
     _task_code,
     cpus_per_node,
 )
@@ -58,14 +58,14 @@ def test_slurm_notations() -> None:
 
 def test_nodes_used_and_whether_the_ranks_fit() -> None:
     alloc = Allocation("7", ["n0", "n1", "n2", "n3"], [8, 8, 8, 4])
-    assert _nodes_in(alloc, 8, None) == 4            # every node the ranks split evenly over
-    assert _nodes_in(alloc, 6, None) == 3
-    assert _nodes_in(alloc, 2, 1) == 1
+    assert slurm_nodes(alloc, 8, None) == 4            # every node the ranks split evenly over
+    assert slurm_nodes(alloc, 6, None) == 3
+    assert slurm_nodes(alloc, 2, 1) == 1
     with pytest.raises(RuntimeFailure, match="5 nodes asked .*--slurm nodes=5.* has 4 nodes "
                        ".*ask salloc/sbatch for --nodes=5"):
-        _nodes_in(alloc, 10, 5)
+        slurm_nodes(alloc, 10, 5)
     with pytest.raises(RuntimeFailure, match="6 ranks do not split evenly over 4 nodes"):
-        _nodes_in(alloc, 6, 4)
+        slurm_nodes(alloc, 6, 4)
     _check_fits(alloc, 3, 8, overcommit=False)        # n0-n2 have 8
     with pytest.raises(RuntimeFailure, match="too small .*n3 has 4.*'overcommit': True"):
         _check_fits(alloc, 4, 8, overcommit=False)

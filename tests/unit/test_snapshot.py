@@ -133,12 +133,12 @@ def test_the_controller_reads_a_whole_mesh_back_from_the_files_of_ranks_that_are
     b.write(5, _state(5))
     owners = {(0, "w"): 1, (0, "ids"): 0, (1, "w"): 1, (1, "ids"): 1}
     choose = Recovery(max_restarts=1, snapshot_every=1, hang_s=1.0).restore_point
-    step, held = read_mesh([files.path(0), files.path(1)], owners, lambda h: choose(h, 9))
+    step, held = read_mesh(files, owners, lambda h: choose(h, 9))
     assert step == 4
     assert torch.equal(held[0]["w"], _state(4)["w"]) and torch.equal(held[1]["w"], held[0]["w"])
     assert torch.equal(held[0]["ids"], _state(4)["ids"])
     assert torch.equal(held[1]["ids"], _state(4)["ids"] + 1)
-    assert read_mesh([files.path(0), files.path(1)], owners, lambda h: choose(h, 3)) is None
+    assert read_mesh(files, owners, lambda h: choose(h, 3)) is None
     a.close()
     b.close()
 
@@ -151,3 +151,111 @@ def test_a_shrink_chooses_among_the_meshes_the_survivors_can_form() -> None:
     assert big[0] == {"dp": 4, "tp": 7} and len(big) == 8
     assert all(m["dp"] <= 4 and m["tp"] <= 8 and m["dp"] * m["tp"] <= 31 for m in big)
     assert smaller_meshes({"dp": 2}, 1, least=2) == []
+
+
+def _replica_pair(files, key_send=b"k" * 32, key_serve=b"k" * 32):
+    """A rank's snapshot (file 0) with its replica served into file 1 by a keeper thread."""
+    import socket
+    import threading
+
+    from meshplan.runtime._snapshot import Replica, serve_replica
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    errors: list[BaseException] = []
+
+    def keeper() -> None:
+        conn, _ = listener.accept()
+        try:
+            serve_replica(conn, key_serve, lambda rank: files.path(1))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+        finally:
+            conn.close()
+    thread = threading.Thread(target=keeper, daemon=True)
+    thread.start()
+    snap = Snapshot(files.path(0), PIECES, rank=0)
+    snap.replica = Replica(listener.getsockname(), key_send, 0, snap.text, timeout_s=10.0)
+    return snap, thread, errors, listener
+
+
+def test_a_replica_on_a_peer_keeps_each_snapshot_and_drops_what_the_rank_drops(files) -> None:
+    """Each slot written goes to the peer's file too, valid once sealed; a rank that goes back
+    to a step (``read``) or starts over (``reset``) has its dropped slots dropped in the copy
+    at its next snapshot; the copy reads as the rank's file does."""
+    snap, thread, errors, listener = _replica_pair(files)
+    for step in (0, 1, 2):
+        snap.write(step, _state(step))
+    copy = Snapshot.existing(files.path(1), rank=0)
+    assert sorted(copy.steps()) == [1, 2] and snap.replica.broken is None
+    for k, v in _state(1).items():
+        assert torch.equal(copy.read(1, mine=False)[k], v), k
+    snap.read(1)                          # a restore to step 1 drops step 2 ...
+    snap.write(2, _state(20))             # ... and the replay writes it anew
+    assert sorted(copy.steps()) == [1, 2]
+    assert torch.equal(copy.read(2, mine=False)["w"], _state(20)["w"])
+    snap.reset(7, _state(7))              # a state loaded: the only snapshot now
+    assert copy.steps() == [7]
+    snap.close()
+    thread.join(10)
+    assert not errors
+    copy.close()
+    listener.close()
+
+
+def test_a_replica_refuses_a_sender_without_the_key(files) -> None:
+    snap, thread, errors, listener = _replica_pair(files, key_send=b"x" * 32)
+    snap.write(0, _state(0))              # the rank's own copy is whole ...
+    assert snap.steps() == [0]
+    thread.join(10)                       # ... the keeper refused the copy, and said why
+    assert errors and "MAC" in str(errors[0])
+    assert snap.replica.broken and "failed" in snap.replica.broken
+    snap.write(1, _state(1))              # no copy any more, and no error either
+    assert sorted(snap.steps()) == [0, 1]
+    snap.close()
+    listener.close()
+
+
+def test_a_replica_connection_that_does_not_say_hello_is_dropped(files) -> None:
+    """A silent connection holds a keeper's thread for ``hello_s`` only."""
+    import socket
+    import time
+
+    from meshplan.runtime._snapshot import serve_replica
+
+    a, b = socket.socketpair()
+    t0 = time.monotonic()
+    with pytest.raises(OSError):             # socket.timeout
+        serve_replica(a, b"k" * 32, files.path, hello_s=0.3)
+    assert time.monotonic() - t0 < 3
+    a.close()
+    b.close()
+
+
+def test_a_frame_that_arrives_in_pieces_is_read_whole() -> None:
+    """A socket with a timeout reads without MSG_WAITALL's help: a header that arrives a few
+    bytes at a time (a large index on a slow link) is still one frame."""
+    import socket
+    import threading
+    import time
+
+    from meshplan.runtime._snapshot import Wire
+
+    class Capture:
+        data = b""
+
+        def sendall(self, b) -> None:
+            Capture.data += bytes(b)
+
+    Wire(Capture(), b"k" * 32, b"n" * 16).send({"k": "hello", "index": "x" * 5000})
+    a, b = socket.socketpair()
+    a.settimeout(5.0)
+
+    def trickle() -> None:
+        for i in range(0, len(Capture.data), 700):
+            b.sendall(Capture.data[i:i + 700])
+            time.sleep(0.01)
+    threading.Thread(target=trickle, daemon=True).start()
+    head = Wire(a, b"k" * 32, b"n" * 16).recv()
+    assert head is not None and head["index"] == "x" * 5000
+    a.close()
+    b.close()
