@@ -40,7 +40,7 @@ from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._keepers import KEEPER_PLUGIN, MeshSnapshots
-from ._mpi_launch import MPILauncher, host_slots, is_this_host
+from ._mpi_launch import MPILauncher, host_slots, is_this_host, parse_hosts
 from ._recovery import RECOVERABLE, Recovery, Remembered, smaller_meshes
 from ._slurm_launch import Allocation, SlurmLauncher, SlurmOptions, slurm_nodes
 from ._snapshot import SnapshotFiles, read_mesh
@@ -753,9 +753,20 @@ class DistributedStep:
                     f"{self.__name__}: the mesh failed again after {ft.restarts} restart"
                     f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
                     f"failure:\n{failure}") from failure
+            moving = ft.relocating if ft.held is not None else self._relocatable(failure)
+            if failure.reason == "lost" and self.launcher == "mpi" and ft.elastic is None \
+                    and parse_hosts(self.hosts) and not moving:
+                self._stop_workers(lost=True)     # starting on the same hosts would wait on it
+                raise RuntimeFailure(
+                    f"{self.__name__}: {str(failure).splitlines()[0]}; no spare host can take "
+                    "its ranks (hosts= may list more hosts, or slots, than the mesh needs: "
+                    "they are its spares) and elastic= is off (elastic=True goes on without "
+                    "them, on a smaller mesh)") from failure
             ft.restarts += 1
             logger.warning("meshplan: %s: %s; %s from its in-memory snapshots (restart %d of "
                            "at most %d)", self.__name__, str(failure).splitlines()[0],
+                           "moving the mesh to the hosts left, a spare host taking the "
+                           "lost one's ranks," if moving else
                            "restoring the mesh" if ft.elastic is None else
                            "going on without the failed ranks: a smaller mesh starts",
                            ft.restarts, ft.max_restarts)
@@ -783,6 +794,10 @@ class DistributedStep:
         Returns the snapshot's step."""
         ft = self._ft
         assert ft is not None
+        if ft.held is not None:        # a move under way failed while its mesh started
+            return self._shrink(failure, in_flight, relocate=ft.relocating)
+        if self._relocatable(failure):
+            return self._shrink(failure, in_flight, relocate=True)
         if ft.elastic is not None:
             return self._shrink(failure, in_flight)
         held, new = self._replace(failure)
@@ -808,13 +823,14 @@ class DistributedStep:
         self._rerun(ft.replay(restored, in_flight))
         return restored
 
-    def _shrink(self, failure: WorkerFailure, in_flight: int) -> int:
+    def _shrink(self, failure: WorkerFailure, in_flight: int, relocate: bool = False) -> int:
         """``distribute(elastic=)``: go on without the failed ranks. Read the newest snapshot
         every rank's file holds into the controller's live model, stop every worker, plan the
         step again for the best mesh the survivors can form (``_smaller_plan``), start that
         mesh from the live model and re-run the kept steps on it. A failure while it starts is
-        one more restart that shrinks again, from the live model (``ft.held``). Returns the
-        snapshot's step."""
+        one more restart that shrinks again, from the live model (``ft.held``). ``relocate``:
+        hosts were lost and spare hosts take their ranks: the same mesh and plans start on
+        the hosts left (``_relocatable``). Returns the snapshot's step."""
         ft, workers = self._ft, self._workers
         assert ft is not None
         n = math.prod(self.plan.mesh.sizes) if workers is None else workers.n
@@ -822,8 +838,17 @@ class DistributedStep:
         if self.launcher == "local" and workers is not None and not workers.closed:
             failed |= set(workers.failed_ranks())     # another rank that died with it
         # (mpiexec ends every rank once one dies: there the failure's ranks are the failed)
+        moved: list[str] = []
         if failure.reason == "lost" and self.launcher == "mpi":
-            failed |= self._drop_hosts(failure.ranks, n)
+            found = self._lost_hosts(failure.ranks, n)
+            if found is not None:      # their snapshots: the copies on the next hosts
+                gone, self.hosts, moved = found
+                failed |= gone
+                if hasattr(ft.files, "lose"):
+                    ft.files.lose(sorted(gone))
+                logger.warning("meshplan: %s: host%s %s lost; the mesh goes on without %s",
+                               self.__name__, "s" * (len(moved) != 1), ", ".join(moved),
+                               "them" if len(moved) != 1 else "it")
         if ft.held is None:                   # the state is still in the mesh's snapshots
             assert ft.files is not None and ft.owners is not None
             found = read_mesh(ft.files, ft.owners,
@@ -836,13 +861,16 @@ class DistributedStep:
             restored, held = found
             self._stop_workers(lost=failure.reason == "lost")
             self._write_local(_assemble_state(self.plan, held))
-            ft.held = (restored, ft.kept_after(restored))
+            ft.held, ft.relocating = (restored, ft.kept_after(restored)), relocate
         else:
             self._stop_workers(lost=failure.reason == "lost")
         restored, kept = ft.held
         before = dict(self.mesh)
-        mesh, plans = self._smaller_plan(n - len(failed))
         old = sorted(self._variants.items(), key=lambda kv: kv[1].id)
+        if relocate:
+            mesh, plans = before, [v.plan for _, v in old] or [self.plan]
+        else:
+            mesh, plans = self._smaller_plan(n - len(failed))
         ft.close()                            # the old mesh's snapshot files
         self.mesh, self._plan = mesh, plans[0]
         self._resume_step = restored + 1
@@ -854,28 +882,43 @@ class DistributedStep:
         for step in kept:
             ft.remember(step.step, step.variant, step.header, step.batch)
         self._rerun([k for k in kept if k.step < in_flight])
-        ft.held, ft.shrunk = None, (before, mesh)
+        ft.held, ft.shrunk = None, None if relocate else (before, mesh)
+        ft.moved = moved if relocate else []
         ft.replaced = list(range(self._workers.n))
         return restored
 
-    def _drop_hosts(self, ranks: Sequence[int], world: int) -> set[int]:
-        """A shrink after hosts were lost (no heartbeat from ``ranks``): their snapshots are
-        read from the copies on the next hosts from now on (``MeshSnapshots.lose``), and the
-        smaller mesh goes on the other hosts, as many ranks on each as before. Returns every
-        rank of the lost hosts."""
+    def _lost_hosts(self, ranks: Sequence[int], world: int
+                    ) -> tuple[set[int], list[str], list[str]] | None:
+        """Hosts were lost (no heartbeat from ``ranks``, under the mpi launcher): every rank on
+        them, the hosts a new mesh may use without them (``host:slots``, each with its own
+        slots, or as many as it ran; spare hosts of ``hosts=`` too), and their names; None
+        when the ranks do not run on listed hosts."""
+        found = parse_hosts(self.hosts)
         placement = host_slots(self.hosts, world)
-        if placement is None:
-            return set(ranks)
+        if found is None or placement is None:
+            return None
         owner = [h for h, k in placement for _ in range(k)]
-        lost = {owner[r] for r in ranks}
-        files = self._ft.files if self._ft is not None else None
-        if hasattr(files, "lose"):
-            files.lose(ranks)
-        logger.warning("meshplan: %s: host%s %s lost; the mesh goes on without %s",
-                       self.__name__, "s" * (len(lost) != 1), ", ".join(sorted(lost)),
-                       "them" if len(lost) != 1 else "it")
-        self.hosts = [f"{h}:{k}" for h, k in placement if h not in lost]
-        return {r for r, h in enumerate(owner) if h in lost}
+        lost = sorted({owner[r] for r in ranks})
+        ran = dict(placement)
+        left = [f"{h}:{k if k is not None else ran[h]}" for h, k in found[0]
+                if h not in lost and (k is not None or h in ran)]
+        return {r for r, h in enumerate(owner) if h in lost}, left, lost
+
+    def _relocatable(self, failure: WorkerFailure) -> bool:
+        """Whether the mesh can start again as it is on the hosts left after a host loss
+        (spare hosts in ``hosts=`` take the lost ones' ranks): then it moves instead of
+        shrinking, and its results stay bit for bit the fault-free run's."""
+        if failure.reason != "lost" or self.launcher != "mpi":
+            return False
+        world = math.prod(self.plan.mesh.sizes)
+        found = self._lost_hosts(failure.ranks, world)
+        if found is None or not found[1]:
+            return False
+        try:
+            host_slots(found[1], world)
+        except RuntimeFailure:
+            return False
+        return True
 
     def _rerun(self, steps: list[Remembered]) -> None:
         """Run the kept ``steps`` (``Recovery.replay``) again on every rank, in order."""
@@ -1119,13 +1162,16 @@ class DistributedStep:
             before, after = ft.shrunk
             how = (f"the mesh shrank from {before} to {after} ({self.plan.strategy} plan, "
                    f"estimated {self.plan.estimated_step_time_s * 1e3:.1f} ms per step)")
+        elif ft.moved:
+            how = (f"every rank started again, those of {', '.join(ft.moved)} on spare hosts "
+                   f"(hosts now {self.hosts})")
         logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: %s, every "
                        "rank went back to its snapshot after step %d and re-ran %d step%s",
                        self.__name__, took, how, restored, replayed, "s" * (replayed != 1))
         if self._tel is not None:
             self._tel.recovery(failure, step=step, restart=self.restarts, restored=restored,
                                replayed=replayed, took_s=took, plan=self.plan)
-        ft.shrunk = None
+        ft.shrunk, ft.moved = None, []
 
     def _recalibrate(self) -> None:
         """``distribute(calibrate=)``: fit the cost model to the steps just run (their op times
@@ -1363,8 +1409,10 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     through the controller, the kept steps re-run on it, and the run goes on there, with the
     same global batch; the results then follow the smaller mesh's sums, not bit for bit the
     old mesh's. The warning line and the ``recoveries`` row name the new mesh. Under mpi with
-    ``hosts=``, a lost host (no heartbeat) is dropped: its ranks' snapshots are read from the
-    copies on the next host, and the smaller mesh runs on the other hosts.
+    ``hosts=``, a lost host (no heartbeat) is dropped, its ranks' snapshots read from their
+    copies on the next host: hosts the mesh leaves unused are spares, on which the same mesh
+    starts again (bit for bit); without one, ``elastic`` shrinks it onto the hosts left, and
+    without ``elastic``, ``RuntimeFailure`` says so.
     ``launcher="k8s"``: the ranks run in the pods of an Indexed Job (with a headless Service
     and a Secret holding the channel key) made with the ``kubernetes`` client from
     ``$KUBECONFIG``; ``k8s``: its options (``runtime._k8s.K8sOptions``), e.g. ``{"image":

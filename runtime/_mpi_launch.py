@@ -61,7 +61,7 @@ from ._launch import LocalLauncher, WorkerFailure, Workers, _Group
 
 logger = logging.getLogger("meshplan.runtime")
 
-__all__ = ["MPILauncher", "find_mpiexec", "host_slots", "worker_start"]
+__all__ = ["MPILauncher", "find_mpiexec", "host_slots", "parse_hosts", "worker_start"]
 
 ENV_MPI = "MESHPLAN_MPI"                  # "1": started by mpiexec; rank from MPI
 ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
@@ -99,6 +99,35 @@ def host_slots(hosts: str | os.PathLike | Sequence[str] | None, n: int,
     comma-separated string of them, or the path of a hostfile (one ``host[:slots]`` per line,
     ``#`` comments, as mpiexec's ``-f``). Hosts without slots share the ranks evenly. Ranks
     fill the hosts in order; a host left without ranks is not used."""
+    found = parse_hosts(hosts, env)
+    if found is None:
+        return None
+    parsed, where = found
+    if all(k is None for _, k in parsed):
+        if n % len(parsed):
+            raise RuntimeFailure(
+                f"{n} ranks do not split evenly over the {len(parsed)} hosts of {where}; give "
+                "each host its slots (host:slots) or a mesh whose size they divide")
+        parsed = [(name, n // len(parsed)) for name, _ in parsed]
+    total = sum(k for _, k in parsed if k is not None)
+    if total < n:
+        raise RuntimeFailure(f"the mesh has {n} ranks but {where} has {total} slots "
+                             f"({', '.join(f'{h}:{k}' for h, k in parsed)}); add hosts or "
+                             "slots, or use a smaller mesh")
+    out, left = [], n
+    for name, k in parsed:
+        if left:
+            out.append((name, min(k, left)))
+            left -= out[-1][1]
+    return out
+
+
+def parse_hosts(hosts: str | os.PathLike | Sequence[str] | None,
+                env: Mapping[str, str] = os.environ
+                ) -> tuple[list[tuple[str, int | None]], str] | None:
+    """``hosts`` (or ``$MESHPLAN_HOSTS``) as ``[(name, slots or None), ...]`` in order, every
+    host (those a mesh leaves unused too), and where they came from for errors; None for
+    "this host only". Raises on a malformed list (see ``host_slots``)."""
     if hosts is None:
         hosts = env.get(ENV_HOSTS) or None
         if hosts is None:
@@ -133,26 +162,10 @@ def host_slots(hosts: str | os.PathLike | Sequence[str] | None, n: int,
     if len({name for name, _ in parsed}) != len(parsed):
         raise RuntimeFailure(f"{where} names a host twice ({', '.join(names)}); give each "
                              "once, with its slots (host:slots)")
-    if all(k is None for _, k in parsed):
-        if n % len(parsed):
-            raise RuntimeFailure(
-                f"{n} ranks do not split evenly over the {len(parsed)} hosts of {where}; give "
-                "each host its slots (host:slots) or a mesh whose size they divide")
-        parsed = [(name, n // len(parsed)) for name, _ in parsed]
-    elif any(k is None for _, k in parsed):
+    if any(k is None for _, k in parsed) and not all(k is None for _, k in parsed):
         raise RuntimeFailure(f"{where} gives slots for some hosts only; give every host its "
                              "slots (host:slots) or none")
-    total = sum(k for _, k in parsed)
-    if total < n:
-        raise RuntimeFailure(f"the mesh has {n} ranks but {where} has {total} slots "
-                             f"({', '.join(f'{h}:{k}' for h, k in parsed)}); add hosts or "
-                             "slots, or use a smaller mesh")
-    out, left = [], n
-    for name, k in parsed:
-        if left:
-            out.append((name, min(k, left)))
-            left -= out[-1][1]
-    return out
+    return parsed, where
 
 
 def is_this_host(name: str) -> bool:

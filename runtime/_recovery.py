@@ -68,7 +68,9 @@ class Recovery:
         # a shrink under way: the step whose state the controller's live model holds and the
         # kept steps after it (a failure while the smaller mesh starts goes on from there)
         self.held: tuple[int, list[Remembered]] | None = None
+        self.relocating = False   # whether that move keeps the mesh (spare hosts) or shrinks
         self.shrunk: tuple[dict[str, int], dict[str, int]] | None = None   # the last: from, to
+        self.moved: list[str] = []       # the lost hosts whose ranks the last recovery moved
         # every rank's snapshot file: _snapshot.SnapshotFiles, or _keepers.MeshSnapshots when
         # ranks run on other hosts than the controller's
         self.files: Any = None

@@ -57,29 +57,51 @@ def cut(result: str, launcher: str = "mpi") -> None:
 
 
 def lose(result: str) -> None:
-    """``fault_tolerance=True, elastic=True`` on dp4 FSDP over two hosts: two steps, then
-    ``cut-now`` on stdout; after a line on stdin (the test has cut the second host's link),
-    two more steps, next to one process. The losses, the largest parameter difference, the
-    mesh and the hosts of the ranks after, as JSON in ``result``."""
+    """``fault_tolerance=True, elastic=True`` on dp4 FSDP over three hosts of 2 slots
+    (``hosts=h0:2,h1:2,h2:2``: h2 is a spare). ``cut-now`` on stdout before step 2 and again
+    before step 4; after a line on stdin each time (the test has cut h1's link, then h2's),
+    the run goes on: six steps. Next to it, the same run on h0 and h1 without a fault (four
+    steps, and its state after them) and one process (six steps). As JSON in ``result``: the
+    losses, whether the first four steps and the state after them equal the fault-free run's,
+    the largest parameter difference from one process after six, and the mesh, hosts and
+    restarts after each cut."""
+    import os
     import socket
 
-    ex, ref = gpt.build(optimizer="adamw", clip=1.0), gpt.build(optimizer="adamw", clip=1.0)
-    step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy="fsdp",
-                               telemetry=False, timeout_s=120, fault_tolerance=True,
-                               elastic=True)
-    got, want = [], []
-    with step:
-        for i in range(4):
-            if i == 2:
-                print("cut-now", flush=True)
-                sys.stdin.readline()
-            got.append(float(step(*ex.batch(i)).detach()))
-            want.append(float(ref.step(*ref.batch(i)).detach()))
-        step.sync()
-        out = {"got": got, "want": want, "mesh": step.mesh, "restarts": step.restarts,
-               "hosts": list(step._workers.hostnames), "controller": socket.gethostname()}
-    out["param_diff"] = max(float((p - q).detach().abs().max()) for p, q in
-                            zip(ex.model.parameters(), ref.model.parameters()))
+    names = os.environ["MESHPLAN_HOSTS"].split(",")
+
+    def run(steps: int, cuts: tuple[int, ...] = (), **more):
+        ex = gpt.build(optimizer="adamw", clip=1.0)
+        step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy="fsdp",
+                                   telemetry=False, timeout_s=120, **more)
+        losses, sd, after = [], None, []
+        with step:
+            for i in range(steps):
+                if i in cuts:
+                    print("cut-now", flush=True)
+                    sys.stdin.readline()
+                losses.append(step(*ex.batch(i)).detach())
+                if i + 1 in cuts or i + 1 == steps:
+                    after.append({"mesh": step.mesh, "restarts": step.restarts,
+                                  "hosts": list(step._workers.hostnames)})
+                if i == 3:
+                    sd = step.state_dict()
+            step.sync()                    # the live model holds the mesh's state
+        return ex, losses, sd, after
+
+    _, want, want_sd, _ = run(4, hosts=[f"{h}:2" for h in names[:2]])
+    ex, got, sd, after = run(6, (2, 4), hosts=[f"{h}:2" for h in names],
+                             fault_tolerance=True, elastic=True)
+    ref = gpt.build(optimizer="adamw", clip=1.0)
+    one = [float(ref.step(*ref.batch(i)).detach()) for i in range(6)]
+    equal = all(torch.equal(a, b) for a, b in zip(got[:4], want)) and all(
+        torch.equal(sd["model"][k], v) for k, v in want_sd["model"].items()) and all(
+        torch.equal(sd["optim"]["state"][i][k], v)
+        for i, e in want_sd["optim"]["state"].items() for k, v in e.items())
+    out = {"got": [float(x) for x in got], "one": one, "equal_first_four": equal,
+           "after": after, "controller": socket.gethostname(),
+           "param_diff": max(float((p - q).detach().abs().max()) for p, q in
+                             zip(ex.model.parameters(), ref.model.parameters()))}
     with open(result, "w") as f:
         json.dump(out, f)
 

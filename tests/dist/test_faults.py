@@ -202,7 +202,8 @@ def test_failures_and_recoveries_are_in_the_telemetry(plugin, tmp_path) -> None:
 def test_fault_tolerance_is_refused_where_it_cannot_work_yet() -> None:
     ex = gpt.build(optimizer="adamw")
     with pytest.raises(meshplan.RuntimeFailure, match="runs them in pods"):
-        meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s", fault_tolerance=True)
+        meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s", fault_tolerance=True,
+                            k8s={"image": "registry/train:1", "pods": 1})
     with pytest.raises(meshplan.RuntimeFailure, match="snapshot_every=0"):
         meshplan.distribute(ex.step, mesh={"dp": 2}, fault_tolerance=True, snapshot_every=0)
     with pytest.raises(meshplan.RuntimeFailure, match="hang_s"):

@@ -296,46 +296,69 @@ def test_a_host_that_loses_its_network_is_named_and_nothing_stays_running(box) -
 
 
 @needs_namespaces
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
                     reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
-def test_elastic_goes_on_without_a_lost_host_from_the_copies_on_the_other(box) -> None:
-    """``fault_tolerance=True, elastic=True``, FSDP on dp4 over h0 and h1; h1's link goes
-    down after two steps. h1's snapshots went with it, but every snapshot of h1's ranks was
-    also copied to h0's keeper (``_snapshot.Replica``): the controller reads the mesh's state
-    from h0 alone, plans dp2 on h0, and the run goes on. It equals one process (FSDP sums in
-    another order: ``test_gpt_on_two_hosts...``'s tolerance; a step lost, repeated, or
-    restored from another step's state is off by far more)."""
+def test_lost_hosts_move_to_a_spare_then_the_mesh_shrinks() -> None:
+    """``fault_tolerance=True, elastic=True``, FSDP on dp4 with ``hosts=h0:2,h1:2,h2:2``: h2
+    is a spare. A host's snapshots went with it, but every snapshot of its ranks was also
+    copied to the next host's keeper (``_snapshot.Replica``), so the controller reads the
+    whole state from the hosts left.
+
+    - h1's link goes down before step 2: the same mesh and plan start again on h0 and h2 (h1's
+      snapshots from their copies on h0), and the first four steps and the state after them
+      equal the same run on h0 and h1 without a fault, with no tolerance at all (the same
+      plan on the same mesh: every sum in the same order).
+    - h2's link goes down before step 4: no spare is left, so the mesh shrinks to dp2 on h0
+      (h2's snapshots from their copies on h0), and after six steps the run equals one
+      process (FSDP sums in another order: ``test_gpt_on_two_hosts...``'s tolerance; a step
+      lost, repeated, or restored from another step's state is off by far more).
+
+    Nothing is left running on h0 after."""
     import json
 
+    b = Sandbox.up(3, _name("p"), owner=os.getpid())
     work = tempfile.mkdtemp(prefix="meshplan-lose-", dir="/var/tmp")
-    result = os.path.join(work, "result.json")
-    job = Path(__file__).with_name("_multihost_job.py")
-    proc = subprocess.Popen(box.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
-                                      str(job), "lose", result]),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    h0, h1 = box.hosts
     try:
-        assert proc.stdout.readline().strip() == "cut-now"
-        subprocess.run(["nsenter", "--target", str(h1.pid), "--net", "--", "ip", "link", "set",
-                        "eth0", "down"], check=True)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.wait(180) == 0
+        h0, h1, h2 = b.hosts
+        result = os.path.join(work, "result.json")
+        job = Path(__file__).with_name("_multihost_job.py")
+        proc = subprocess.Popen(b.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
+                                        str(job), "lose", result]),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            for host in (h1, h2):
+                # (mpiexec writes on the same stdout: hydra's lines on the ranks it ended)
+                while (line := proc.stdout.readline()) and line.strip() != "cut-now":
+                    pass
+                assert line, "the job ended before it asked for a cut"
+                subprocess.run(["nsenter", "--target", str(host.pid), "--net", "--", "ip",
+                                "link", "set", "eth0", "down"], check=True)
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            assert proc.wait(240) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
         with open(result) as f:
             r = json.load(f)
+        moved, shrunk = r["after"][1], r["after"][2]
+        # (a start of the moved mesh that fails is tried again, as any failure in a
+        # recovery: seen once in five runs here, mpiexec ending at once on the new hosts)
+        assert moved["mesh"] == {"dp": 4} and moved["restarts"] >= 1, r
+        assert moved["hosts"] == [h0.name, h0.name, h2.name, h2.name], r
+        assert r["equal_first_four"], r
+        assert shrunk == {"mesh": {"dp": 2}, "restarts": moved["restarts"] + 1,
+                          "hosts": [h0.name, h0.name]}, r
+        assert r["got"] == pytest.approx(r["one"], rel=1e-5)
+        assert r["param_diff"] < 3e-5
+        deadline = time.monotonic() + 10      # the run is over: no rank, keeper or proxy left
+        while _in_netns(h0.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _in_netns(h0.pid) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
         shutil.rmtree(work, ignore_errors=True)
-    assert r["restarts"] == 1 and r["mesh"] == {"dp": 2}, r
-    assert r["hosts"] == [h0.name, h0.name]
-    assert r["got"] == pytest.approx(r["want"], rel=1e-5)
-    assert r["param_diff"] < 3e-5
-    deadline = time.monotonic() + 10          # the run is over: no rank, keeper or proxy left
-    while _in_netns(h0.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _in_netns(h0.pid) == []
+        b.down()
 
 
 def _cut_a_host(box: Sandbox, launcher: str) -> None:

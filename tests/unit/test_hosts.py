@@ -75,3 +75,20 @@ def test_the_launchers_own_words_survive_later_lines() -> None:
     assert said[0] == "meshplan sandbox x: no host 10.1.2.3"
     assert said[1:] == tail[-10:]
     assert _last_words(tail[1:6]) == tail[1:6]        # short: all of it, once
+
+
+def test_a_lost_host_leaves_the_others_and_the_spares() -> None:
+    """``fault_tolerance=True`` under mpi: after a host is lost, the hosts a new mesh may use
+    (each with its slots, or as many ranks as it ran: those given without slots), spares
+    included; whether the same mesh fits on them decides between moving and shrinking."""
+    from types import SimpleNamespace
+
+    from meshplan.runtime._distributed import DistributedStep
+
+    def lost(hosts, ranks, world):
+        return DistributedStep._lost_hosts(SimpleNamespace(hosts=hosts), ranks, world)
+
+    assert lost("a:2,b:2,c:2", [2], 4) == ({2, 3}, ["a:2", "c:2"], ["b"])
+    assert host_slots(["a:2", "c:2"], 4, env={}) == [("a", 2), ("c", 2)]   # c takes b's ranks
+    assert lost(["a", "b"], [3, 2], 4) == ({2, 3}, ["a:2"], ["b"])         # no spare: shrink
+    assert lost(None, [1], 2) is None                                       # one host
