@@ -411,10 +411,7 @@ class DistributedStep:
         if self._plan is not None:     # a saved plan: for this step, this mesh, this torch?
             self._plan.check_compatible(graph=self._traced.graph, mesh=self.mesh)
         else:
-            self._plan = plan_graph(self._traced.graph, self.mesh, topology=self.topology,
-                                    strategy=self.strategy,
-                                    memory_limit_bytes=self.memory_limit_bytes,
-                                    recompute=self.recompute)
+            self._plan = self._plan_on(self._traced.graph)
         self._plan.solver["device"] = self._device_note
 
     def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
@@ -649,6 +646,16 @@ class DistributedStep:
                 "from": {n: ft.owners[(rank, n)] for n in names},
                 "replica": getattr(files, "replica", lambda r: None)(rank),
                 "restore": restore, "step": self._step_no - 1}
+
+    def _plan_on(self, graph: Any, mesh: Mapping[str, int] | None = None, *,
+                 pins: Any = None, topology: Any = None) -> Plan:
+        """``graph`` planned with the run's options (strategy, memory limit, recompute) on
+        ``mesh`` (default: the run's) and ``topology`` (default: the run's); ``pins``: state
+        layouts to keep (``_state_pins``)."""
+        return plan_graph(graph, self.mesh if mesh is None else mesh,
+                          topology=self.topology if topology is None else topology,
+                          strategy=self.strategy, memory_limit_bytes=self.memory_limit_bytes,
+                          pins=pins, recompute=self.recompute)
 
     def _slurm_launcher(self, world: int) -> SlurmLauncher:
         """The Slurm launcher of a launch; under fault tolerance, in the allocation the run
@@ -952,16 +959,9 @@ class DistributedStep:
                     host_slots(self.hosts, size)
                 elif self.launcher == "slurm" and self._allocation is not None:
                     slurm_nodes(self._allocation, size, self.slurm.nodes, say=False)
-                first = plan_graph(programs[0], mesh, topology=self.topology,
-                                   strategy=self.strategy,
-                                   memory_limit_bytes=self.memory_limit_bytes,
-                                   recompute=self.recompute)
+                first = self._plan_on(programs[0], mesh)
                 pins = _state_pins(first)
-                plans = [first, *(plan_graph(g, mesh, topology=self.topology,
-                                             strategy=self.strategy,
-                                             memory_limit_bytes=self.memory_limit_bytes,
-                                             pins=pins, recompute=self.recompute)
-                                  for g in programs[1:])]
+                plans = [first, *(self._plan_on(g, mesh, pins=pins) for g in programs[1:])]
             except MeshplanError as exc:
                 tried.append(f"{mesh}: {str(exc).splitlines()[0]}")
                 continue
@@ -1046,10 +1046,7 @@ class DistributedStep:
                        "%d of at most %d on this mesh)", self.__name__,
                        what_changed(self._primary_key, key), len(self._variants) + 1,
                        MAX_VARIANTS)
-        plan = plan_graph(graph, self.mesh, topology=self.topology, strategy=self.strategy,
-                          memory_limit_bytes=self.memory_limit_bytes,
-                          pins=_state_pins(self.plan),
-                          recompute=self.recompute)
+        plan = self._plan_on(graph, pins=_state_pins(self.plan))
         variant = Variant.of(len(self._variants), plan, tuple(call_inputs(plan)))
         with self._recording_failures():
             self._add_program(variant)
@@ -1192,9 +1189,7 @@ class DistributedStep:
             logger.warning("meshplan: %s: calibration skipped (%s); the plan stays as it is",
                            self.__name__, exc)
             return
-        plan = plan_graph(self._traced.graph, self.mesh, topology=fit.topology,
-                          strategy=self.strategy, memory_limit_bytes=self.memory_limit_bytes,
-                          recompute=self.recompute)
+        plan = self._plan_on(self._traced.graph, topology=fit.topology)
         replanned = _program_key(plan) != _program_key(before)
         if not replanned and plan.bucket_bytes != before.bucket_bytes:
             # the same layouts and collectives: a new gradient bucket cap alone is not worth

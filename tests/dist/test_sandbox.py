@@ -184,6 +184,15 @@ def test_slurm_without_its_daemons_is_one_error(monkeypatch) -> None:
     assert not (ROOT / _name("x")).exists()                 # nothing was made
 
 
+def _a_kill(rank: int, work: str) -> tuple[list[dict], dict[str, str]]:
+    """``rank`` SIGKILLed mid-backward in step 1 (``_faults.py``, fired once: its marker in
+    ``work``, which every host sees): the faults and the environment that loads the plugin."""
+    faults = [{"rank": rank, "step": 1, "at": "backward", "how": "kill",
+               "marker": os.path.join(work, "fired")}]
+    return faults, dict(os.environ, MESHPLAN_WORKER_PLUGINS="_faults", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+
+
 @needs_namespaces
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
@@ -203,10 +212,7 @@ def test_gpt_on_two_hosts_under_mpi_equals_one_process_through_a_killed_rank(box
     import json
 
     work = tempfile.mkdtemp(prefix="meshplan-mh-", dir="/var/tmp")
-    faults = [{"rank": 2, "step": 1, "at": "backward", "how": "kill",
-               "marker": os.path.join(work, "fired")}]
-    env = dict(os.environ, MESHPLAN_WORKER_PLUGINS="_faults", PYTHONPATH=os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+    faults, env = _a_kill(2, work)
     try:
         job = Path(__file__).with_name("_multihost_job.py")
         out = _out(box, [sys.executable, str(job), json.dumps({"dp": 2, "tp": 2}), "auto",
@@ -528,10 +534,7 @@ def test_gpt_on_two_slurm_nodes_equals_one_process_through_a_killed_rank(cluster
     import json
 
     work = tempfile.mkdtemp(prefix="meshplan-sf-", dir="/var/tmp")
-    faults = [{"rank": 3, "step": 1, "at": "backward", "how": "kill",
-               "marker": os.path.join(work, "fired")}]
-    env = dict(os.environ, MESHPLAN_WORKER_PLUGINS="_faults", PYTHONPATH=os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
+    faults, env = _a_kill(3, work)
     try:
         job = Path(__file__).with_name("_multihost_job.py")
         out = _out(cluster, [sys.executable, str(job), json.dumps({"dp": 2, "tp": 2}), "auto",
