@@ -574,11 +574,19 @@ class Workers:
             return
         rank = self._first_exited(exited)
         self._drain_errors(exited)  # an error a rank sent before dying explains more than its exit
-        code = self._group.procs[rank].returncode
+        proc = self._group.procs[rank]
+        code = proc.returncode
         host = self._host_of(rank)
         on = f" (on {host})" if host else ""
         lines = [f"rank {rank}{on} {_describe_exit(code)} while the controller waited for "
                  f"{kind!r}"]
+        if getattr(proc, "exit_order", 0) is None and not getattr(proc, "local", True):
+            # one job (mpiexec) ran every rank and ended: its code is the job's, and nothing
+            # here saw which rank ended first on another host
+            lines = [f"the ranks' job ended (code {code}) while the controller waited for "
+                     f"{kind!r}: a rank ended and the job ended the others; which one ended "
+                     f"first is not known here (ranks on other hosts); rank {rank}{on} is "
+                     "named for it"]
         why = getattr(self._group.procs[rank], "ended", None)   # what the launcher knows
         if why:
             lines.append(f"  {why}")
