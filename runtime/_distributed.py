@@ -43,7 +43,7 @@ from ._keepers import KEEPER_PLUGIN, MeshSnapshots
 from ._mpi_launch import MPILauncher, host_slots, is_this_host, parse_hosts
 from ._recovery import RECOVERABLE, Recovery, Remembered, smaller_meshes
 from ._slurm_launch import Allocation, SlurmLauncher, SlurmOptions, slurm_nodes
-from ._snapshot import SnapshotFiles, read_mesh
+from ._snapshot import read_mesh
 from ._telemetry import (
     ControllerTelemetry,
     QueryResult,
@@ -635,16 +635,18 @@ class DistributedStep:
         if ft is None:
             return {}
         world = math.prod(self.plan.mesh.sizes)
-        if ft.files is None:
-            ft.files = self._snapshot_files(world)
+        if ft.files is None or ft.owners is None:     # once per launched mesh
+            hosts = self._rank_hosts(world)
+            if ft.files is None:
+                ft.files = self._snapshot_files(hosts)
+            if ft.owners is None:
+                ft.owners = self._snapshot_owners(hosts)
         files = ft.files
-        if ft.owners is None:
-            ft.owners = self._snapshot_owners()
         names = sorted(n for r, n in ft.owners if r == rank)
         return {"path": files.path(rank), "paths": [files.path(r) for r in range(world)],
                 "own": [n for n in names if ft.owners[(rank, n)] == rank],
                 "from": {n: ft.owners[(rank, n)] for n in names},
-                "replica": getattr(files, "replica", lambda r: None)(rank),
+                "replica": files.replica(rank),
                 "restore": restore, "step": self._step_no - 1}
 
     def _plan_on(self, graph: Any, mesh: Mapping[str, int] | None = None, *,
@@ -679,15 +681,13 @@ class DistributedStep:
             if placement is None:
                 return [None] * world
             names = [h for h, k in placement for _ in range(k)]
-        return [None if is_this_host(h) else h for h in names]
+        here = {h: is_this_host(h) for h in set(names)}      # a name lookup per host
+        return [None if here[h] else h for h in names]
 
-    def _snapshot_files(self, world: int) -> Any:
-        """Every rank's snapshot file: memory files this process holds, and for ranks on other
-        hosts, one snapshot keeper per host started with the ranks' launcher
-        (``_keepers.py``)."""
-        hosts = self._rank_hosts(world)
-        if all(h is None for h in hosts):
-            return SnapshotFiles(world)
+    def _snapshot_files(self, hosts: list[str | None]) -> MeshSnapshots:
+        """Every rank's snapshot file (``hosts``: ``_rank_hosts``): memory files this process
+        holds, and for ranks on other hosts, one snapshot keeper per host started with the
+        ranks' launcher (``_keepers.py``)."""
         env = {"MESHPLAN_WORKER_PLUGINS": KEEPER_PLUGIN}
 
         def launch(names: list[str]) -> Workers:
@@ -704,17 +704,16 @@ class DistributedStep:
                 len(names), env=env)
         return MeshSnapshots(hosts, launch, self.timeout_s)
 
-    def _snapshot_owners(self) -> dict[tuple[int, str], int]:
+    def _snapshot_owners(self, hosts: list[str | None]) -> dict[tuple[int, str], int]:
         """(rank, state name) -> the rank whose snapshot holds that rank's piece. Ranks of one
         host holding the same piece (data-parallel replicas, tensor-parallel replicated norms)
         share its snapshot out: each distinct piece is copied by one of its holders on every
         host that has one (a restarted rank reads its pieces on its own host), the largest
         pieces first, each to the holder that copies the fewest bytes so far. So under data
         parallelism every rank copies about 1/n of its host's state per snapshot, not all of
-        it."""
+        it. ``hosts``: every rank's (``_rank_hosts``)."""
         plan = self.plan
         dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
-        hosts = self._rank_hosts(math.prod(plan.mesh.sizes))
         holders: dict[tuple, list[int]] = {}
         for (rank, _), key in _piece_keys(plan, self._state_names()).items():
             holders.setdefault((hosts[rank], *key), []).append(rank)
@@ -779,7 +778,7 @@ class DistributedStep:
                            ft.restarts, ft.max_restarts)
             try:
                 with self._recording_failures():
-                    restored = self._restart(failure, in_flight)
+                    restored = self._restart(failure, in_flight, moving)
                 break
             except WorkerFailure as again:
                 if again.reason not in RECOVERABLE:
@@ -794,17 +793,16 @@ class DistributedStep:
         if self._workers is not None:
             self._workers.stop(grace_s=0.5 if lost else None)
 
-    def _restart(self, failure: WorkerFailure, in_flight: int) -> int:
+    def _restart(self, failure: WorkerFailure, in_flight: int, moving: bool) -> int:
         """Replace the failed ranks (``_replace``), or when that cannot be done, start every
         rank again; restore every rank to the newest common snapshot before ``in_flight``,
         give the new ranks the programs of the other call signatures, replay the kept steps.
+        ``moving``: the mesh moves to spare hosts (``_relocatable``, or a move under way).
         Returns the snapshot's step."""
         ft = self._ft
         assert ft is not None
-        if ft.held is not None:        # a move under way failed while its mesh started
-            return self._shrink(failure, in_flight, relocate=ft.relocating)
-        if self._relocatable(failure):
-            return self._shrink(failure, in_flight, relocate=True)
+        if moving or ft.held is not None:    # a move under way goes on as it began
+            return self._shrink(failure, in_flight, relocate=moving)
         if ft.elastic is not None:
             return self._shrink(failure, in_flight)
         held, new = self._replace(failure)
@@ -851,8 +849,7 @@ class DistributedStep:
             if found is not None:      # their snapshots: the copies on the next hosts
                 gone, self.hosts, moved = found
                 failed |= gone
-                if hasattr(ft.files, "lose"):
-                    ft.files.lose(sorted(gone))
+                ft.files.lose(sorted(gone))
                 logger.warning("meshplan: %s: host%s %s lost; the mesh goes on without %s",
                                self.__name__, "s" * (len(moved) != 1), ", ".join(moved),
                                "them" if len(moved) != 1 else "it")
@@ -1393,8 +1390,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     mesh, brings every rank back to the newest snapshot and re-runs the steps since: the call
     returns what it would have, the state is bit for bit the fault-free run's, and a warning
     line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
-    ``max_restarts`` restarts in one run, ``RuntimeFailure``. The local and mpi launchers
-    (``hosts=`` too), not yet slurm or k8s (README, "Fault tolerance"). ``hang_s``: how long a
+    ``max_restarts`` restarts in one run, ``RuntimeFailure``. The local, mpi (``hosts=`` too)
+    and slurm launchers, not yet k8s (README, "Fault tolerance"). ``hang_s``: how long a
     rank may stay stopped (SIGSTOP) while
     the controller waits for it before it counts as failed (default 10 s). ``elastic``
     (with fault tolerance): True, or the fewest ranks to go on with, makes a failure shrink

@@ -139,12 +139,12 @@ def _keep_read(state: WorkerState, header: dict[str, Any], tensors: list[torch.T
 # ---- the controller's side --------------------------------------------------------------------
 
 class MeshSnapshots:
-    """Every rank's snapshot file, for a mesh whose ranks are on several hosts: the files of
-    ranks on the controller's host (``hosts[r]`` None) in this process, the others' in their
-    host's keeper, and with two hosts of keepers or more, a replica of each file in the keeper
-    of the next host (``replica``). ``launch(names)`` starts one keeper per named host, in that
-    order, and returns their ``Workers``. Reads as ``SnapshotFiles`` does
-    (``_snapshot.Held``), from a replica where the file's own keeper is lost (``lose``)."""
+    """Every rank's snapshot file: the files of ranks on the controller's host (``hosts[r]``
+    None; all of them on one host) in this process, the others' in their host's keeper, and
+    with two hosts of keepers or more, a replica of each file in the keeper of the next host
+    (``replica``). ``launch(names)`` starts one keeper per named host, in that order, and
+    returns their ``Workers``. Reads as ``SnapshotFiles`` does (``_snapshot.Held``), from a
+    replica where the file's own keeper is lost (``lose``)."""
 
     def __init__(self, hosts: Sequence[str | None],
                  launch: Callable[[list[str]], Any], timeout_s: float) -> None:
@@ -197,12 +197,10 @@ class MeshSnapshots:
             return None
         return {"address": self._listeners[succ], "key": self.key.hex()}
 
-    def lose(self, ranks: Iterable[int]) -> list[str]:
+    def lose(self, ranks: Iterable[int]) -> None:
         """The hosts of ``ranks`` are lost (no heartbeat), their keepers with them: reads of
-        their ranks' files go to the replicas from now on. Returns those hosts."""
-        lost = {self._keeper[r] for r in ranks if r in self._keeper}
-        self.dead |= lost
-        return [self.hosts[k] for k in sorted(lost)]
+        their ranks' files go to the replicas from now on."""
+        self.dead |= {self._keeper[r] for r in ranks if r in self._keeper}
 
     def _where(self, rank: int) -> tuple[int, bool]:
         """The keeper that holds rank ``rank``'s snapshot, and whether as a replica."""
@@ -253,9 +251,6 @@ class MeshSnapshots:
             for (r, name), tensor in zip(reply.header["names"], reply.tensors):
                 out.setdefault(int(r), {})[name] = tensor
         return out
-
-    def nbytes(self) -> int:
-        return self.local.nbytes()
 
     def close(self) -> None:
         self.local.close()

@@ -71,9 +71,7 @@ class Recovery:
         self.relocating = False   # whether that move keeps the mesh (spare hosts) or shrinks
         self.shrunk: tuple[dict[str, int], dict[str, int]] | None = None   # the last: from, to
         self.moved: list[str] = []       # the lost hosts whose ranks the last recovery moved
-        # every rank's snapshot file: _snapshot.SnapshotFiles, or _keepers.MeshSnapshots when
-        # ranks run on other hosts than the controller's
-        self.files: Any = None
+        self.files: Any = None    # every rank's snapshot file (_keepers.MeshSnapshots)
         self.restarts = 0
         self.generation = 0       # communicators built after a rank was replaced
         self.replaced: list[int] = []             # the ranks the last recovery started

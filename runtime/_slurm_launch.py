@@ -516,10 +516,10 @@ class SlurmLauncher(LocalLauncher):
             nodes = slurm_nodes(alloc, n, opts.nodes)
             per = n // nodes
             _check_fits(alloc, nodes, per, opts.overcommit)
-        else:
+        else:                        # a new one: the options' nodes, n / nodes tasks on each
+            alloc = self.allocation(n)
             nodes = opts.nodes or 1
-            per = _per_node(n, nodes, _NODES)
-            alloc = Allocation.request(opts, nodes, per)
+            per = n // nodes
         try:
             return self._start(srun, alloc, n, nodes, per, env, cwd)
         except BaseException:
