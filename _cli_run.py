@@ -29,6 +29,7 @@ from ._errors import MeshplanError, PlanError, RuntimeFailure, TraceError
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_FT_FLAG = {"auto": None, "on": True, "off": False}    # meshplan run --fault-tolerance
 
 
 def add_run_commands(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +72,9 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--k8s", metavar="OPTIONS",
                    help="with --launcher k8s: key=value,... such as image=registry/train:1,"
                    "pods=2,namespace=ml,gpus_per_pod=8,queue=team-a (README, \"Kubernetes\")")
+    r.add_argument("--fault-tolerance", choices=tuple(_FT_FLAG),
+                   help="auto: on for CPU ranks under local, mpi and slurm (README, \"Fault "
+                   "tolerance\"); on; off (default: the decorator's, else auto)")
     r.add_argument("--data", help="MOD:FN (or FILE.py:FN) returning an iterator of argument "
                    "tuples (default: the file's batches())")
     r.add_argument("--db", help="the telemetry store (default: $MESHPLAN_TELEMETRY or "
@@ -216,7 +220,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                                slurm=args.slurm or None, k8s=args.k8s or None,
                                timeout_s=opts["timeout_s"],
                                telemetry=_telemetry(args), checkpoint=args.checkpoint,
-                               precision=args.precision or opts["precision"])
+                               precision=args.precision or opts["precision"],
+                               fault_tolerance=_FT_FLAG[args.fault_tolerance]
+                               if args.fault_tolerance else opts["fault_tolerance"])
     table = None if args.json else _LossTable(name, plan)
     done = 0
     with step:
@@ -383,9 +389,10 @@ def _decorator_options(fn: Any) -> dict[str, Any]:
     if isinstance(fn, meshplan.DistributedStep):
         return {"topology": fn.topology, "strategy": fn.strategy,
                 "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s,
-                "precision": fn.precision, "recompute": fn.recompute}
+                "precision": fn.precision, "recompute": fn.recompute,
+                "fault_tolerance": fn._ft_asked}
     return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0,
-            "precision": None, "recompute": "auto"}
+            "precision": None, "recompute": "auto", "fault_tolerance": None}
 
 
 # ---- output ----------------------------------------------------------------------------------

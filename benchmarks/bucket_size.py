@@ -31,7 +31,8 @@ def one(topology, n: int, steps: int, warmup: int = 2) -> tuple[int, float]:
     ex = gpt.build(config=st.CONFIG, optimizer="adamw", clip=st.CLIP, seed=st.SEED)
     batches = st._batches(2 + warmup + steps)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy="dp", topology=topology,
-                               example_inputs=batches[0], timeout_s=st.TIMEOUT_S)
+                               example_inputs=batches[0], timeout_s=st.TIMEOUT_S,
+                               fault_tolerance=False)     # the bare step, as step_time.py
     with st._meshplan_env(st._threads(n)), step:
         bucket_bytes = step.plan.bucket_bytes
         for b in batches[:2 + warmup]:

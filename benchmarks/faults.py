@@ -2,7 +2,7 @@
 cost when nothing fails, and the same kills under torchrun.
 
     python benchmarks/faults.py [--ranks 4] [--kills 20] [--steps 30] [--rounds 2]
-                                [--torchrun-kills 4] [--elastic 0] [--quick]
+                                [--gap 0] [--torchrun-kills 4] [--elastic 0] [--quick]
 
 The GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, data parallel:
@@ -78,7 +78,7 @@ class _Seen(logging.Handler):
             self.lines.append(text)
 
 
-_VARIANTS = {"off": {}, "every step": {"fault_tolerance": True},
+_VARIANTS = {"off": {"fault_tolerance": False}, "every step": {"fault_tolerance": True},
              "every 5 steps": {"fault_tolerance": True, "snapshot_every": 5}}
 
 
@@ -98,7 +98,7 @@ def overhead(ranks: int, steps: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def recovery(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
+def recovery(ranks: int, kills: int, seed: int = 0, gap_s: float = 0.0) -> dict[str, object]:
     rng = random.Random(seed)
     seen = _Seen()
     logging.getLogger("meshplan").addHandler(seen)
@@ -114,6 +114,7 @@ def recovery(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
                 for _ in range(2):                   # a couple of clean steps between kills
                     step(*ex.batch(i))
                     i += 1
+                time.sleep(gap_s)          # idle: time for the last recovery's new spare
                 seen_s, back_s, i = _kill_in_a_step(step, ex, i, rng, typical, seen)
                 detect.append(seen_s)
                 back.append(back_s)
@@ -321,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30, help="overhead: steps per run")
-    ap.add_argument("--rounds", type=int, default=2, help="overhead: rounds of off/on")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="overhead: rounds of off/on (0: skip the overhead)")
+    ap.add_argument("--gap", type=float, default=0.0,
+                    help="recovery: seconds idle before each kill (0: kills 2 steps apart, "
+                    "before the last recovery's new spare has started)")
     ap.add_argument("--torchrun-kills", type=int, default=4)
     ap.add_argument("--elastic", type=int, default=0,
                     help="also measure this many shrinks under elastic=True (0: skip)")
@@ -334,11 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# faults: GPT d_model {CONFIG.d_model}, {CONFIG.n_layer} layers, batch "
           f"{CONFIG.batch_size}, {a.ranks} ranks (dp), {os.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.1f}", flush=True)
-    ov = overhead(a.ranks, a.steps, a.rounds)
-    print(f"overhead: step {ov['off']:.1f} ms without fault tolerance; with snapshots " + ", ".join(
-        f"{k} {v:.1f} ms ({v / ov['off']:.3f}x)" for k, v in ov.items() if k != "off"),
-        flush=True)
-    rec = recovery(a.ranks, a.kills)
+    if a.rounds:
+        ov = overhead(a.ranks, a.steps, a.rounds)
+        print(f"overhead: step {ov['off']:.1f} ms without fault tolerance; with snapshots "
+              + ", ".join(f"{k} {v:.1f} ms ({v / ov['off']:.3f}x)" for k, v in ov.items()
+                          if k != "off"), flush=True)
+    rec = recovery(a.ranks, a.kills, gap_s=a.gap)
     det, back = rec["detect"], rec["back"]
     one = sum(1 for r in rec["replaced"] if r == 1)
     print(f"meshplan: {len(back)} of {a.kills} kills recovered ({one} by starting the killed "

@@ -61,7 +61,7 @@ def job(hosts: str, strategy: str, steps: int, out: str) -> None:
     where = ({"launcher": "slurm", "slurm": {"nodes": 2}} if hosts == "slurm"
              else {"launcher": "mpi", "hosts": hosts})
     step = meshplan.distribute(ex.step, mesh={"dp": 4}, strategy=strategy, telemetry=False,
-                               timeout_s=300, **where)
+                               timeout_s=300, fault_tolerance=False, **where)
     times = []
     with step:
         for i, b in enumerate(batches):

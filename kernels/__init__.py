@@ -59,6 +59,24 @@ __all__ = [
 ]
 
 
+def warm_cpu() -> None:
+    """Load the CPU optimizer kernel a plan's lowering may call (numba's fused AdamW, compiled
+    at its first call and cached on disk; loading it takes about 0.9 s in a fresh process) by
+    running it on a few float32 elements. A fault-tolerance spare does this while it waits, so
+    the rank it replaces does not pay for it in its first step. The bucket copies' parallel
+    kernel is left alone (its first call costs ~6 ms; started in a spare, its OpenMP team made
+    the rank slower at every step after). Best effort: without numba, nothing."""
+    import torch
+
+    try:
+        from . import _cpu_optim
+    except ImportError:
+        return
+    p, g, m, v = (torch.zeros(8) for _ in range(4))
+    _cpu_optim.adamw_fused_cpu_([p], [g], [m], [v], [0.0], [1.0], decay=1.0, lerp_weight=0.1,
+                                beta2=0.999, addcmul_value=1e-3, eps=1e-8)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

@@ -33,6 +33,7 @@ from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, STATE_ROLES, Role
 from ..planner import Plan, check_recompute, plan_graph
+from ..planner._summary import format_bytes
 from ..telemetry import Level, TelemetryConfig
 from ._checks import check_indices
 from ._files import FILES_PLUGIN
@@ -73,7 +74,7 @@ class DistributedStep:
                  checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                  precision: str | None = None, recompute: Any = "auto",
                  calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
-                 device: str | None = None, fault_tolerance: bool = False,
+                 device: str | None = None, fault_tolerance: bool | None = None,
                  max_restarts: int = 3, snapshot_every: int = 1,
                  hang_s: float = STOPPED_S, elastic: bool | int = False,
                  k8s: Any = None) -> None:
@@ -99,16 +100,22 @@ class DistributedStep:
                                  "drop slurm=)")
         self.launcher, self.hosts = launcher, hosts
         self.hang_s = _positive("hang_s", hang_s)
+        self.k8s = K8sOptions.parse(k8s) if launcher == "k8s" else None
+        if self.k8s is not None and device is None:    # the pods' GPUs, not this host's
+            device = "cuda" if self.k8s.gpus_per_pod else "cpu"
+        self.device, self._device_note = resolve_device(device, launcher)
+        # None: on where it was measured to cost under 3 % (_fault_tolerance_default)
+        self._ft_asked = fault_tolerance
+        fault_tolerance, self._ft_note = _fault_tolerance_default(
+            fault_tolerance, elastic, launcher, self.device)
+        # on by the default alone: the first launch may still turn it off (memory)
+        self._ft_auto = self._ft_note == AUTO_ON
         self._ft = _fault_tolerance(fault_tolerance, launcher, max_restarts,
                                     snapshot_every, self.hang_s, elastic)
         self.slurm = SlurmOptions.parse(slurm) if launcher == "slurm" else None
         # under fault tolerance, the Slurm allocation every launch of the run uses (restarted
         # ranks go back to their nodes, where their snapshots are); given back at shutdown
         self._allocation: Allocation | None = None
-        self.k8s = K8sOptions.parse(k8s) if launcher == "k8s" else None
-        if self.k8s is not None and device is None:    # the pods' GPUs, not this host's
-            device = "cuda" if self.k8s.gpus_per_pod else "cpu"
-        self.device, self._device_note = resolve_device(device, launcher)
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
@@ -303,8 +310,19 @@ class DistributedStep:
 
     @property
     def restarts(self) -> int:
-        """How many times ``fault_tolerance=True`` restarted the mesh after a rank failed."""
+        """How many times fault tolerance restarted the mesh after a rank failed."""
         return 0 if self._ft is None else self._ft.restarts
+
+    @property
+    def fault_tolerance(self) -> bool:
+        """Whether a failed rank is restarted from the snapshots (``distribute(
+        fault_tolerance=)``; the default turns it on for CPU ranks); ``fault_tolerance_note``
+        says why, as the plan summary does."""
+        return self._ft is not None
+
+    @property
+    def fault_tolerance_note(self) -> str:
+        return self._ft_note
 
     def query(self, sql: str, *, merge: str | None = None,
               timeout_s: float = 10.0) -> QueryResult:
@@ -413,6 +431,7 @@ class DistributedStep:
         else:
             self._plan = self._plan_on(self._traced.graph)
         self._plan.solver["device"] = self._device_note
+        self._plan.solver["fault_tolerance"] = self._ft_note
 
     def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
         from ._checkpoint import check_matches, read_info, read_whole
@@ -559,6 +578,8 @@ class DistributedStep:
         world = math.prod(plan.mesh.sizes)
         state = {} if restore else self._launch_state()
         data = call_inputs(plan)
+        if self._ft is not None and self._ft_auto:
+            self._snapshot_memory_check(world)
         if self.launcher == "local" and os.environ.get("MESHPLAN_HOSTS") and not restore:
             logger.warning("meshplan: $MESHPLAN_HOSTS names hosts (%s), and launcher='local' "
                            "runs every rank on this one; pass launcher='mpi' or 'slurm' to "
@@ -703,6 +724,35 @@ class DistributedStep:
                                mpiexec_args=("-disable-auto-cleanup",)).launch(
                 len(names), env=env)
         return MeshSnapshots(hosts, launch, self.timeout_s)
+
+    def _snapshot_memory_check(self, world: int) -> None:
+        """Under the default (``fault_tolerance=None``), leave fault tolerance off when the
+        snapshots the ranks of this host would keep (two slots of every distinct piece they
+        hold) take more than ``AUTO_MEMORY_SHARE`` of this host's available memory; says so
+        once. Asked for explicitly, fault tolerance is never turned off here."""
+        self._ft_auto = False                  # once: the first launch decides
+        if self.launcher == "slurm":            # the ranks' nodes are not this host
+            return
+        free = _available_memory()
+        if free is None:
+            return
+        hosts = self._rank_hosts(world)
+        plan = self.plan
+        dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
+        pieces = {key for (rank, _), key in _piece_keys(plan, self._state_names()).items()
+                  if hosts[rank] is None}
+        need = 2 * sum(math.prod(b - a for a, b in key[1]) * dtypes[key[0]].itemsize
+                       for key in pieces)
+        if need <= AUTO_MEMORY_SHARE * free:
+            return
+        assert self._ft is not None
+        self._ft.close()
+        self._ft = None
+        self._ft_note = (f"off: its snapshots would take {format_bytes(need)} of this host's "
+                         f"{format_bytes(free)} available memory (more than "
+                         f"{AUTO_MEMORY_SHARE:.0%}); fault_tolerance=True turns it on anyway")
+        self.plan.solver["fault_tolerance"] = self._ft_note
+        logger.warning("meshplan: %s: fault tolerance %s", self.__name__, self._ft_note)
 
     def _snapshot_owners(self, hosts: list[str | None]) -> dict[tuple[int, str], int]:
         """(rank, state name) -> the rank whose snapshot holds that rank's piece. Ranks of one
@@ -976,6 +1026,7 @@ class DistributedStep:
         plans = best[2]
         for plan in plans:
             plan.solver["device"] = self._device_note
+            plan.solver["fault_tolerance"] = self._ft_note
         return best[1], plans
 
     def _replace(self, failure: WorkerFailure) -> tuple[list[list[int]] | None, list[int]]:
@@ -1338,7 +1389,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
                precision: str | None = None, recompute: Any = "auto",
                calibrate: bool | int = False, hosts: Any = None, slurm: Any = None,
-               device: str | None = None, fault_tolerance: bool = False,
+               device: str | None = None, fault_tolerance: bool | None = None,
                max_restarts: int = 3, snapshot_every: int = 1,
                hang_s: float = STOPPED_S, elastic: bool | int = False,
                k8s: Any = None) -> Any:
@@ -1382,7 +1433,12 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     per step, losses come back; NCCL between ranks with a GPU each, gloo through host memory
     between ranks that share one) or ``"cpu"``; None (the default): ``"cuda"`` when this host
     sees a GPU, else ``"cpu"``; the plan summary says which. Not under ``launcher="mpi"``.
-    ``fault_tolerance``: True keeps every rank's state in memory after every
+    ``fault_tolerance``: None (the default) turns it on for CPU ranks under the local, mpi
+    and slurm launchers, where it was measured to cost under 3 % of the step, unless the
+    snapshots would take more than half of this host's available memory; off on GPU ranks
+    (not measured yet) and under k8s (not built); ``$MESHPLAN_FAULT_TOLERANCE`` (``auto``,
+    ``on``, ``off``) changes that default; ``step.fault_tolerance`` and the plan summary say
+    which holds. On (True) it keeps every rank's state in memory after every
     ``snapshot_every``-th step (a copy per rank, in memory files the controller holds, or on
     another host a snapshot keeper there, with a copy on the next host's keeper) and the
     batches since; when a rank exits, is killed, stays stopped for ``hang_s`` or a step outlives
@@ -1456,6 +1512,55 @@ def _positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise RuntimeFailure(f"distribute({name}={value!r}): pass a positive number of seconds")
     return float(value)
+
+
+ENV_FAULT_TOLERANCE = "MESHPLAN_FAULT_TOLERANCE"   # auto (the default), on or off
+# the most of this host's available memory (/proc/meminfo) the snapshots of a run that did not
+# ask for fault tolerance may take: past it, the default leaves fault tolerance off
+AUTO_MEMORY_SHARE = 0.5
+AUTO_ON = ("on (the default for CPU ranks: snapshots every step, a failed rank restarted from "
+           "them; fault_tolerance=False turns it off)")
+
+
+def _fault_tolerance_default(on: Any, elastic: Any, launcher: str,
+                             device: str) -> tuple[Any, str]:
+    """What ``distribute(fault_tolerance=None)`` (the default) means here, and the plan
+    summary's line on it: on for CPU ranks under the local, mpi and slurm launchers, where
+    snapshots after every step were measured to cost under 3 % of the step (README, "Fault
+    tolerance"); off under k8s (no snapshot keeper in pods yet) and on GPU ranks (the copy of
+    their state to host memory every step is not measured yet). ``$MESHPLAN_FAULT_TOLERANCE``
+    (``auto``, ``on``, ``off``) changes the default; ``elastic=`` asks for it."""
+    if on is not None:
+        return on, "on, as asked" if on is True else "off, as asked"
+    if elastic is not None and elastic is not False:
+        return True, "on (elastic= needs it)"
+    env = os.environ.get(ENV_FAULT_TOLERANCE, "auto").strip().lower() or "auto"
+    if env not in ("auto", "on", "off"):
+        raise RuntimeFailure(f"${ENV_FAULT_TOLERANCE}={env!r}: set it to auto (the default: "
+                             "on for CPU ranks), on or off")
+    if env == "off":
+        return False, f"off (${ENV_FAULT_TOLERANCE}=off)"
+    if launcher == "k8s":
+        return False, ("off: not built for launcher='k8s' yet (no snapshot keeper runs in "
+                       "the pods)")
+    if env == "on":
+        return True, f"on (${ENV_FAULT_TOLERANCE}=on)"
+    if device != "cpu":
+        return False, ("off: the default on GPU ranks until the cost of copying their state "
+                       "to host memory every step is measured; fault_tolerance=True turns it on")
+    return True, AUTO_ON
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _fault_tolerance(on: Any, launcher: str, max_restarts: Any,

@@ -195,6 +195,14 @@ class RendezvousStore:
         self._store = None             # the server stops (and closes its socket) with it
 
 
+def _by_signal(proc: Any) -> bool:
+    """Whether a process of this host ended by a signal (a negative return code); a job's
+    code (mpiexec, srun: ranks on other hosts) says nothing of how its first rank ended."""
+    code = proc.returncode
+    return getattr(proc, "local", True) and getattr(proc, "exit_order", 0) is not None \
+        and code is not None and code < 0
+
+
 def _describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -573,7 +581,10 @@ class Workers:
         if not exited:
             return
         rank = self._first_exited(exited)
-        self._drain_errors(exited)  # an error a rank sent before dying explains more than its exit
+        if not all(_by_signal(self._group.procs[r]) for r in exited):
+            # an error a rank sent before it exited explains more than its exit; a process a
+            # signal ended (SIGKILL, SIGSEGV) sent none, and waiting would only delay a recovery
+            self._drain_errors(exited)
         proc = self._group.procs[rank]
         code = proc.returncode
         host = self._host_of(rank)

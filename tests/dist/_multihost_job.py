@@ -37,8 +37,9 @@ def cut(result: str, launcher: str = "mpi") -> None:
 
     ex = gpt.build(seed=0)
     more = {"slurm": {"nodes": 2}} if launcher == "slurm" else {}
+    # without fault tolerance (on by default): the failure itself is what the test reads
     step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher=launcher, strategy="dp",
-                               telemetry=False, timeout_s=120, **more)
+                               telemetry=False, timeout_s=120, fault_tolerance=False, **more)
     out: dict = {"type": None}
     with step:
         for i in range(2):
@@ -146,7 +147,7 @@ def die(result: str) -> None:
 
     ex = gpt.build(seed=0)
     step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="slurm", strategy="dp",
-                               telemetry=False, timeout_s=60)
+                               telemetry=False, timeout_s=60, fault_tolerance=False)
     out: dict = {"type": None}
     with step:
         step(*ex.batch(0))

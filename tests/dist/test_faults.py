@@ -210,6 +210,59 @@ def test_fault_tolerance_is_refused_where_it_cannot_work_yet() -> None:
         meshplan.distribute(ex.step, mesh={"dp": 2}, hang_s=0)
 
 
+def test_the_default_is_on_for_cpu_ranks_and_off_where_it_is_not_built_or_measured(
+        monkeypatch) -> None:
+    """``fault_tolerance=None`` (the default): on for CPU ranks under local / mpi / slurm,
+    off under k8s and on GPU ranks; ``$MESHPLAN_FAULT_TOLERANCE`` changes it; ``elastic=``
+    asks for it; an explicit value is kept."""
+    from meshplan.runtime._distributed import _fault_tolerance_default as default
+
+    monkeypatch.delenv("MESHPLAN_FAULT_TOLERANCE", raising=False)
+    for launcher in ("local", "mpi", "slurm"):
+        assert default(None, False, launcher, "cpu")[0] is True
+    assert default(None, False, "k8s", "cpu")[0] is False
+    on, note = default(None, False, "local", "cuda")
+    assert on is False and "GPU" in note
+    assert default(False, False, "local", "cpu") == (False, "off, as asked")
+    assert default(True, False, "k8s", "cuda")[0] is True      # refused later, by name
+    assert default(None, True, "local", "cuda")[0] is True
+    monkeypatch.setenv("MESHPLAN_FAULT_TOLERANCE", "off")
+    assert default(None, False, "local", "cpu")[0] is False
+    assert default(True, False, "local", "cpu")[0] is True
+    monkeypatch.setenv("MESHPLAN_FAULT_TOLERANCE", "on")
+    assert default(None, False, "local", "cuda")[0] is True
+    assert default(None, False, "k8s", "cpu")[0] is False
+    monkeypatch.setenv("MESHPLAN_FAULT_TOLERANCE", "yes")
+    with pytest.raises(meshplan.RuntimeFailure, match="MESHPLAN_FAULT_TOLERANCE"):
+        default(None, False, "local", "cpu")
+
+
+@pytest.mark.timeout(120)
+def test_on_by_default_unless_the_snapshots_would_not_fit_in_memory(monkeypatch,
+                                                                    caplog) -> None:
+    """The default run keeps snapshots (the plan summary says so); where they would take more
+    than half of the host's available memory, it runs without, and says so once."""
+    from meshplan.examples import mlp
+    from meshplan.runtime import _distributed
+
+    monkeypatch.delenv("MESHPLAN_FAULT_TOLERANCE", raising=False)
+    ex = mlp.build(optimizer="adamw")
+    with meshplan.distribute(ex.step, mesh={"dp": 2}, telemetry=False) as step:
+        step(*ex.batch(0))
+        assert step.fault_tolerance and step._ft.files is not None
+        assert "fault tolerance: on (the default" in step.plan.summary()
+    monkeypatch.setattr(_distributed, "_available_memory", lambda: 4096)
+    ex = mlp.build(optimizer="adamw")
+    with caplog.at_level("WARNING", logger="meshplan"), \
+            meshplan.distribute(ex.step, mesh={"dp": 2}, telemetry=False) as step:
+        step(*ex.batch(0))
+        step(*ex.batch(1))
+        assert not step.fault_tolerance and step.restarts == 0
+        assert "would take" in step.fault_tolerance_note
+    said = [r.getMessage() for r in caplog.records if "fault tolerance off" in r.getMessage()]
+    assert len(said) == 1 and "available memory" in said[0], said
+
+
 @pytest.mark.timeout(120)
 def test_a_state_loaded_mid_run_is_what_a_recovery_goes_back_to(plugin) -> None:
     """``load_state_dict()`` between steps replaces every rank's snapshot: a rank killed after
@@ -294,6 +347,9 @@ def test_elastic_below_its_least_ranks_is_an_error_naming_why(plugin) -> None:
     with pytest.raises(meshplan.RuntimeFailure, match=r"1 rank survives .*elastic=2 goes on with no fewer than 2"):
         _run({"dp": 2}, faults=[plugin(1, 1, "forward", "kill")], elastic=2)
     with pytest.raises(meshplan.RuntimeFailure, match="needs fault_tolerance=True"):
-        meshplan.distribute(gpt.build().step, mesh={"dp": 2}, elastic=True)
+        meshplan.distribute(gpt.build().step, mesh={"dp": 2}, elastic=True,
+                            fault_tolerance=False)
+    assert meshplan.distribute(gpt.build().step, mesh={"dp": 2}, elastic=True,
+                               device="cpu").fault_tolerance     # elastic= asks for it
     with pytest.raises(meshplan.RuntimeFailure, match="an int >= 1"):
         meshplan.distribute(gpt.build().step, mesh={"dp": 2}, fault_tolerance=True, elastic=0)

@@ -132,3 +132,14 @@ def test_buckets_feed_flatten_and_unflatten() -> None:
 def test_plan_buckets_rejects_bad_input(sizes, dtypes, cap, message) -> None:
     with pytest.raises(KernelError, match=message):
         plan_buckets(sizes, dtypes, cap)
+
+
+def test_warm_cpu_loads_the_optimizer_kernel_a_spare_would_otherwise_load_in_its_first_step(
+        ) -> None:
+    """``kernels.warm_cpu`` (a fault-tolerance spare runs it while it waits, and swallows its
+    errors there) calls the fused AdamW kernel as the lowering does: a change of that kernel's
+    arguments must fail here, not silently cost every replaced rank 0.9 s."""
+    from meshplan.kernels import _cpu_optim, warm_cpu
+
+    warm_cpu()
+    assert _cpu_optim._numba_kernel.cache_info().currsize == 1
