@@ -261,7 +261,8 @@ def torchrun(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={ranks}", "--max-restarts=3", script, out, ckpt,
-                 str(steps)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 str(steps)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                start_new_session=True)          # its workers die with it (killpg below)
             try:
                 log = os.path.join(out, "steps")
                 deadline = time.monotonic() + 240
@@ -286,15 +287,22 @@ def torchrun(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
                     if proc.poll() is not None:
                         break
                     time.sleep(0.05)
+                ok = len(back) == recovered and recovered == k + 1
                 print(f"  torchrun kill {k + 1}/{kills}: rank {victim} after {done_before} "
-                      f"steps; " + (f"next step after {back[-1]:.2f} s"
-                                    if len(back) == recovered and recovered == k + 1
-                                    else "not recovered"), flush=True)
-                proc.wait(240)
+                      f"steps; " + (f"next step after {back[-1]:.2f} s" if ok else
+                                    "not recovered (no step after the kill within 240 s "
+                                    "of the run's start, or the run ended)"), flush=True)
+                if ok:
+                    proc.wait(240)
+            except subprocess.TimeoutExpired:
+                print(f"  torchrun kill {k + 1}/{kills}: the restarted run did not finish "
+                      "within 240 s", flush=True)
             finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                try:        # the agent and every worker it started (not yet reaped: its
+                    os.killpg(proc.pid, signal.SIGKILL)      # group id is still its own)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
     return {"back": back, "recovered": recovered, "kills": kills}
 
 
