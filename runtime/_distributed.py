@@ -736,13 +736,8 @@ class DistributedStep:
         free = _available_memory()
         if free is None:
             return
-        hosts = self._rank_hosts(world)
-        plan = self.plan
-        dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
-        pieces = {key for (rank, _), key in _piece_keys(plan, self._state_names()).items()
-                  if hosts[rank] is None}
-        need = 2 * sum(math.prod(b - a for a, b in key[1]) * dtypes[key[0]].itemsize
-                       for key in pieces)
+        _, nbytes = self._host_pieces(self._rank_hosts(world))
+        need = 2 * sum(b for key, b in nbytes.items() if key[0] is None)     # this host's
         if need <= AUTO_MEMORY_SHARE * free:
             return
         assert self._ft is not None
@@ -754,6 +749,19 @@ class DistributedStep:
         self.plan.solver["fault_tolerance"] = self._ft_note
         logger.warning("meshplan: %s: fault tolerance %s", self.__name__, self._ft_note)
 
+    def _host_pieces(self, hosts: list[str | None]) -> tuple[dict[tuple, list[int]],
+                                                              dict[tuple, int]]:
+        """The distinct state pieces on each host (``hosts``: every rank's, ``_rank_hosts``),
+        keyed ``(host, *_piece_keys' key)``: the ranks holding each, and its bytes."""
+        plan = self.plan
+        dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
+        holders: dict[tuple, list[int]] = {}
+        for (rank, _), key in _piece_keys(plan, self._state_names()).items():
+            holders.setdefault((hosts[rank], *key), []).append(rank)
+        nbytes = {key: math.prod(b - a for a, b in key[2]) * dtypes[key[1]].itemsize
+                  for key in holders}
+        return holders, nbytes
+
     def _snapshot_owners(self, hosts: list[str | None]) -> dict[tuple[int, str], int]:
         """(rank, state name) -> the rank whose snapshot holds that rank's piece. Ranks of one
         host holding the same piece (data-parallel replicas, tensor-parallel replicated norms)
@@ -762,14 +770,8 @@ class DistributedStep:
         pieces first, each to the holder that copies the fewest bytes so far. So under data
         parallelism every rank copies about 1/n of its host's state per snapshot, not all of
         it. ``hosts``: every rank's (``_rank_hosts``)."""
-        plan = self.plan
-        dtypes = {n.target: getattr(torch, n.meta.dtype) for n in plan.graph.inputs}
-        holders: dict[tuple, list[int]] = {}
-        for (rank, _), key in _piece_keys(plan, self._state_names()).items():
-            holders.setdefault((hosts[rank], *key), []).append(rank)
-        nbytes = {key: math.prod(b - a for a, b in key[2]) * dtypes[key[1]].itemsize
-                  for key in holders}
-        load = [0] * math.prod(plan.mesh.sizes)
+        holders, nbytes = self._host_pieces(hosts)
+        load = [0] * math.prod(self.plan.mesh.sizes)
         owners = {}
         for key in sorted(holders, key=lambda k: (-nbytes[k], k[1:], k[0] or "")):
             owner = min(holders[key], key=lambda r: (load[r], r))

@@ -598,7 +598,7 @@ class Workers:
                      f"{kind!r}: a rank ended and the job ended the others; which one ended "
                      f"first is not known here (ranks on other hosts); rank {rank}{on} is "
                      "named for it"]
-        why = getattr(self._group.procs[rank], "ended", None)   # what the launcher knows
+        why = getattr(proc, "ended", None)   # what the launcher knows
         if why:
             lines.append(f"  {why}")
         tail = _tail(self.log_dir / f"rank{rank}.err" if self.log_dir else None)

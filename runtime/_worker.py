@@ -247,9 +247,9 @@ def _lower_priority() -> int | None:
 
 
 def _warm_kernels() -> None:
-    """A spare loads the CPU kernels while it waits (``kernels.warm_cpu``: 0.7-0.8 s in a
-    fresh process, which the replaced rank's first step paid before: a third of a recovery);
-    best effort."""
+    """A spare loads the CPU AdamW kernel while it waits (``kernels.warm_cpu``: about 0.9 s in
+    a fresh process, which the replaced rank's first step paid before; kill -> next step
+    1.31 -> 1.02 s p50 in ``benchmarks/faults.py --gap 6``); best effort."""
     try:
         from ..kernels import kernels_enabled, warm_cpu
 
