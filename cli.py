@@ -174,6 +174,9 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
     else:
         console.print(f"links from {base} (the run's collectives do not span {LINK_SPAN}x in "
                       "size, gradient buckets aside, so no link is fitted)")
+    if topo.intra_node.wait:
+        console.print(f"  a blocking collective waits {topo.intra_node.wait * 1e6:.1f} us more "
+                      "for busy ranks to be scheduled (probe_wait)")
     if comp is not None:
         rates = ", ".join(f"{d} {f / 1e9:.1f} GFLOP/s" for d, f in sorted(comp.flops.items()))
         console.print(f"compute fitted to {comp.ops} sampled ops ({comp.measured_s * 1e3:.1f} ms "

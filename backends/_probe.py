@@ -8,6 +8,15 @@ not the link. ``probe_links`` times each collective kind at a few sizes on every
 of the same communicator the steps use (shared memory, gloo, MPI), the ranks lined up by a
 barrier and a warm-up call before each timed batch, so that the samples measure the link
 and the implementation. Every rank runs the same loop (collective order is the contract).
+
+``probe_wait`` measures what those idle probes cannot: how long a blocking collective waits
+for its members to be running again when every rank is busy, as in a step. Where ranks
+outnumber cores (4 processes on 2), a member that posts its arrival and blocks wakes a peer
+that may have to wait for a time slice; a plan with 60 collectives a step pays that 60 times,
+a data-parallel one 3 times. The probe runs the same fixed compute burst on every rank with
+and without a tiny all-reduce after each, and the difference per call, less the idle
+all-reduce's own time, is the wait (``Link.wait``); on a host with a core per rank it is near
+zero.
 """
 
 from __future__ import annotations
@@ -52,6 +61,56 @@ def probe_links(comm: Any, rank: int, sizes: tuple[int, ...], *, kinds: tuple[st
                 out.append({"kind": kind, "axis": axis, "group_size": n, "bytes": numel * 4,
                             "seconds": statistics.median(times)})
     return out
+
+
+WAIT_ITERS = 16        # bursts per timed batch
+WAIT_BURST = (128, 24)   # each burst: 24 float32 128x128 matmuls (~2 ms on one idle CPU core)
+
+
+def probe_wait(comm: Any, rank: int, sizes: tuple[int, ...], *, repeats: int = 3,
+               iters: int = WAIT_ITERS, device: str = "cpu") -> list[dict[str, Any]]:
+    """Per mesh axis of more than one rank: ``{"kind": "wait", "axis", "group_size",
+    "bytes": 4, "seconds"}``, the seconds a blocking collective waits beyond its idle time
+    when every rank computes between collectives (clamped at 0): the median over ``repeats``
+    of ``(busy + tiny all-reduce) - busy - idle all-reduce``, per call. The burst is the same
+    work on every rank (not a duration each rank measures for itself), so ranks drift only
+    as their scheduling lets them."""
+    coords = rank_coords(rank, sizes)
+    n_mm, k = WAIT_BURST[1], WAIT_BURST[0]
+    a = torch.full((k, k), 1.0 / k, device=device)     # stays 1/k: no rng, no overflow
+    out = torch.empty(k, k, device=device)
+    one = torch.zeros(1, device=device)
+
+    def burst() -> None:
+        for _ in range(n_mm):
+            torch.mm(a, a, out=out)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    samples = []
+    for axis, n in enumerate(sizes):
+        if n < 2:
+            continue
+        group = axis_group(coords, axis, sizes)
+        reduce = lambda: comm.all_reduce(one, group, "sum")   # noqa: E731
+        waits = []
+        for _ in range(repeats):
+            per = []
+            for body in ((burst,), (burst, reduce), (reduce,)):
+                comm.barrier(group)
+                for f in body:
+                    f()
+                comm.barrier(group)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    for f in body:
+                        f()
+                per.append((time.perf_counter() - t0) / iters)
+            busy, busy_sync, idle_sync = per
+            waits.append(busy_sync - busy - idle_sync)
+        samples.append({"kind": "wait", "axis": axis, "group_size": n, "bytes": 4,
+                        "seconds": max(0.0, statistics.median(waits))})
+    return samples
 
 
 def _call(comm: Any, kind: str, group: tuple[int, ...], numel: int, n: int, device: str):

@@ -81,7 +81,8 @@ def calibrate(n: int, strategy: str, db: Path) -> tuple[meshplan.planner.Topolog
               f"{c.memory_bandwidth / 1e9:.2f} GB/s, op floor {c.kernel_floor_s * 1e6:.1f} us, "
               f"{len(c.op_factors)} op factors, link "
               f"{fit.topology.intra_node.latency * 1e6:.0f} us + "
-              f"{fit.topology.intra_node.bandwidth / 1e9:.2f} GB/s, step overhead "
+              f"{fit.topology.intra_node.bandwidth / 1e9:.2f} GB/s, wait "
+              f"{fit.topology.intra_node.wait * 1e6:.0f} us per collective, step overhead "
               f"{fit.topology.step_overhead_s * 1e3:.1f} ms", flush=True)
     return fit.topology, took
 

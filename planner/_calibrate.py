@@ -614,7 +614,8 @@ def from_telemetry(store: object, run_id: str | None = None,
 
     Links: from the run's ``link_probes`` rows when it has them (``backends/_probe.py``:
     blocking collectives timed on the run's mesh, which ``distribute(calibrate=)`` records
-    after its calibrating steps; the median over ranks per kind, group size and bytes), else
+    after its calibrating steps; the median over ranks per kind, group size and bytes; and
+    the link's ``wait``, from the ``wait`` rows of ``probe_wait``), else
     from the run's own collectives: every (kind, group size, bytes) becomes one sample, the median over ranks
     and steps of the call's duration, waits for slower peers included (what a step pays).
     Gradient buckets are left out (started during the backward and finished at its end,
@@ -654,6 +655,7 @@ def from_telemetry(store: object, run_id: str | None = None,
     samples = tuple(Sample(_FITTED[r["kind"]], int(r["bytes"]), max(float(r["us"]), 1.0) * 1e-6)
                     for r in rows)
     link = _fit_links(samples, [int(r["group_size"]) for r in rows])
+    wait = _probed_wait(store, run)
     ops = _op_samples(store, run)
     compute = fit_compute(ops, topo) if ops else None
     if link is None and compute is None:
@@ -665,6 +667,10 @@ def from_telemetry(store: object, run_id: str | None = None,
     fitted = dataclasses.replace(topo, name=f"{topo.name}+run-{run}")
     if link is not None:
         fitted = dataclasses.replace(fitted, intra_node=link, inter_node=link)
+    if wait is not None:
+        fitted = dataclasses.replace(
+            fitted, intra_node=dataclasses.replace(fitted.intra_node, wait=wait),
+            inter_node=dataclasses.replace(fitted.inter_node, wait=wait))
     if compute is not None:
         fitted = dataclasses.replace(
             fitted, flops=compute.flops, memory_bandwidth=compute.memory_bandwidth,
@@ -696,6 +702,15 @@ def _fit_links(samples: Sequence[Sample], group_sizes: Sequence[int]) -> Link | 
             one = fit_link([s for s, _ in mine], [n for _, n in mine])
             kinds.append((kind.value, one.bandwidth, one.latency))
     return Link(bandwidth=whole.bandwidth, latency=whole.latency, kinds=tuple(kinds))
+
+
+def _probed_wait(store: object, run: str) -> float | None:
+    """The run's ``probe_wait`` rows (kind ``wait``): the median over ranks and mesh axes of
+    what a blocking collective waits for busy members; None when the run has none."""
+    rows = store.sql(f"SELECT quantile_cont(dur_us, 0.5) AS us FROM link_probes "
+                     f"WHERE run_id = '{_sq(run)}' AND kind = 'wait'").to_pylist()
+    us = rows[0]["us"] if rows else None
+    return None if us is None else float(us) * 1e-6
 
 
 def _measured_step(store: object, run: str) -> float | None:

@@ -25,19 +25,21 @@ class Collective(enum.Enum):
 
 
 def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> float:
-    """Seconds for one collective over ``n`` ranks moving a ``nbytes`` buffer."""
+    """Seconds for one collective over ``n`` ranks moving a ``nbytes`` buffer: the ring's
+    alpha-beta time, plus the link's ``wait`` once per call (busy members being scheduled)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     b, a = link.for_kind(kind.value)
     frac = (n - 1) / n
+    w = link.wait
     if kind is Collective.ALL_REDUCE:
-        return 2 * (n - 1) * a + 2 * frac * nbytes / b
+        return w + 2 * (n - 1) * a + 2 * frac * nbytes / b
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
-        return (n - 1) * a + frac * nbytes / b
+        return w + (n - 1) * a + frac * nbytes / b
     if kind is Collective.SEND_RECV:
-        return a + nbytes / b
+        return w + a + nbytes / b
     if kind is Collective.BROADCAST:
-        return (n - 1) * a + nbytes / b      # pipelined ring
+        return w + (n - 1) * a + nbytes / b      # pipelined ring
     raise PlanError(f"unknown collective {kind}")
 
 
@@ -55,7 +57,7 @@ def bucket_time(bucket_bytes: int, total_bytes: float, n: int, link: Link,
         return 0.0
     buckets = math.ceil(total_bytes / bucket_bytes)
     bandwidth, alpha = link.for_kind(Collective.ALL_REDUCE.value)
-    latency = 2 * (n - 1) * alpha                   # collective_time's ring, per call
+    latency = link.wait + 2 * (n - 1) * alpha       # collective_time's, per call
     wire = lambda b: 2 * (n - 1) / n * b / bandwidth   # noqa: E731 - and per byte
     last = min(bucket_bytes, total_bytes)
     return buckets * latency + (1 - overlap) * wire(total_bytes) + overlap * wire(last)

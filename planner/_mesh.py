@@ -24,15 +24,20 @@ class Link:
     """One direction of a link as a collective sees it: ``alpha`` seconds per message step,
     ``bandwidth`` bytes per second per device. ``kinds``: (collective kind, bandwidth,
     latency) for kinds measured apart (a calibration fits each: on shared memory an all-reduce
-    reduces as it copies, an all-to-all only copies); other kinds use the link's own pair."""
+    reduces as it copies, an all-to-all only copies); other kinds use the link's own pair.
+    ``wait``: seconds every blocking collective call adds when its members are busy computing,
+    waiting for them to be scheduled again (ranks outnumbering cores); a calibration measures
+    it (``backends/_probe.py``: ``probe_wait``), presets leave it at 0."""
 
     bandwidth: float
     latency: float
     kinds: tuple[tuple[str, float, float], ...] = ()
+    wait: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.bandwidth > 0 and self.latency >= 0):
-            raise PlanError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+        if not (self.bandwidth > 0 and self.latency >= 0 and self.wait >= 0):
+            raise PlanError(f"a link needs bandwidth > 0, latency >= 0 and wait >= 0, "
+                            f"got {self}")
         kinds = tuple(sorted((str(k), float(b), float(a)) for k, b, a in self.kinds))
         if any(not (b > 0 and a >= 0) for _, b, a in kinds):
             raise PlanError(f"a link's per-kind bandwidths must be > 0 and latencies >= 0, "
@@ -105,6 +110,8 @@ class Topology:
                 del d[link]["kinds"]
             else:
                 d[link]["kinds"] = [list(k) for k in d[link]["kinds"]]
+            if not d[link]["wait"]:                     # likewise a link without a wait
+                del d[link]["wait"]
         return d
 
     @staticmethod

@@ -96,7 +96,9 @@ def test_calibration_replans_and_the_step_goes_on_equal_to_one_process(tmp_path,
         # the probes are in the store: fitting the run afterwards (as ``meshplan calibrate
         # --from-telemetry`` does) finds the links the calibration used
         again = real(store, first_run, base=_free_link_machine())
-    assert len(probes) == 2 * 4 * 4 and {p["axis"] for p in probes} == {"dp"}
+    # 4 kinds x 4 sizes and one wait sample per rank, on the one axis
+    assert len(probes) == 2 * (4 * 4 + 1) and {p["axis"] for p in probes} == {"dp"}
+    assert sum(p["kind"] == "wait" for p in probes) == 2
     assert {p["rank"] for p in probes} == {0, 1}
     assert again.probed and again.link == cal.fit.link
     assert ops == [0, 1]                       # the calibration's steps, and only them
@@ -134,3 +136,17 @@ def test_probes_time_every_kind_and_size_on_every_axis() -> None:
         assert [(p["axis"], p["kind"], p["bytes"]) for p in samples] == [
             (a, k, b) for a in (0, 1) for k in KINDS for b in sizes]
         assert all(p["group_size"] == 2 and p["seconds"] > 0 for p in samples)
+
+
+def test_wait_probe_measures_every_axis() -> None:
+    """``probe_wait`` on a 2 x 2 thread mesh: one ``wait`` sample per axis on every rank, a
+    duration (clamped at 0, never negative), each rank having run the same collectives."""
+    from meshplan.backends import ThreadMesh
+    from meshplan.backends._probe import probe_wait
+
+    got = ThreadMesh(4, timeout_s=30).run(
+        lambda comm: probe_wait(comm, comm.rank, (2, 2), repeats=1, iters=2))
+    for samples in got:
+        assert [(p["axis"], p["kind"], p["group_size"], p["bytes"]) for p in samples] == [
+            (0, "wait", 2, 4), (1, "wait", 2, 4)]
+        assert all(0 <= p["seconds"] < 5 for p in samples)

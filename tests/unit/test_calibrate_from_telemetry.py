@@ -227,6 +227,38 @@ def test_probes_fit_one_link_per_collective_kind(tmp_path) -> None:
     assert again == link and again.for_kind("all_to_all") == link.for_kind("all_to_all")
 
 
+def test_probed_wait_is_priced_once_per_collective(tmp_path) -> None:
+    """``probe_wait``'s rows (kind ``wait``: what a blocking collective adds when every rank
+    is busy) set the fitted link's ``wait``, the median over ranks; every collective call
+    pays it once, whatever its size, so a plan's price grows with its number of calls. A
+    topology file keeps it; one without it reads as 0, and a negative one is refused."""
+    from meshplan.planner import Topology, get_topology
+
+    db = tmp_path / "t.duckdb"
+    _record(db, Link(bandwidth=1e6, latency=1.0))
+    _probes(db, {"all_reduce": Link(bandwidth=3e9, latency=60e-6)})
+    ctl = Recorder(segments_dir(db), "run1", -1, flush_interval_s=None)
+    for r, us in enumerate((900.0, 1100.0, 1000.0)):
+        ctl.add("link_probes", ("wait", "dp", 2, 4, us), rank=r)
+    ctl.close()
+    with Store.open(db) as store:
+        fit = from_telemetry(store)
+    link = fit.topology.intra_node
+    assert link.wait == pytest.approx(1e-3) and fit.topology.inter_node.wait == link.wait
+    bare = Link(bandwidth=link.bandwidth, latency=link.latency, kinds=link.kinds)
+    for kind in Collective:
+        for nbytes in (4, 1 << 20):
+            assert collective_time(kind, nbytes, 4, link) == pytest.approx(
+                collective_time(kind, nbytes, 4, bare) + 1e-3), (kind, nbytes)
+    assert collective_time(Collective.ALL_REDUCE, 1 << 20, 1, link) == 0.0   # no group
+    d = fit.topology.to_dict()
+    assert d["intra_node"]["wait"] == pytest.approx(1e-3)
+    assert Topology.from_dict(d) == fit.topology
+    assert "wait" not in get_topology("cpu").to_dict()["intra_node"]     # files as before
+    with pytest.raises(PlanError, match="wait >= 0"):
+        Link(bandwidth=1e9, latency=0.0, wait=-1e-6)
+
+
 def json_round_trip(link: Link) -> dict:
     import json
     from dataclasses import asdict
