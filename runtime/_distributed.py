@@ -39,6 +39,7 @@ from ._checks import check_indices
 from ._files import FILES_PLUGIN
 from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher
+from . import _zygote
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._keepers import KEEPER_PLUGIN, MeshSnapshots
 from ._mpi_launch import MPILauncher, host_slots, is_this_host, parse_hosts
@@ -173,6 +174,8 @@ class DistributedStep:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._traced is None:
+            if self.launcher == "local" and self.device == "cpu":
+                _zygote.prestart()        # its imports overlap the tracing and planning
             self._prepare(args, kwargs)
         if self._pending_checkpoint is not None:
             path, push = self._pending_checkpoint
@@ -587,7 +590,7 @@ class DistributedStep:
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
                     else self._slurm_launcher(world) if self.launcher == "slurm"
                     else K8sLauncher(self.k8s) if self.launcher == "k8s"
-                    else LocalLauncher())
+                    else LocalLauncher(fork=self.device == "cpu"))
         plugins = ",".join(filter(None, (_HANDLERS, FILES_PLUGIN,
                                          os.environ.get("MESHPLAN_WORKER_PLUGINS"))))
         self._workers = workers = launcher.launch(world,

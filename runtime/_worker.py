@@ -359,17 +359,23 @@ def _finalize_mpi() -> None:
         print(f"meshplan worker: MPI_Finalize failed: {exc}", file=sys.stderr)
 
 
-if __name__ == "__main__":
-    # Run the canonical module, not this __main__ copy, so plugins that import
-    # meshplan.runtime._worker register into the same handler table.
-    from meshplan.runtime._worker import main as _main
-
-    code = _main()
-    # Skip the interpreter's teardown of torch (most of a second); atexit hooks still run.
+def run_and_exit() -> None:
+    """``main()``, then exit without the interpreter's teardown of torch (most of a second);
+    atexit hooks still run. What ``python -m meshplan.runtime._worker`` and a worker forked
+    by the local launcher's zygote (``_zygote.py``) run."""
     import atexit
 
+    code = main()
     atexit._run_exitfuncs()
     _finalize_mpi()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    # Run the canonical module, not this __main__ copy, so plugins that import
+    # meshplan.runtime._worker register into the same handler table.
+    from meshplan.runtime._worker import run_and_exit as _run
+
+    _run()

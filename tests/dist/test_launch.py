@@ -59,8 +59,10 @@ def hang(state, header, tensors):
 def info(state, header, tensors):
     with open("/proc/self/cmdline", "rb") as f:
         argv = f.read().decode()
+    import torch
     return {"world_size": state.world_size, "env": dict(os.environ), "argv": argv,
-            "cwd": os.getcwd()}, []
+            "cwd": os.getcwd(), "ppid": os.getppid(), "threads": torch.get_num_threads(),
+            "path0": sys.path[0]}, []
 '''
 
 
@@ -122,6 +124,48 @@ def test_two_workers_ping_and_shut_down_politely(plugin_env, tmp_path) -> None:
     workers.shutdown()                                                  # idempotent
     with pytest.raises(RuntimeFailure, match="shut down"):
         workers.gather("ping", timeout_s=1)
+
+
+@pytest.mark.timeout(60)
+def test_workers_fork_from_the_zygote_as_a_new_interpreter_would_start(plugin_env, tmp_path,
+                                                                       monkeypatch) -> None:
+    """Local workers are forked by this process's zygote (``runtime/_zygote.py``) with the
+    environment, working directory, ``sys.path`` and thread count a new interpreter would
+    have; a worker whose import-time environment differs, or ``MESHPLAN_ZYGOTE=0``, starts as
+    a new interpreter (its parent is this process)."""
+    from meshplan.runtime import _zygote
+
+    def infos(env):
+        with LocalLauncher().launch(2, env=env, cwd=tmp_path) as workers:
+            workers.broadcast("info")
+            return [m.header for m in workers.gather("info", timeout_s=30)]
+
+    forked = infos(dict(plugin_env, OMP_NUM_THREADS="1"))
+    zygote = _zygote._ZYGOTES[sys.executable]
+    assert [h["ppid"] for h in forked] == [zygote.pid] * 2
+    assert [h["threads"] for h in forked] == [1, 1]          # the launcher's, not the zygote's
+    assert {h["path0"] for h in forked} == {str(tmp_path)}   # as `python -m` puts it
+    assert all(h["env"]["OMP_NUM_THREADS"] == "1" and "MESHPLAN_SPARE" not in h["env"]
+               for h in forked)
+    other = infos(dict(plugin_env, PYTORCH_MESHPLAN_TEST="1"))      # read when torch imports
+    assert [h["ppid"] for h in other] == [os.getpid()] * 2
+    monkeypatch.setenv("MESHPLAN_ZYGOTE", "0")
+    assert [h["ppid"] for h in infos(plugin_env)] == [os.getpid()] * 2
+
+
+def test_the_zygote_refuses_a_path_that_would_import_other_code(tmp_path) -> None:
+    """A worker's ``sys.path`` is its own working directory and ``PYTHONPATH``; where an entry
+    the zygote lacked would shadow a module it imported (a ``json.py`` in the worker's
+    folder), forking would run other code than a new interpreter: refused, with the name."""
+    from meshplan.runtime._zygote import _worker_path
+
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    path = _worker_path({"PYTHONPATH": "extra"}, str(tmp_path))
+    assert isinstance(path, list) and path[:2] == [str(tmp_path), str(extra)]
+    (tmp_path / "json.py").write_text("")
+    why = _worker_path({}, str(tmp_path))
+    assert isinstance(why, str) and "import json from another place" in why
 
 
 @pytest.mark.timeout(60)
