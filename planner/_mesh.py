@@ -36,7 +36,7 @@ class Link:
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and self.latency >= 0 and self.wait >= 0):
-            raise PlanError(f"a link needs bandwidth > 0, latency >= 0 and wait >= 0, "
+            raise PlanError(f"a link needs bandwidth > 0 and latency >= 0 (and wait >= 0), "
                             f"got {self}")
         kinds = tuple(sorted((str(k), float(b), float(a)) for k, b, a in self.kinds))
         if any(not (b > 0 and a >= 0) for _, b, a in kinds):
