@@ -352,18 +352,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overhead: step {ov['off']:.1f} ms without fault tolerance; with snapshots "
               + ", ".join(f"{k} {v:.1f} ms ({v / ov['off']:.3f}x)" for k, v in ov.items()
                           if k != "off"), flush=True)
-    rec = recovery(a.ranks, a.kills, gap_s=a.gap)
-    det, back = rec["detect"], rec["back"]
-    one = sum(1 for r in rec["replaced"] if r == 1)
-    print(f"meshplan: {len(back)} of {a.kills} kills recovered ({one} by starting the killed "
-          f"rank alone); failure seen after p50 {_pct(det, .5):.2f} s / p99 "
-          f"{_pct(det, .99):.2f} s; kill -> next committed step p50 {_pct(back, .5):.2f} s / "
-          f"p99 {_pct(back, .99):.2f} s (a step takes {rec['step_s'] * 1e3:.0f} ms)",
-          flush=True)
-    lost = statistics.median(back) - rec["step_s"]
-    rates = [60, 600, 3600]
-    print("churn: throughput kept at one kill per " + ", ".join(
-        f"{r} s: {r / (r + lost):.1%}" for r in rates) + f" (each kill costs {lost:.2f} s)")
+    back: list[float] = []
+    if a.kills:                # --kills 0: only the parts asked for (--elastic, torchrun)
+        rec = recovery(a.ranks, a.kills, gap_s=a.gap)
+        det, back = rec["detect"], rec["back"]
+        one = sum(1 for r in rec["replaced"] if r == 1)
+        print(f"meshplan: {len(back)} of {a.kills} kills recovered ({one} by starting the "
+              f"killed rank alone); failure seen after p50 {_pct(det, .5):.2f} s / p99 "
+              f"{_pct(det, .99):.2f} s; kill -> next committed step p50 {_pct(back, .5):.2f} s"
+              f" / p99 {_pct(back, .99):.2f} s (a step takes {rec['step_s'] * 1e3:.0f} ms)",
+              flush=True)
+        lost = statistics.median(back) - rec["step_s"]
+        rates = [60, 600, 3600]
+        print("churn: throughput kept at one kill per " + ", ".join(
+            f"{r} s: {r / (r + lost):.1%}" for r in rates) + f" (each kill costs {lost:.2f} s)")
     if a.elastic:
         sh = shrinking(a.ranks, a.elastic)
         print(f"meshplan elastic: {len(sh['back'])} shrinks ("
@@ -372,11 +374,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{_pct(sh['back'], .99):.2f} s", flush=True)
     if a.torchrun_kills:
         tr = torchrun(a.ranks, a.torchrun_kills)
-        if tr["back"]:
+        if tr["back"] and back:
             print(f"torchrun + DDP + DCP: {tr['recovered']} of {tr['kills']} kills recovered; "
                   f"kill -> next step p50 {_pct(tr['back'], .5):.2f} s (max "
                   f"{max(tr['back']):.2f} s); meshplan is "
                   f"{_pct(tr['back'], .5) / _pct(back, .5):.1f}x faster at p50", flush=True)
+        elif tr["back"]:
+            print(f"torchrun + DDP + DCP: {tr['recovered']} of {tr['kills']} kills recovered; "
+                  f"kill -> next step p50 {_pct(tr['back'], .5):.2f} s", flush=True)
         else:
             print(f"torchrun + DDP + DCP: 0 of {tr['kills']} kills recovered", flush=True)
     return 0
