@@ -458,6 +458,9 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[:] = request["path"]
+        env = request["env"]
+        _name(f"meshplan-r{env['MESHPLAN_RANK']}" if env.get("MESHPLAN_RANK", "").isdigit()
+              else "meshplan-spare")
         import random
 
         random.seed()
@@ -477,7 +480,19 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
     os._exit(1)
 
 
+def _name(name: str) -> None:
+    """This process's name as ``top`` and ``ps -o comm`` show it (15 bytes at most; its
+    command line stays the zygote's)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)     # 15 = PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> None:
+    _name("meshplan-zygote")
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the controller's to handle
     import warnings
