@@ -222,9 +222,23 @@ def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool,
                 logger.warning("a spare taking rank %s stays at nice 19: %s", rank.decode(), exc)
         os.environ.update({ENV_RANK: rank.decode(), "RANK": rank.decode(),
                            "LOCAL_RANK": rank.decode()})
+        _rename_spare(rank.decode())
     threading.Thread(target=_exit_on_eof, args=(pipe,), name="meshplan-orphan-guard",
                      daemon=True).start()
     return Secret.from_hex(line.decode())
+
+
+def _rename_spare(rank: str) -> None:
+    """A spare the zygote forked is named ``meshplan-spare``; as a rank, ``meshplan-r<N>``."""
+    try:
+        with open("/proc/self/comm") as f:
+            if f.read().strip() != "meshplan-spare":
+                return
+    except OSError:
+        return
+    from ._zygote import _name
+
+    _name(f"meshplan-r{rank}")
 
 
 def _lower_priority() -> int | None:

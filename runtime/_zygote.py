@@ -25,15 +25,21 @@ What a forked worker inherits that a new interpreter would not, and what is done
   ``PYTHONPATH`` (test handlers and user plugins come that way); the zygote refuses the fork
   (and the launcher starts a new interpreter) when an entry the worker has and the zygote had
   not would shadow a module the zygote already imported, or one it imported from is gone;
-- random states (Python's ``random``): reseeded from the OS in the child;
-- signal dispositions: back to a new interpreter's.
+- random states (Python's ``random``, torch's default generator): reseeded from the OS in
+  the child, as each new interpreter has its own;
+- signal dispositions: back to a new interpreter's; ``sys.argv[0]``: the worker module's file;
+- what it cannot change: ``/proc/<pid>/environ`` and ``cmdline`` show the zygote's (the
+  worker's ``os.environ`` is its own); the process is named ``meshplan-r<rank>`` (``top``,
+  ``ps -o comm``).
+
+A zygote that dies (killed, out of memory) takes its workers along: each then reads as killed,
+its failure saying that its zygote ended first, and the next launch starts a new zygote.
 
 ``MESHPLAN_ZYGOTE=0`` turns it off (every worker a new interpreter, as before).
 """
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import os
@@ -44,6 +50,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +82,7 @@ class ForkedProc:
     ``stdin``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``."""
 
     local = True
+    ended: str | None = None        # what the launcher knows of its end (_check_exits says it)
 
     def __init__(self, zygote: Zygote, pid: int, pidfd: int | None, stdin: Any) -> None:
         self.pid, self.stdin, self.returncode = pid, stdin, None
@@ -83,15 +91,28 @@ class ForkedProc:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self._zygote.pump(0.0)
+            zygote = self._zygote
+            zygote.pump(0.0)
             if self.returncode is None and self._ended():
                 # gone, the zygote's report on its way: wait for it (it reaps on SIGCHLD)
-                self._zygote.pump_until(lambda: self.returncode is not None, 2.0)
+                zygote.pump_until(lambda: self.returncode is not None, 2.0)
+                if self.returncode is None:     # the zygote is gone too: no status to read
+                    self.ended = (f"the zygote that forked it (pid {zygote.pid}) ended "
+                                  f"first ({zygote.dead}); a worker dies with it")
+                    self._exited(-signal.SIGKILL)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._zygote.pump_until(lambda: self.returncode is not None, timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            step = 0.05 if left is None else min(left, 0.05)
+            if self._pidfd is not None:
+                select.select([self._pidfd], [], [], step)
+            else:
+                time.sleep(step)
         return self.returncode  # type: ignore[return-value]
 
     def send_signal(self, sig: int) -> None:
@@ -112,8 +133,8 @@ class ForkedProc:
         self.send_signal(signal.SIGKILL)
 
     def _ended(self) -> bool:
-        if self._pidfd is None:
-            return False
+        if self._pidfd is None:               # no pidfd (old kernel): the zygote's word only
+            return self._zygote.dead is not None
         return bool(select.select([self._pidfd], [], [], 0)[0])
 
     def _exited(self, code: int) -> None:
@@ -153,11 +174,15 @@ class Zygote:
         self._procs: dict[int, ForkedProc] = {}
         self._exits: dict[int, int] = {}     # reported before their spawn answer was read
         self._ready = False
-        self.failed: str | None = None
+        self.failed: str | None = None      # why it may not be used any more
+        self.dead: str | None = None        # how it ended, once it has
+        # at exit, after the worker groups started since (finalizers run newest first), so
+        # that they stop their workers politely before the zygote's end takes them along
+        self._finalizer = weakref.finalize(self, _close_ends, mine, self.proc)
 
     def usable(self, python: str, env: Mapping[str, str]) -> bool:
-        return (self.failed is None and python == self.python and self.proc.poll() is None
-                and import_signature(env) == self.signature)
+        return (self.failed is None and self.dead is None and python == self.python
+                and self.proc.poll() is None and import_signature(env) == self.signature)
 
     def spawn(self, env: Mapping[str, str], cwd: str | None, stdin_fd: int, out_fd: int,
               err_fd: int, stdin: Any) -> ForkedProc:
@@ -184,9 +209,10 @@ class Zygote:
             return proc
 
     def pump(self, timeout: float | None) -> None:
-        """Read the zygote's exit reports (waiting up to ``timeout`` for the first)."""
+        """Read the zygote's exit reports (waiting up to ``timeout`` for the first). Never
+        raises: a zygote that ended is marked ``dead`` and reads as having nothing more."""
         with self._lock:
-            while True:
+            while self.dead is None:
                 got = self._recv(timeout)
                 if got is None:
                     return
@@ -197,25 +223,13 @@ class Zygote:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            if self.proc.poll() is not None and not self._pending():
-                self._orphan_all()
+            if (left is not None and left <= 0) or self.dead is not None:
                 return done()
             self.pump(0.05 if left is None else min(left, 0.05))
         return True
 
     def close(self) -> None:
-        with self._lock:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        try:
-            self.proc.wait(2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self._finalizer()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -224,7 +238,8 @@ class Zygote:
             return
         got = self._recv(READY_TIMEOUT_S)
         if got is None or "ready" not in got[0]:
-            raise self._broken(f"it did not start within {READY_TIMEOUT_S:g} s"
+            raise self._broken(f"it ended before it was ready ({self.dead})" if self.dead
+                               else f"it did not start within {READY_TIMEOUT_S:g} s"
                                if got is None else f"it said {got[0]}")
         self._ready = True
 
@@ -232,7 +247,8 @@ class Zygote:
         while True:
             got = self._recv(READY_TIMEOUT_S)
             if got is None:
-                raise self._broken(f"no answer to a fork within {READY_TIMEOUT_S:g} s")
+                raise self._broken(f"it ended ({self.dead})" if self.dead else
+                                   f"no answer to a fork within {READY_TIMEOUT_S:g} s")
             msg, fds = got
             if "exit" in msg:
                 self._route(msg, fds)
@@ -240,23 +256,33 @@ class Zygote:
             return msg, fds
 
     def _recv(self, timeout: float | None) -> tuple[dict, list[int]] | None:
-        if not select.select([self._sock], [], [], timeout)[0]:
+        """The zygote's next message, None after ``timeout``, or None once it has ended
+        (then ``dead`` says how)."""
+        if self.dead is not None:
             return None
         try:
+            if not select.select([self._sock], [], [], timeout)[0]:
+                return None
             data, fds, _flags, _addr = socket.recv_fds(self._sock, _MAX_MSG, 4)
-        except OSError as exc:
-            raise self._broken(f"reading from it failed: {exc}") from None
+        except (OSError, ValueError) as exc:      # ValueError: closed here (at exit)
+            self._die(f"its socket failed: {exc}")
+            return None
         if not data:
-            if self.proc.poll() is None:
-                time.sleep(0.01)
-            raise self._broken("it closed its end")
+            try:
+                code = self.proc.wait(1.0)
+                self._die(f"it exited with code {code}" if code >= 0 else
+                          f"it was killed by {_signal_name(-code)}")
+            except subprocess.TimeoutExpired:
+                self._die("it closed its socket")
+            return None
         return json.loads(data), fds
 
-    def _pending(self) -> bool:
-        try:
-            return bool(select.select([self._sock], [], [], 0)[0])
-        except (OSError, ValueError):
-            return False
+    def _die(self, how: str) -> None:
+        self.dead = how
+        self.failed = self.failed or how
+        with _ZYGOTES_LOCK:
+            if _ZYGOTES.get(self.python) is self:
+                _ZYGOTES.pop(self.python)
 
     def _route(self, msg: dict, fds: list[int]) -> None:
         for fd in fds:
@@ -270,16 +296,11 @@ class Zygote:
         else:
             proc._exited(code)
 
-    def _orphan_all(self) -> None:
-        """The zygote is gone: its children were killed with it (PR_SET_PDEATHSIG) or are
-        about to be; report them as killed."""
-        for proc in list(self._procs.values()):
-            proc._exited(-signal.SIGKILL)
-        self._procs.clear()
-
     def _broken(self, why: str) -> RuntimeFailure:
         self.failed = why
-        _ZYGOTES.pop(self.python, None)
+        with _ZYGOTES_LOCK:
+            if _ZYGOTES.get(self.python) is self:
+                _ZYGOTES.pop(self.python)
         return RuntimeFailure(f"the worker zygote (pid {self.pid}, {self.python} -m "
                               f"meshplan.runtime._zygote) failed: {why}; set {ENV_ZYGOTE}=0 to "
                               "start every worker as a new interpreter")
@@ -320,11 +341,25 @@ def prestart(python: str = sys.executable) -> None:
         pass
 
 
-@atexit.register
-def _close_all() -> None:
-    for zygote in list(_ZYGOTES.values()):
-        zygote.close()
-    _ZYGOTES.clear()
+def _close_ends(sock: socket.socket, proc: subprocess.Popen) -> None:
+    """End a zygote: close its socket (it exits on EOF, and its workers with it) and give it
+    half a second (one still importing reads nothing yet: killed, it has no children)."""
+    try:
+        sock.close()
+    except OSError:
+        pass
+    try:
+        proc.wait(0.5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # ---- the zygote's side -------------------------------------------------------------------------
@@ -335,7 +370,10 @@ def _serve(sock: socket.socket) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)     # wakes select through the pipe
-    sock.send(json.dumps({"ready": os.getpid()}).encode())
+    try:
+        sock.send(json.dumps({"ready": os.getpid()}).encode())
+    except OSError:
+        return                                  # the controller ended while this imported
     while True:
         ready = select.select([sock, wake_r], [], [])[0]
         if wake_r in ready:
@@ -347,7 +385,10 @@ def _serve(sock: socket.socket) -> None:
                     break
             _reap(sock)
         if sock in ready:
-            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
+            except OSError:
+                return
             if not data:
                 return                          # the controller is gone
             _fork(sock, json.loads(data), fds, (wake_r, wake_w))
@@ -374,7 +415,7 @@ def _worker_path(env: Mapping[str, str], cwd: str) -> list[str] | str:
     ``PYTHONPATH``; or why forking would run other code than that (a new entry shadows a
     module this process imported, or a module came from an entry the worker lacks)."""
     def entries(value: str, base: str) -> list[str]:
-        return [os.path.join(base, p) for p in value.split(os.pathsep) if p]
+        return [os.path.abspath(os.path.join(base, p)) for p in value.split(os.pathsep) if p]
 
     mine = entries(os.environ.get("PYTHONPATH", ""), _START_CWD)
     theirs = entries(env.get("PYTHONPATH", ""), cwd)
@@ -392,7 +433,9 @@ def _worker_path(env: Mapping[str, str], cwd: str) -> list[str] | str:
         where = getattr(module, "__file__", None) or ""
         if any(_came_from(name, where, g) for g in gone):
             return f"module {name} was imported from {where}, not on the worker's path"
-        if new and PathFinder.find_spec(name, new) is not None:
+        found = PathFinder.find_spec(name, new) if new else None
+        # (a folder without __init__.py is a namespace portion: a module found later wins)
+        if found is not None and found.origin is not None:
             return f"the worker's path would import {name} from another place than {where}"
     return path
 
@@ -405,7 +448,7 @@ def _came_from(name: str, where: str, entry: str) -> bool:
     return first == name or first.split(".")[0] == name
 
 
-_START_CWD = os.getcwd()
+_START_CWD = ""         # the zygote's working directory when it started (main() sets it)
 
 
 def _fork(sock: socket.socket, request: dict, fds: list[int], wake: tuple[int, int]) -> None:
@@ -434,7 +477,10 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], wake: tuple[int, i
         pidfd = [os.pidfd_open(pid)]
     except (OSError, AttributeError):
         pass
-    socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], pidfd)
+    try:
+        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], pidfd)
+    except OSError:
+        pass                                    # the controller is gone: so is the child
     for fd in pidfd:
         os.close(fd)
 
@@ -466,12 +512,15 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
         random.seed()
         import torch
 
-        threads = os.environ.get("OMP_NUM_THREADS", "")
+        # what torch makes of them when it loads: MKL's count where set, else OpenMP's
+        threads = os.environ.get("MKL_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        from meshplan.runtime._worker import run_and_exit
+        torch.seed()            # as a new interpreter: its own seed, not the zygote's
+        from meshplan.runtime import _worker
 
-        run_and_exit()
+        sys.argv = [_worker.__file__]           # as `python -m` sets it
+        _worker.run_and_exit()
     except BaseException:  # noqa: BLE001 - a child must never return into the zygote's loop
         import traceback
 
@@ -492,6 +541,8 @@ def _name(name: str) -> None:
 
 
 def main() -> None:
+    global _START_CWD
+    _START_CWD = os.getcwd()
     _name("meshplan-zygote")
     sock = socket.socket(fileno=int(sys.argv[1]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the controller's to handle

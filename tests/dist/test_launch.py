@@ -153,6 +153,30 @@ def test_workers_fork_from_the_zygote_as_a_new_interpreter_would_start(plugin_en
     assert [h["ppid"] for h in infos(plugin_env)] == [os.getpid()] * 2
 
 
+@pytest.mark.timeout(60)
+def test_a_killed_zygote_is_a_failure_of_its_workers_and_the_next_launch_starts_another(
+        plugin_env) -> None:
+    """The zygote killed under a running group: its workers die with it, the controller's
+    wait fails naming the rank, its signal and the zygote's end (not a crash in the
+    launcher), stopping the group raises nothing, and the next launch forks from a new one."""
+    from meshplan.runtime import _zygote
+
+    workers = LocalLauncher().launch(2, env=plugin_env)
+    zygote = _zygote._ZYGOTES[sys.executable]
+    os.kill(zygote.pid, signal.SIGKILL)
+    workers.broadcast("hang", {"rank": -1})
+    with pytest.raises(WorkerFailure, match=r"(?s)killed by SIGKILL.*the zygote that forked it "
+                       rf"\(pid {zygote.pid}\) ended first \(it was killed by SIGKILL\)"):
+        workers.gather("hang", timeout_s=30)
+    workers.shutdown()
+    assert not _wait_gone(workers.pids, 2)
+    with LocalLauncher().launch(2, env=plugin_env) as again:
+        assert _zygote._ZYGOTES[sys.executable].pid != zygote.pid
+        again.broadcast("info")
+        assert {m.header["ppid"] for m in again.gather("info", timeout_s=30)} == {
+            _zygote._ZYGOTES[sys.executable].pid}
+
+
 def test_the_zygote_refuses_a_path_that_would_import_other_code(tmp_path) -> None:
     """A worker's ``sys.path`` is its own working directory and ``PYTHONPATH``; where an entry
     the zygote lacked would shadow a module it imported (a ``json.py`` in the worker's
