@@ -164,9 +164,10 @@ def test_a_killed_zygote_is_a_failure_of_its_workers_and_the_next_launch_starts_
     workers = LocalLauncher().launch(2, env=plugin_env)
     zygote = _zygote._ZYGOTES[sys.executable]
     os.kill(zygote.pid, signal.SIGKILL)
-    workers.broadcast("hang", {"rank": -1})
+    assert not _wait_gone(workers.pids, 5)           # PR_SET_PDEATHSIG: they die with it
     with pytest.raises(WorkerFailure, match=r"(?s)killed by SIGKILL.*the zygote that forked it "
                        rf"\(pid {zygote.pid}\) ended first \(it was killed by SIGKILL\)"):
+        workers.broadcast("hang", {"rank": -1})
         workers.gather("hang", timeout_s=30)
     workers.shutdown()
     assert not _wait_gone(workers.pids, 2)
