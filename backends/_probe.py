@@ -64,7 +64,7 @@ def probe_links(comm: Any, rank: int, sizes: tuple[int, ...], *, kinds: tuple[st
 
 
 WAIT_ITERS = 16        # bursts per timed batch
-WAIT_BURST = (128, 24)   # each burst: 24 float32 128x128 matmuls (~2 ms on one idle CPU core)
+WAIT_MATMULS, WAIT_SIZE = 24, 128   # a burst: 24 float32 128x128 matmuls (~2 ms on an idle core)
 
 
 def probe_wait(comm: Any, rank: int, sizes: tuple[int, ...], *, repeats: int = 3,
@@ -76,13 +76,13 @@ def probe_wait(comm: Any, rank: int, sizes: tuple[int, ...], *, repeats: int = 3
     work on every rank (not a duration each rank measures for itself), so ranks drift only
     as their scheduling lets them."""
     coords = rank_coords(rank, sizes)
-    n_mm, k = WAIT_BURST[1], WAIT_BURST[0]
+    k = WAIT_SIZE
     a = torch.full((k, k), 1.0 / k, device=device)     # stays 1/k: no rng, no overflow
     out = torch.empty(k, k, device=device)
     one = torch.zeros(1, device=device)
 
     def burst() -> None:
-        for _ in range(n_mm):
+        for _ in range(WAIT_MATMULS):
             torch.mm(a, a, out=out)
         if device != "cpu":
             torch.cuda.synchronize()

@@ -303,9 +303,8 @@ def _probe_links(state: WorkerState, header: dict[str, Any], tensors: list[torch
     samples = probe_links(ns.comm, state.rank, ns.plan.mesh.sizes,
                           nbytes=tuple(int(b) for b in header["bytes"]),
                           repeats=repeats, device=device)
-    if header.get("wait", True):
-        samples += probe_wait(ns.comm, state.rank, ns.plan.mesh.sizes, repeats=repeats,
-                              device=device)
+    samples += probe_wait(ns.comm, state.rank, ns.plan.mesh.sizes, repeats=repeats,
+                          device=device)
     ns.comm.records.clear()
     return {"samples": samples}, []
 

@@ -784,7 +784,7 @@ class LocalLauncher:
             if zygote is None:
                 return None
             where = os.fspath(cwd) if cwd is not None else os.getcwd()
-        except (OSError, RuntimeFailure) as exc:
+        except OSError as exc:              # the zygote could not start; cwd deleted
             logger.debug("no zygote: %s", exc)
             return None
         read, write = os.pipe()

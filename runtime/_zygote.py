@@ -280,6 +280,10 @@ class Zygote:
     def _die(self, how: str) -> None:
         self.dead = how
         self.failed = self.failed or how
+        self._forget()
+
+    def _forget(self) -> None:
+        """Not this process's zygote any more: the next launch starts another."""
         with _ZYGOTES_LOCK:
             if _ZYGOTES.get(self.python) is self:
                 _ZYGOTES.pop(self.python)
@@ -298,9 +302,7 @@ class Zygote:
 
     def _broken(self, why: str) -> RuntimeFailure:
         self.failed = why
-        with _ZYGOTES_LOCK:
-            if _ZYGOTES.get(self.python) is self:
-                _ZYGOTES.pop(self.python)
+        self._forget()
         return RuntimeFailure(f"the worker zygote (pid {self.pid}, {self.python} -m "
                               f"meshplan.runtime._zygote) failed: {why}; set {ENV_ZYGOTE}=0 to "
                               "start every worker as a new interpreter")
