@@ -47,9 +47,9 @@ import torch
 from torch import Tensor
 
 from ..ir import Graph, NodeKind, TensorMeta
+from ..planner._comm import DEFAULT_BUCKET_BYTES
 from ..planner._placement import local_shape
 
-DEFAULT_BUCKET_BYTES = 25 << 20        # DDP's bucket_cap_mb default
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from .._errors import PlanError, RuntimeFailure
-from ._comm import Collective, collective_time
+from ._comm import Collective, bucket_call_time, collective_time
 from ._mesh import Link, Topology, get_topology
 from ._summary import format_bytes
 
@@ -730,8 +730,9 @@ def _measured_step(store: object, run: str) -> float | None:
 
 def _priced_step(store: object, run: str, topo: Topology) -> float | None:
     """The run's own plan (``plan_nodes``, ``plan_collectives``) priced on ``topo`` as the
-    planner prices a plan (compute plus collectives; the step's vote, which plans do not
-    list, is left to the step overhead)."""
+    planner prices a plan (compute plus collectives, the all-reduces the lowering merges at
+    one call per bucket; the step's vote, which plans do not list, is left to the step
+    overhead)."""
     from ._problem import _compute_time
 
     q = _sq(run)
@@ -741,10 +742,20 @@ def _priced_step(store: object, run: str, topo: Topology) -> float | None:
         return None
     compute = sum(_compute_time(n["flops"], n["bytes"], 1, n["dtype"] or "float32", topo,
                                 n["target"]) for n in nodes)
-    colls = store.sql(f"SELECT kind, group_size, bytes FROM plan_collectives "
-                      f"WHERE run_id = '{q}' AND value <> '<vote>'").to_pylist()
+    colls = store.sql(f"SELECT value, kind, group_size, bytes, bucket, bucket_overlaps "
+                      f"FROM plan_collectives WHERE run_id = '{q}' AND value <> '<vote>'"
+                      ).to_pylist()
     comm = sum(collective_time(Collective(c["kind"]), c["bytes"], c["group_size"],
-                               topo.intra_node) for c in colls)
+                               topo.intra_node) for c in colls if c["bucket"] is None)
+    buckets: dict[int, tuple[int, bool, dict[str, int]]] = {}
+    for c in colls:                  # one call per bucket, each value once (planning.comm_time)
+        if c["bucket"] is not None:
+            n, overlaps, values = buckets.setdefault(
+                int(c["bucket"]), (int(c["group_size"]), bool(c["bucket_overlaps"]), {}))
+            values[c["value"]] = int(c["bytes"])
+    comm += sum(bucket_call_time(sum(values.values()), n, topo.intra_node,
+                                 topo.comm_overlap if overlaps else 0.0)
+                for n, overlaps, values in buckets.values())
     return compute + comm
 
 

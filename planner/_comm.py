@@ -43,6 +43,8 @@ def collective_time(kind: Collective, nbytes: float, n: int, link: Link) -> floa
     raise PlanError(f"unknown collective {kind}")
 
 
+DEFAULT_BUCKET_BYTES = 25 << 20        # DDP's bucket_cap_mb default: the lowering's cap when a
+                                       # plan chose none
 BUCKET_SIZES: tuple[int, ...] = tuple(1 << k for k in range(18, 31))   # 256 KiB .. 1 GiB
 
 
@@ -61,6 +63,16 @@ def bucket_time(bucket_bytes: int, total_bytes: float, n: int, link: Link,
     wire = lambda b: 2 * (n - 1) / n * b / bandwidth   # noqa: E731 - and per byte
     last = min(bucket_bytes, total_bytes)
     return buckets * latency + (1 - overlap) * wire(total_bytes) + overlap * wire(last)
+
+
+def bucket_call_time(nbytes: float, n: int, link: Link, hidden: float) -> float:
+    """Seconds one bucket's all-reduce of ``nbytes`` over ``n`` ranks holds a step up when a
+    fraction ``hidden`` of its wire time runs under compute (its latency and wait never do)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, _ = link.for_kind(Collective.ALL_REDUCE.value)
+    return (collective_time(Collective.ALL_REDUCE, nbytes, n, link)
+            - hidden * 2 * (n - 1) / n * nbytes / bandwidth)
 
 
 def best_bucket_bytes(total_bytes: float, n: int, link: Link, overlap: float) -> int:

@@ -19,7 +19,7 @@ from ..ir import (
 )
 from ..ir._recompute import PREFIX as RECOMPUTE_PREFIX
 from ..ir import recompute as recompute_graph
-from ._comm import Collective, best_bucket_bytes
+from ._comm import DEFAULT_BUCKET_BYTES, Collective, best_bucket_bytes, bucket_call_time
 from ._hand import FAMILY_COLLECTIVES, HAND_STRATEGIES, hand_pins, hand_reads, hand_update_reads
 from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, layout_fraction, parse_placement
@@ -576,7 +576,9 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
         if ref.node in chosen and chosen[ref.node].outputs[ref.index] != rep:
             redistributions.append(_redistribution(problem, ref, "<result>",
                                                    chosen[ref.node].outputs[ref.index], rep))
-    comm = float(sum(r.time_s for r in redistributions))
+    bucket_bytes = plan_bucket_bytes(mesh, redistributions)
+    # as the lowering runs them: the all-reduces it merges into buckets cost one call each
+    comm = float(comm_time(mesh, graph, redistributions, bucket_bytes))
     overhead = mesh.topology.step_overhead_s       # a calibrated machine's; presets: 0
     return Plan(
         mesh=mesh, strategy=strategy, graph=graph, placements=tuple(placements),
@@ -584,8 +586,119 @@ def _make_plan(problem: Problem, sol: Solution, strategy: str, limit: int) -> Pl
         estimated_step_time_s=sol.compute_s + comm + overhead, compute_time_s=sol.compute_s,
         comm_time_s=comm, peak_memory_bytes=sol.peak_memory_bytes, memory_limit_bytes=limit,
         fallbacks=tuple(problem.fallbacks), solver=dict(sol.solver),
-        bucket_bytes=plan_bucket_bytes(mesh, redistributions),
+        bucket_bytes=bucket_bytes,
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReductionBucket:
+    """All-reduces the lowering merges into one call (``backends/_bucket.py``): indices into a
+    plan's redistributions, the mesh axis, the bytes, and whether it runs behind the rest of
+    the step (its readers deferred to the end: the gradients' buckets)."""
+
+    members: tuple[int, ...]
+    axis: str
+    nbytes: float
+    deferred: bool
+    # its wire time may run under compute: deferred, and not its axis's last deferred bucket
+    # (that one starts only once the backward has made its last gradient)
+    overlaps: bool = False
+
+
+def reduction_buckets(graph: Graph, mesh: Mesh, redistributions: Sequence[Redistribution],
+                      bucket_bytes: int | None) -> list[ReductionBucket]:
+    """The buckets ``backends._bucket.bucket`` makes of ``redistributions`` when it lowers
+    them, worked out on the graph: candidates are the redistributions that are one floating
+    sum/avg all-reduce (each value and target layout once); one that no other candidate
+    depends on has its readers deferred to the end of the step (``defer_readers``); in the
+    order their values are made, each joins the open bucket of its axis, op and dtype unless
+    a member of that bucket is read before it is made or it would take the bucket above
+    ``bucket_bytes`` (None: the lowering's default cap)."""
+    cap = bucket_bytes or DEFAULT_BUCKET_BYTES
+    pos = {n.name: i for i, n in enumerate(graph.nodes)}
+    cands: dict[tuple, list[int]] = {}
+    for i, r in enumerate(redistributions):
+        if len(r.collectives) != 1 or r.collectives[0][0] != Collective.ALL_REDUCE.value:
+            continue
+        ref = _ref(r.value)
+        meta = graph.meta(ref)
+        axis = mesh.names.index(r.collectives[0][1])
+        op = getattr(r.src[axis], "op", None)
+        if (not isinstance(meta, TensorMeta) or not meta.dtype.startswith(("float", "bfloat"))
+                or op is None or op.value not in ("sum", "avg") or ref.node not in pos):
+            continue
+        cands.setdefault((r.value, r.dst), []).append(i)
+    if not cands:
+        return []
+    keys = list(cands)
+    bit = {ref: 1 << k for k, ref in enumerate({_ref(v).node for v, _ in keys})}
+    # below[n]: the candidates' value nodes reachable from node n (n included)
+    users = graph.users
+    below: dict[str, int] = {}
+    for node in reversed(graph.nodes):
+        m = bit.get(node.name, 0)
+        for u in users.get(node.name, ()):
+            m |= below.get(u, 0)
+        below[node.name] = m
+    end = len(graph.nodes)
+    info = []
+    for value, dst in keys:
+        idx = cands[(value, dst)]
+        node = _ref(value).node
+        readers = [redistributions[i].consumer for i in idx]
+        after = 0
+        for c in readers:
+            after |= below.get(c, 0)
+        inside = bool(after & ~bit[node])        # another candidate depends on this one
+        first = min((pos[c] for c in readers if c in pos), default=end) if inside else end
+        r = redistributions[idx[0]]
+        _, axis, nbytes = r.collectives[0]
+        a = mesh.names.index(axis)
+        meta = graph.meta(_ref(value))
+        info.append((pos[node], idx, (axis, r.src[a].op.value, meta.dtype), nbytes * r.count,
+                     not inside, first))
+    info.sort(key=lambda t: (t[0], t[1][0]))
+    opened: dict[tuple, dict] = {}
+    out: list[dict] = []
+    for made, idx, key, nbytes, deferred, first in info:
+        b = opened.get(key)
+        if b is not None and (made >= b["wait"] or (b["bytes"] and b["bytes"] + nbytes > cap)):
+            b = None
+        if b is None:
+            b = opened[key] = {"members": [], "bytes": 0.0, "wait": end + 1, "axis": key[0],
+                               "deferred": True}
+            out.append(b)
+        b["members"] += idx
+        b["bytes"] += nbytes
+        b["wait"] = min(b["wait"], first)
+        b["deferred"] = b["deferred"] and deferred
+    last = {b["axis"]: k for k, b in enumerate(out) if b["deferred"]}
+    return [ReductionBucket(tuple(b["members"]), b["axis"], b["bytes"], b["deferred"],
+                            b["deferred"] and last[b["axis"]] != k)
+            for k, b in enumerate(out)]
+
+
+def _ref(label: str) -> Ref:
+    """``"node"`` or ``"node[i]"`` (a Redistribution's value) as a Ref."""
+    name, _, rest = label.partition("[")
+    return Ref(name, int(rest.rstrip("]")) if rest else 0)
+
+
+def comm_time(mesh: Mesh, graph: Graph, redistributions: Sequence[Redistribution],
+              bucket_bytes: int | None) -> float:
+    """Seconds of communication a step's ``redistributions`` cost as the lowering runs them:
+    each its own collectives, except the all-reduces it merges (``reduction_buckets``): one
+    call per bucket (one latency and wait, not one per gradient), with the topology's
+    ``comm_overlap`` of an overlapping bucket's wire time hidden under compute, as
+    ``bucket_time`` prices a data-parallel step."""
+    buckets = reduction_buckets(graph, mesh, redistributions, bucket_bytes)
+    merged = {i for b in buckets for i in b.members}
+    total = float(sum(r.time_s * r.count for i, r in enumerate(redistributions) if i not in merged))
+    for b in buckets:
+        a = mesh.names.index(b.axis)
+        total += bucket_call_time(b.nbytes, mesh.sizes[a], mesh.link(a),
+                                  mesh.topology.comm_overlap if b.overlaps else 0.0)
+    return total
 
 
 def plan_bucket_bytes(mesh: Mesh, redistributions: Sequence[Redistribution]) -> int | None:

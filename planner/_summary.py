@@ -127,10 +127,19 @@ def render_summary(plan: Plan, width: int = 100) -> str:
             table.add_row(kind, axis, str(int(count)), format_bytes(nbytes), _t(t))
         con.print(table)
         if plan.bucket_bytes is not None:
+            from ._planning import reduction_buckets
+
             overlap = plan.mesh.topology.comm_overlap
-            con.print(f"  gradient all-reduces in buckets of up to {format_bytes(plan.bucket_bytes)}"
-                      f" (cost model: {overlap:.0%} of collective time overlaps compute on "
-                      f"{plan.mesh.topology.name})")
+            buckets = reduction_buckets(plan.graph, plan.mesh, plan.redistributions,
+                                        plan.bucket_bytes)
+            merged = sum(len({plan.redistributions[i].value for i in b.members})
+                         for b in buckets)
+            cap = format_bytes(plan.bucket_bytes)
+            con.print(f"  all-reduces in buckets of up to {cap} as the lowering merges them: "
+                      f"{merged} run as {len(buckets)} calls, priced so (the table prices each "
+                      f"alone); "
+                      f"{overlap:.0%} of a bucket's wire time "
+                      f"overlaps compute on {plan.mesh.topology.name}")
     else:
         con.print("  no communication")
     params = _param_layouts(plan)

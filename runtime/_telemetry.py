@@ -33,6 +33,7 @@ from ..planner import Plan
 from ..planner._calibrate import node_work
 from ..planner._comm import Collective, collective_time
 from ..planner._plan import layout_str
+from ..planner._planning import reduction_buckets
 from ..telemetry import Level, Recorder, TelemetryConfig, now_us
 from ..telemetry._recorder import rank_dir
 
@@ -116,22 +117,30 @@ def plan_node_rows(plan: Plan) -> list[tuple]:
 
 def plan_collective_rows(plan: Plan) -> list[tuple]:
     """One row per collective of each redistribution the plan priced, with the cost model's
-    time for that one collective."""
+    time for that one collective; an all-reduce the lowering merges into a bucket also names
+    its bucket (numbered per step; the plan prices one call per bucket) and whether the cost
+    model lets the bucket's wire time run under compute."""
     mesh = plan.mesh
+    in_bucket = {i: (k, int(b.overlaps))
+                 for k, b in enumerate(reduction_buckets(plan.graph, mesh, plan.redistributions,
+                                                         plan.bucket_bytes))
+                 for i in b.members}
     rows = []
-    for r in plan.redistributions:
+    for i, r in enumerate(plan.redistributions):
+        bucket, overlaps = in_bucket.get(i, (None, None))
         for seq, (kind, axis, nbytes) in enumerate(r.collectives):
             a = mesh.index(axis)
             n = mesh.sizes[a]
             est = collective_time(Collective(kind), nbytes, n, mesh.link(a)) * 1e6
-            rows.append((r.value, r.consumer, seq, kind, axis, n, int(nbytes), est))
+            rows.append((r.value, r.consumer, seq, kind, axis, n, int(nbytes), est, bucket,
+                         overlaps))
     world = math.prod(mesh.sizes)
     if world > 1:           # the step's vote (backends/_lower.py), priced on the slowest axis
         axes = [a for a, n in enumerate(mesh.sizes) if n > 1]
         est = max(collective_time(Collective.ALL_REDUCE, VOTE_BYTES, world, mesh.link(a))
                   for a in axes) * 1e6
         rows.append((VOTE, COMMIT, 0, Collective.ALL_REDUCE.value,
-                     "+".join(mesh.names[a] for a in axes), world, VOTE_BYTES, est))
+                     "+".join(mesh.names[a] for a in axes), world, VOTE_BYTES, est, None, None))
     return rows
 
 

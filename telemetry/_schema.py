@@ -59,7 +59,10 @@ TABLES: dict[str, pa.Schema] = {
         ("est_compute_us", _f64), ("flops", _f64), ("bytes", _f64), ("dtype", _s)),
     "plan_collectives": _schema(
         ("run_id", _s), ("value", _s), ("node", _s), ("seq", _i32), ("kind", _s), ("axis", _s),
-        ("group_size", _i32), ("bytes", _i64), ("est_us", _f64)),
+        ("group_size", _i32), ("bytes", _i64), ("est_us", _f64),
+        # an all-reduce the lowering merges: its bucket (numbered per step; NULL: a call of
+        # its own) and 1 when the cost model hides part of the bucket's wire time
+        ("bucket", _i32), ("bucket_overlaps", _i32)),
     "link_probes": _schema(
         ("run_id", _s), ("rank", _i32), ("kind", _s), ("axis", _s), ("group_size", _i32),
         ("bytes", _i64), ("dur_us", _f64)),

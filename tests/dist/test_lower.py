@@ -336,6 +336,54 @@ def test_bucketed_all_reduces_give_the_same_step_in_fewer_calls(axes, strategy) 
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(("axes", "strategy"), [({"dp": 2}, "dp"), ({"dp": 2}, "fsdp"),
+                                                ({"dp": 2, "tp": 2}, "megatron_tp"),
+                                                ({"dp": 4}, "auto")],
+                         ids=lambda v: v if isinstance(v, str) else ",".join(
+                             f"{k}{n}" for k, n in v.items()))
+def test_the_planner_prices_the_buckets_the_lowering_makes(axes, strategy) -> None:
+    """The plan's communication estimate charges one call per gradient bucket: the buckets
+    the planner works out on the graph (``reduction_buckets``) must be the lowering's, member
+    for member, at the plan's cap and at a small one; and the estimate must be the sum of
+    the unmerged collectives and one all-reduce per bucket, below pricing each alone."""
+    from meshplan.backends._bucket import Bucket
+    from meshplan.backends._lower import Reshard
+    from meshplan.planner._comm import bucket_call_time
+    from meshplan.planner._planning import reduction_buckets
+
+    _, traced = _example("gpt-b16")
+    plan = plan_graph(traced.graph, axes, topology="cpu", strategy=strategy)
+    rs = plan.redistributions
+
+    def label(ref):
+        return ref.node + (f"[{ref.index}]" if ref.index else "")
+
+    for cap in (plan.bucket_bytes, 256 << 10):
+        planned = [sorted({rs[k].value for k in b.members})
+                   for b in reduction_buckets(plan.graph, plan.mesh, rs, cap)]
+        ins = lower(plan, 0, bucket_bytes=cap).instructions
+        lowered = [sorted({label(m.ref) for m in i.members}) for i in ins
+                   if isinstance(i, Bucket)]
+        alone = {label(i.ref) for i in ins if isinstance(i, Reshard) and len(i.steps) == 1
+                 and i.steps[0].kind == "all_reduce"}
+        assert all(b in planned for b in lowered)
+        # a one-member bucket read before any other op runs stays a plain all-reduce: one
+        # call either way
+        assert all(b in lowered or (len(b) == 1 and b[0] in alone) for b in planned)
+    buckets = reduction_buckets(plan.graph, plan.mesh, rs, plan.bucket_bytes)
+    assert buckets, "the plan has no gradient all-reduce to bucket"
+    merged = {k for b in buckets for k in b.members}
+    overlap = plan.mesh.topology.comm_overlap
+    want = sum(r.time_s for k, r in enumerate(rs) if k not in merged) + sum(
+        bucket_call_time(b.nbytes, plan.mesh.sizes[plan.mesh.names.index(b.axis)],
+                         plan.mesh.link(plan.mesh.names.index(b.axis)),
+                         overlap if b.overlaps else 0.0) for b in buckets)
+    assert plan.comm_time_s == pytest.approx(want, rel=1e-12)
+    if len(merged) > len(buckets):
+        assert plan.comm_time_s < sum(r.time_s for r in rs)
+
+
+@pytest.mark.timeout(300)
 def test_a_view_whose_input_lost_its_traced_strides_still_runs() -> None:
     """``y.transpose(1, 2).contiguous().view(b, t, c)`` after attention: in the traced run the
     transpose was already contiguous, so the graph has no copy; on a mesh the attention output
