@@ -1,7 +1,8 @@
 """Scale table (issue 20, point 5): published LLaMA-3 runs without pipeline stages, next to
 what meshplan's planner does with the same model, batch, precision and GPUs.
 
-    python benchmarks/scale.py [--only 8b] [--time-limit 120]
+    python benchmarks/scale.py [--only 8b] [--time-limit 120] [--cache DIR]
+    python benchmarks/scale.py --pipeline [--only 405b]     # the runs with pipeline stages
 
 For each run: the published layout and measured step time (tokens per step per GPU divided by
 the published tokens/s/GPU), and the planner's automatic plan for the same step (traced on the
@@ -9,6 +10,12 @@ meta device; FSDP2-style bf16 mixed precision, ``precision="bf16"``; AdamW; the 
 of the GPU): its layout, its estimated step time, its peak memory and how long planning took.
 The published layout is planned too (the ``fsdp`` family with the published recompute policy)
 so the two estimates can be compared under one cost model.
+
+With ``--pipeline``: the published runs that use pipeline stages (LLaMA-3 405B on 8,192 and
+16,384 H100s, Megatron-LM's 1T GPT on 3,072 A100s), planned by ``plan_pipeline`` on the
+published mesh (its ``pp`` size as given; the schedule, micro-batches, stage split and every
+stage's layouts chosen), next to the step time the paper's TFLOP/s per GPU implies (its own
+FLOP count per step over TFLOP/s x GPUs).
 
 Estimates come from the cost model (roofline compute at each datasheet's dense peak, alpha-beta
 collectives), not from runs; where they miss the measured step the table says which cost the
@@ -28,7 +35,7 @@ import meshplan
 from meshplan.examples import llama
 from meshplan.frontend._precision import precision as mixed_precision
 from meshplan.ir import Graph, Role
-from meshplan.planner import PlanError, plan_graph
+from meshplan.planner import PlanError, plan_graph, plan_pipeline
 from meshplan.planner._placement import Shard
 
 LLAMA3_70B = llama.LlamaConfig(vocab_size=128256, seq_len=8192, n_layer=80, d_model=8192,
@@ -89,7 +96,111 @@ RUNS = [
 ]
 
 
-def _trace(run: Run, cache: str | None = None):
+# ---- pipeline runs (issue 24, point 5) ----------------------------------------------------
+
+LLAMA3_405B = llama.LlamaConfig(vocab_size=128256, seq_len=8192, n_layer=126, d_model=16384,
+                                n_head=128, n_kv_head=8, hidden=53248, batch_size=1,
+                                rope_theta=500000.0)
+# Megatron-LM's 1T GPT (Narayanan et al. 2021, Table 1: 128 layers, hidden 25600, 160 heads,
+# sequence 2048, vocabulary 51200) as a LLaMA-style stand-in: the same width, depth and heads,
+# a SwiGLU MLP of hidden 8d/3 (its 3 matrices hold the 8d^2 parameters and FLOPs of GPT's two
+# 4d ones), RMSNorm and rotary positions instead of LayerNorm and learned ones
+GPT_1T = llama.LlamaConfig(vocab_size=51200, seq_len=2048, n_layer=128, d_model=25600,
+                           n_head=160, n_kv_head=160, hidden=68264, batch_size=1)
+LLAMA3_PAPER = ("The Llama 3 Herd of Models (Meta, 2024), Table 4: 405B on H100 80GB, sequence "
+                "8192, 16M tokens per batch")
+MEGATRON_2021 = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU "
+                 "Clusters Using Megatron-LM (SC 2021), Table 1")
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    name: str
+    config: llama.LlamaConfig
+    mesh: dict[str, int]
+    topology: str
+    local_batch: int            # sequences per data-parallel rank
+    tflops_per_gpu: float       # as published
+    flops: str                  # how the paper counts them: "model" or "megatron" (eq. 3)
+    layout: str
+    source: str
+    notes: str = ""
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.get("dp", 1)
+
+    @property
+    def gpus(self) -> int:
+        return math.prod(self.mesh.values())
+
+    def flops_per_step(self, params: int) -> float:
+        """The paper's FLOPs per step: Meta's MFU counts model FLOPs, 6 N per token plus
+        causal attention's 6 L s d; Megatron-LM counts its formula (3), recomputation
+        included: 96 B s l h^2 (1 + s / 6h + V / 16 l h)."""
+        c = self.config
+        batch = self.local_batch * self.dp
+        if self.flops == "megatron":
+            s, lay, h, v = c.seq_len, c.n_layer, c.d_model, c.vocab_size
+            return 96 * batch * s * lay * h * h * (1 + s / (6 * h) + v / (16 * lay * h))
+        return batch * c.seq_len * (6 * params + 6 * c.n_layer * c.seq_len * c.d_model)
+
+    def measured_step_s(self, params: int) -> float:
+        return self.flops_per_step(params) / (self.tflops_per_gpu * 1e12 * self.gpus)
+
+
+PIPELINE_RUNS = [
+    PipelineRun("llama3-405b", LLAMA3_405B, {"pp": 16, "dp": 64, "tp": 8}, "h100", 32, 430,
+                "model", "TP 8, CP 1, PP 16, DP 64 (8,192 GPUs), 43% MFU", LLAMA3_PAPER),
+    PipelineRun("llama3-405b", LLAMA3_405B, {"pp": 16, "dp": 128, "tp": 8}, "h100", 16, 400,
+                "model", "TP 8, CP 1, PP 16, DP 128 (16,384 GPUs), 41% MFU", LLAMA3_PAPER),
+    PipelineRun("megatron-1t", GPT_1T, {"pp": 64, "dp": 6, "tp": 8}, "a100", 512, 163,
+                "megatron", "TP 8, PP 64, DP 6, interleaved 1F1B, full recompute (batch 3072)",
+                MEGATRON_2021, "a LLaMA-style stand-in of the same size (see GPT_1T)"),
+]
+
+
+def run_pipeline(run: PipelineRun, time_limit: float, cache: str | None = None
+                 ) -> dict[str, object]:
+    t0 = time.perf_counter()
+    graph = _trace(run, cache)
+    row: dict[str, object] = {"run": run, "trace_s": time.perf_counter() - t0,
+                              "params": graph.num_params()}
+    t1 = time.perf_counter()
+    try:
+        plan = plan_pipeline(graph, run.mesh, topology=run.topology, time_limit_s=time_limit)
+        row["plan"] = plan
+    except PlanError as e:
+        row["error"] = str(e)[:300]
+    row["plan_s"] = time.perf_counter() - t1
+    return row
+
+
+def pipeline_markdown(rows: list[dict[str, object]]) -> str:
+    out = ["| run | GPUs | published layout | measured step (s) | planner: schedule, inner "
+           "layout | est. (s) | est./measured | bubble (s) | peak GiB | plan s | trace s |",
+           "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        run = r["run"]
+        assert isinstance(run, PipelineRun)
+        measured = run.measured_step_s(int(r["params"]))
+        plan = r.get("plan")
+        if plan is None:
+            cells = (f"no plan: {r['error']}", "-", "-", "-", "-")
+        else:
+            what = (f"{plan.schedule}, {plan.microbatches} micro-batches"
+                    + (f", {plan.virtual_stages} chunks/device" if plan.virtual_stages > 1
+                       else "") + f"; {layout_of(plan.inner)}")
+            cells = (what, f"{plan.estimated_step_time_s:.3f}",
+                     f"{plan.estimated_step_time_s / measured:.2f}", f"{plan.bubble_s:.3f}",
+                     f"{plan.peak_memory_bytes / 2**30:.1f}"
+                     + ("" if plan.fits else " (no fit)"))
+        out.append(f"| {run.name} {run.topology} | {run.gpus} | {run.layout} | {measured:.3f} | "
+                   f"{' | '.join(cells)} | {r['plan_s']:.1f} | {r['trace_s']:.1f} |")
+    return "\n".join(out)
+
+
+def _trace(run: Run | PipelineRun, cache: str | None = None):
     cfg = dataclasses.replace(run.config, batch_size=run.local_batch * run.dp)
     path = None
     if cache:
@@ -209,7 +320,25 @@ def main() -> None:
     ap.add_argument("--only", help="run only the runs whose name contains this (e.g. 8b)")
     ap.add_argument("--time-limit", type=float, default=120.0, help="solver seconds per solve")
     ap.add_argument("--cache", help="a folder to keep traced graphs in between runs")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="the runs with pipeline stages (issue 24) instead")
     args = ap.parse_args()
+    if args.pipeline:
+        prow = []
+        for prun in PIPELINE_RUNS:
+            if args.only and args.only not in prun.name:
+                continue
+            prow.append(run_pipeline(prun, args.time_limit, args.cache))
+            print(pipeline_markdown(prow[-1:]).splitlines()[-1], flush=True)
+            if "plan" in prow[-1]:
+                print(prow[-1]["plan"].summary(), flush=True)
+        print()
+        print(pipeline_markdown(prow))
+        for prun in PIPELINE_RUNS:
+            if prun.notes and (not args.only or args.only in prun.name):
+                print(f"- {prun.name} {prun.topology} x{prun.gpus}: {prun.notes}")
+        print("Sources:", LLAMA3_PAPER, ";", MEGATRON_2021)
+        return
     rows = []
     for run in RUNS:
         if args.only and args.only not in run.name:

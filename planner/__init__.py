@@ -13,6 +13,7 @@ from ._hand import HAND_STRATEGIES
 from ._mesh import PRESETS, Link, Mesh, Topology, get_topology, parse_mesh
 from ._placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
 from ._plan import NodePlacement, Plan, Redistribution
+from ._pipeline import SCHEDULES, PipelinePlan, plan_pipeline
 from ._planning import check_recompute, plan_graph, recompute_cost
 from ._report import diff, explain, plan_report, render_html
 
@@ -25,10 +26,12 @@ __all__ = [
     "Mesh",
     "NodePlacement",
     "Partial",
+    "PipelinePlan",
     "Placement",
     "Plan",
     "PlanError",
     "Redistribution",
+    "SCHEDULES",
     "ReduceOp",
     "Replicate",
     "Shard",
@@ -41,6 +44,7 @@ __all__ = [
     "parse_mesh",
     "check_recompute",
     "plan_graph",
+    "plan_pipeline",
     "recompute_cost",
     "plan_report",
     "render_html",

@@ -85,6 +85,9 @@ def plan_graph(
     if axis_order not in ("auto", "given"):
         raise PlanError(f"axis_order must be 'auto' or 'given', got {axis_order!r}")
     check_recompute(recompute)
+    from ._pipeline import refuse_pp
+
+    refuse_pp(mesh if isinstance(mesh, Mesh) else Mesh(mesh, topology), "plan_graph")
     with _planning_session():
         return _plan_axis_order(graph, mesh, topology, strategy, memory_limit_bytes, pins,
                                 time_limit_s, compare_sharded, axis_order, recompute)
@@ -464,10 +467,11 @@ def _raise_no_fit(graph: Graph, mesh: Mesh, e: _NoFit, layers: Sequence[str],
     if tried:
         rc = (f"activation recompute ({' and '.join(tried)} of the {len(layers)} layers; "
               f"the best peak is with {tried[-1]})")
-        rest = "pipeline stages, offloading"
+        rest = "pipeline stages (a 'pp' mesh axis: planner.plan_pipeline), offloading"
     elif layers:
         rc = None
-        rest = "activation recompute (recompute='auto' tries it), pipeline stages, offloading"
+        rest = ("activation recompute (recompute='auto' tries it), pipeline stages (a 'pp' "
+                "mesh axis: planner.plan_pipeline), offloading")
     else:
         rc = None
         rest = ("activation recompute (the step has no repeated layers: modules numbered "

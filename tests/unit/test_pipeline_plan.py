@@ -1,0 +1,178 @@
+"""Pipeline stages in the planner (``planner/_pipeline.py``; issue 24, planning only).
+
+- The schedules' closed forms against running their per-device op orders event by event: equal
+  for equal stages (GPipe and 1F1B ``(m + p - 1) t``, interleaved ``(m + (p - 1) / v) t``,
+  ZB-H1 ``m t + (p - 1) f``, the bubbles of Narayanan et al. 2021 and Qi et al. 2023), and
+  GPipe's for any stages; the simulation also checks that each device runs every op once and
+  never two at a time.
+- The units of a traced GPT conserve the inner plan's cost (their times sum to its compute and
+  communication to 1e-9 relative: each cost is charged once), every layer alike, the optimizer
+  state with its parameter.
+- Stage splits: even on a uniform model, moved by a memory limit, and a plan that cannot fit
+  says so; bad input (more stages than layers, micro-batches that do not divide the batch, an
+  unknown schedule, a model without repeated layers) gets one error naming the fix; and
+  ``plan_graph`` / ``distribute`` refuse a ``pp`` axis by name instead of treating it as one
+  more data axis.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import meshplan
+from meshplan.examples import gpt, mlp
+from meshplan.planner import PlanError, plan_graph
+from meshplan.planner._pipeline import (
+    PRE, POST, SCHEDULES, device_orders, in_flight, pipeline_time, plan_pipeline, simulate,
+    units_of,
+)
+
+CONFIG = gpt.GPTConfig(n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=64,
+                       batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0)
+    return meshplan.trace(ex.step, *ex.batch(0)).graph
+
+
+CASES = [(s, p, m, v) for s in SCHEDULES for p, m, v in
+         ((2, 4, 1), (4, 8, 1), (3, 7, 1), (4, 4, 2), (4, 8, 2), (8, 16, 4), (2, 2, 1))
+         if (v > 1) == (s == "interleaved") and (s != "interleaved" or m % p == 0)]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), CASES,
+                         ids=[f"{s}-p{p}-m{m}-v{v}" for s, p, m, v in CASES])
+def test_closed_forms_are_the_simulated_schedules_for_equal_stages(schedule, p, m, v) -> None:
+    f, b = 1.0, 2.0
+    span, timeline = simulate(schedule, [f] * p, [b] * p, m, v)
+    assert pipeline_time(schedule, [f] * p, [b] * p, m, v) == pytest.approx(span, rel=1e-12)
+    published = {"gpipe": (m + p - 1) * (f + b), "1f1b": (m + p - 1) * (f + b),
+                 "interleaved": (m + (p - 1) / v) * (f + b),
+                 "zb-h1": m * (f + b) + (p - 1) * (f + b / 2 - b / 2)}[schedule]
+    assert span == pytest.approx(published, rel=1e-12)
+    orders = device_orders(schedule, p, m, v)
+    for d, events in enumerate(timeline):
+        assert len(events) == len(orders[d]) == len(set(orders[d]))   # every op once
+        for (_, end, _), (start, _, _) in zip(events, events[1:]):
+            assert start >= end - 1e-12                               # one at a time
+    per_mb = 3 if schedule == "zb-h1" else 2
+    assert sum(len(o) for o in orders) == per_mb * p * v * m
+
+
+def test_gpipe_closed_form_holds_for_unequal_stages_and_the_others_come_close() -> None:
+    fwd, bwd = [1.0, 0.5, 1.5, 0.8], [2.2, 1.0, 2.9, 1.7]
+    for schedule in SCHEDULES:
+        m, v = 8, (2 if schedule == "interleaved" else 1)
+        span = simulate(schedule, fwd, bwd, m, v)[0]
+        form = pipeline_time(schedule, fwd, bwd, m, v)
+        if schedule == "gpipe":
+            assert form == pytest.approx(span, rel=1e-12)
+        else:                   # the reason the planner simulates its best candidates
+            assert form == pytest.approx(span, rel=0.15)
+
+
+def test_activations_in_flight_per_schedule() -> None:
+    assert [in_flight("gpipe", s, 4, 8) for s in range(4)] == [8, 8, 8, 8]
+    assert [in_flight("1f1b", s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("zb-h1", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    # Megatron's interleaved schedule: the first device holds p (1 + (p - 1) / (p v))
+    assert in_flight("interleaved", 0, 4, 8, 2) == pytest.approx(4 * (1 + 3 / 8))
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_units_conserve_the_inner_plan_and_layers_are_alike(graph, strategy) -> None:
+    inner = plan_graph(graph, {"dp": 2}, topology="h100", strategy=strategy)
+    units, crossing = units_of(inner)
+    names = [u.name for u in units]
+    assert names[0] == PRE and names[-1] == POST and len(names) == CONFIG.n_layer + 2
+    total = sum(u.fwd_s + u.bwd_s + u.fixed_fwd_s + u.fixed_bwd_s + u.update_s for u in units)
+    assert total == pytest.approx(inner.compute_time_s + inner.comm_time_s, rel=1e-9)
+    layers = units[1:-1]
+    for u in layers[1:]:
+        assert u.state_bytes == layers[0].state_bytes > 0
+        assert u.act_bytes == layers[0].act_bytes > 0
+        assert u.fwd_s == pytest.approx(layers[0].fwd_s, rel=1e-9)
+    # the tied embedding and its Adam moments sit with its first use, before the layers; after
+    # them only the final norm's (the head is the embedding)
+    assert units[0].state_bytes > units[-1].state_bytes > 0
+    assert len(crossing) == len(units) - 1 and min(crossing) > 0
+
+
+@pytest.mark.parametrize(("mesh", "per_stage"), [({"pp": 2, "dp": 2}, 2), ({"pp": 4}, 1)])
+def test_a_uniform_model_splits_evenly(graph, mesh, per_stage) -> None:
+    plan = plan_pipeline(graph, mesh, topology="h100")
+    assert plan.fits and plan.schedule in SCHEDULES and plan.tried
+    for s in plan.stages:
+        assert sum(u not in (PRE, POST) for u in s.units) == per_stage
+    assert PRE in plan.stages[0].units and POST in plan.stages[-1].units
+    assert plan.estimated_step_time_s == min(t.step_time_s for t in plan.tried if t.fits)
+    text = plan.summary() + "\n" + plan.schedule_text()
+    assert text.count("stage ") >= 2 * len(plan.stages)
+
+
+def test_gpipe_holds_every_micro_batch_and_a_tight_limit_says_it_does_not_fit(graph) -> None:
+    free = plan_pipeline(graph, {"pp": 2}, topology="h100", schedule="gpipe", microbatches=4)
+    onef = plan_pipeline(graph, {"pp": 2}, topology="h100", schedule="1f1b", microbatches=4)
+    assert free.stages[0].in_flight == 4 and onef.stages[0].in_flight == 2
+    assert onef.peak_memory_bytes < free.peak_memory_bytes
+    # the same time in the closed form; run event by event on these unequal stages (the
+    # first holds the embedding, the last the head and loss) they differ by well under 2 %
+    assert onef.estimated_step_time_s == pytest.approx(free.estimated_step_time_s, rel=0.02)
+    # between the two peaks: automatic planning must not pick GPipe
+    limit = int((onef.peak_memory_bytes + free.peak_memory_bytes) / 2)
+    got = plan_pipeline(graph, {"pp": 2}, topology="h100", microbatches=4,
+                        memory_limit_bytes=limit)
+    assert got.fits and got.schedule != "gpipe"
+    # nothing fits: the best plan's peak, where and why, and what was tried
+    with pytest.raises(PlanError, match=r"fits 2.00 KiB per device on pp=2 .* needs .* on "
+                                        r"stage \d \(misses by .* in flight\)\. Tried"):
+        plan_pipeline(graph, {"pp": 2}, topology="h100", memory_limit_bytes=2 << 10)
+
+
+def test_bad_input_is_named(graph) -> None:
+    with pytest.raises(PlanError, match=r"pp=8 .* 4\) *; use pp=4|more pipeline stages"):
+        plan_pipeline(graph, {"pp": 8}, topology="h100")
+    with pytest.raises(PlanError, match="microbatches=3 does not divide"):
+        plan_pipeline(graph, {"pp": 2}, topology="h100", microbatches=3)
+    with pytest.raises(PlanError, match="schedule 'zb-v'"):
+        plan_pipeline(graph, {"pp": 2}, topology="h100", schedule="zb-v")
+    with pytest.raises(PlanError, match="needs a 'pp' mesh axis"):
+        plan_pipeline(graph, {"dp": 2}, topology="h100")
+    ex = mlp.build(optimizer="sgd")
+    flat = meshplan.trace(ex.step, *ex.batch(0)).graph
+    with pytest.raises(PlanError, match="no repeated layers"):
+        plan_pipeline(flat, {"pp": 2}, topology="h100")
+
+
+def test_plan_graph_and_distribute_refuse_a_pp_axis_by_name(graph) -> None:
+    with pytest.raises(PlanError, match="plan_pipeline"):
+        plan_graph(graph, {"pp": 2, "dp": 2}, topology="h100")
+    ex = gpt.build(config=CONFIG)
+    with pytest.raises(PlanError, match="not yet lowered to rank programs or run"):
+        meshplan.distribute(ex.step, mesh={"pp": 2})
+    plan_graph(graph, {"pp": 1, "dp": 2}, topology="h100")      # one stage: an ordinary mesh
+
+
+def test_gathered_parameters_are_kept_through_the_step_unless_they_do_not_fit(graph) -> None:
+    """FSDP layouts inside the stages: gathering each stage's parameters once a step and
+    keeping them is faster than gathering them for every micro-batch, and takes more memory;
+    where the kept copies do not fit, the copies gathered again do."""
+    from meshplan.planner import Mesh
+    from meshplan.planner._pipeline import _price
+
+    inner = plan_graph(graph, {"dp": 2}, topology="h100", strategy="fsdp")
+    units, crossing = units_of(inner)
+    assert sum(u.kept_bytes for u in units) > 0 and sum(u.fixed_fwd_s for u in units) > 0
+    mesh = Mesh({"pp": 2, "dp": 2}, "h100")
+    args = (mesh, inner, units, crossing, 2, "1f1b", 4, 1)
+    link = mesh.link(0)
+    keep = _price(*args, 1 << 40, link, keep=True)
+    again = _price(*args, 1 << 40, link, keep=False)
+    assert keep.estimated_step_time_s < again.estimated_step_time_s
+    assert again.peak_memory_bytes < keep.peak_memory_bytes
+    limit = int((again.peak_memory_bytes + keep.peak_memory_bytes) / 2)
+    assert not _price(*args, limit, link, keep=True).fits
+    tight = _price(*args, limit, link, keep=False)
+    assert tight.fits and "again for every micro-batch" in tight.summary()
