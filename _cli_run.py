@@ -45,6 +45,11 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--recompute", choices=("auto", "none", "selective", "full"),
                    help="activation recompute of the repeated layers: auto (the planner decides "
                    "when memory is short), none, selective or full; default: the decorator's")
+    c.add_argument("--schedule", choices=("auto", "gpipe", "1f1b", "interleaved", "zb-h1"),
+                   help="with a pp mesh axis: the pipeline schedule (default: auto, the "
+                   "fastest that fits)")
+    c.add_argument("--microbatches", type=int,
+                   help="with a pp mesh axis: micro-batches per step (default: chosen)")
     c.add_argument("--example", help="MOD:FN (or FILE.py:FN) returning the example inputs")
     c.add_argument("--out", "-o", required=True, help="where to write the plan (atomically)")
     c.add_argument("--json", action="store_true", help="print a JSON summary")
@@ -139,6 +144,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 mixed_precision(args.precision or opts["precision"]):
             traced = meshplan.trace(step, *example)     # (autocast: a GPU plan without a GPU)
             graph = traced.graph
+        if mesh.get("pp", 1) > 1:
+            return _compile_pipeline(args, graph, mesh, topology, limit, opts, name, stage)
+        if args.schedule or args.microbatches:
+            raise PlanError("--schedule and --microbatches are for a mesh with a pp axis "
+                            "(pipeline stages), e.g. --mesh pp=2,dp=2")
         stage(f"planning on mesh {_mesh_str(mesh)} (rules, solve)")
         with _quiet_stdout():                         # HiGHS prints its banner on fd 1
             plan = plan_graph(graph, mesh, topology=topology,
@@ -174,6 +184,37 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{format_bytes(limit)} limit, so it will not fit; --strategy auto searches "
               "sharding and activation recompute under the limit, or use a larger mesh or "
               "raise --memory-limit", file=sys.stderr, flush=True)
+    return 0
+
+
+def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], topology,
+                      limit: int | None, opts: dict, name: str, stage) -> int:
+    """``compile`` on a mesh with a ``pp`` axis: the pipeline plan (``plan_pipeline``),
+    written as JSON for reading, its stages and its schedule drawn; not runnable yet."""
+    from .planner import plan_pipeline
+
+    stage(f"planning pipeline stages on mesh {_mesh_str(mesh)} (stage layouts, split, "
+          "schedule)")
+    with _quiet_stdout():
+        plan = plan_pipeline(graph, mesh, topology=topology,
+                             strategy=args.strategy or opts["strategy"],
+                             schedule=args.schedule or "auto", microbatches=args.microbatches,
+                             memory_limit_bytes=limit or opts["memory_limit_bytes"],
+                             recompute=args.recompute or opts["recompute"])
+    stage(f"writing {args.out}")
+    plan.save(args.out)
+    if args.json:
+        print(json.dumps({"path": os.path.abspath(args.out), "mesh": mesh,
+                          "schedule": plan.schedule, "microbatches": plan.microbatches,
+                          "virtual_stages": plan.virtual_stages,
+                          "estimated_step_time_s": plan.estimated_step_time_s,
+                          "peak_memory_bytes": plan.peak_memory_bytes, "fits": plan.fits}),
+              flush=True)
+        return 0
+    print(plan.summary())
+    print(plan.schedule_text())
+    print(f"compiled {name} as {plan.pp} pipeline stages -> {args.out} (for reading: "
+          "pipeline plans are not yet lowered or run, issue 24)", flush=True)
     return 0
 
 

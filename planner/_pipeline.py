@@ -163,6 +163,17 @@ class PipelinePlan:
     def schedule_text(self, width: int = 96) -> str:
         return schedule_text(self, width)
 
+    def save(self, path: str) -> None:
+        """Write the plan as JSON (format ``meshplan.pipeline-plan``), atomically: for
+        reading and diffing; ``meshplan run`` cannot run it yet and says so."""
+        import json
+
+        from ..ir import atomic_write_text
+
+        atomic_write_text(path, json.dumps({"format": "meshplan.pipeline-plan", "version": 1,
+                                            "body": self.to_dict()}, indent=1,
+                                           allow_nan=False))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "mesh": [list(a) for a in self.mesh.axes], "topology": self.mesh.topology.name,
@@ -522,7 +533,10 @@ def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
                 for m in _candidates(batch, p, sch, microbatches):
                     if sch == "interleaved" and m % p or batch % m:
                         continue
-                    for keep in (True, False):
+                    # gathering again differs only where something is cast or gathered
+                    gathers = any(u.fixed_fwd_s or u.fixed_bwd_s or u.kept_bytes
+                                  for u in units)
+                    for keep in ((True, False) if gathers else (True,)):
                         got = _price(m_, inner, units, crossing, p, sch, m, v, limit, link,
                                      keep)
                         if got is None:

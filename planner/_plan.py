@@ -249,6 +249,10 @@ class Plan:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"{where} is not a meshplan plan (not JSON: {e})") from None
+        if isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan":
+            raise PlanError(f"{where} is a pipeline plan (a 'pp' mesh axis): pipeline stages are "
+                            "planned but not yet lowered or run (issue 24); compile the step "
+                            "on a mesh without 'pp' to run it")
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise PlanError(f"{where} is not a meshplan plan; make one with `meshplan compile "
                             "FILE.py:STEP --mesh dp=2 -o step.plan`")

@@ -309,3 +309,22 @@ def test_golden_report_of_the_dp_plan(plans: dict) -> None:
     assert _rounded(rep) == _rounded(want), (
         "the dp=2 plan report changed; if intended, rerun with MESHPLAN_UPDATE_GOLDEN=1 and "
         "review the diff of tests/e2e/golden/mlp_dp2_dp.json")
+
+
+def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_refuses_by_name(tmp_path) -> None:
+    """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
+    JSON; ``run`` and ``plan show`` say it is not runnable yet instead of failing on it;
+    ``--schedule`` without a pp axis is refused."""
+    target = f"{REPO / 'examples' / 'gpt_distributed.py'}:train_step"
+    out = tmp_path / "pp.plan"
+    rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
+                          "--schedule", "1f1b", "-o", str(out))
+    assert rc == 0, err
+    assert "2 stages, 1f1b" in text and "stage   1 |" in text
+    assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
+    for cmd in (("plan", "show", str(out)), ("run", target, "--plan", str(out))):
+        rc, _, err = _main(*cmd)
+        assert rc != 0 and "is a pipeline plan" in err and "not yet lowered or run" in err
+    rc, _, err = _main("compile", target, "--mesh", "dp=2", "--schedule", "1f1b",
+                       "-o", str(tmp_path / "x.plan"))
+    assert rc != 0 and "--schedule and --microbatches are for a mesh with a pp axis" in err
