@@ -50,18 +50,14 @@ TITAN_H100 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1
 
 
 @dataclass(frozen=True)
-class Run:
+class Published:
+    """A published run: the model, its mesh and GPUs, and each data-parallel rank's batch."""
+
     name: str
     config: llama.LlamaConfig
     mesh: dict[str, int]
     topology: str
     local_batch: int            # sequences per data-parallel rank
-    recompute: str              # the published activation checkpointing
-    tokens_per_s_per_gpu: float
-    layout: str                 # as published
-    source: str
-    notes: str = ""
-    family: str | None = "fsdp"  # the hand family that is the published layout, if one is
 
     @property
     def dp(self) -> int:
@@ -70,6 +66,16 @@ class Run:
     @property
     def gpus(self) -> int:
         return math.prod(self.mesh.values())
+
+
+@dataclass(frozen=True)
+class Run(Published):
+    recompute: str              # the published activation checkpointing
+    tokens_per_s_per_gpu: float
+    layout: str                 # as published
+    source: str
+    notes: str = ""
+    family: str | None = "fsdp"  # the hand family that is the published layout, if one is
 
     @property
     def measured_step_s(self) -> float:
@@ -114,25 +120,12 @@ MEGATRON_2021 = ("Narayanan et al., Efficient Large-Scale Language Model Trainin
 
 
 @dataclass(frozen=True)
-class PipelineRun:
-    name: str
-    config: llama.LlamaConfig
-    mesh: dict[str, int]
-    topology: str
-    local_batch: int            # sequences per data-parallel rank
+class PipelineRun(Published):
     tflops_per_gpu: float       # as published
     flops: str                  # how the paper counts them: "model" or "megatron" (eq. 3)
     layout: str
     source: str
     notes: str = ""
-
-    @property
-    def dp(self) -> int:
-        return self.mesh.get("dp", 1)
-
-    @property
-    def gpus(self) -> int:
-        return math.prod(self.mesh.values())
 
     def flops_per_step(self, params: int) -> float:
         """The paper's FLOPs per step: Meta's MFU counts model FLOPs, 6 N per token plus
@@ -200,7 +193,7 @@ def pipeline_markdown(rows: list[dict[str, object]]) -> str:
     return "\n".join(out)
 
 
-def _trace(run: Run | PipelineRun, cache: str | None = None):
+def _trace(run: Published, cache: str | None = None):
     cfg = dataclasses.replace(run.config, batch_size=run.local_batch * run.dp)
     path = None
     if cache:
@@ -324,35 +317,31 @@ def main() -> None:
                     help="the runs with pipeline stages (issue 24) instead")
     args = ap.parse_args()
     if args.pipeline:
-        prow = []
-        for prun in PIPELINE_RUNS:
-            if args.only and args.only not in prun.name:
-                continue
-            prow.append(run_pipeline(prun, args.time_limit, args.cache))
-            print(pipeline_markdown(prow[-1:]).splitlines()[-1], flush=True)
-            if "plan" in prow[-1]:
-                print(prow[-1]["plan"].summary(), flush=True)
-        print()
-        print(pipeline_markdown(prow))
-        for prun in PIPELINE_RUNS:
-            if prun.notes and (not args.only or args.only in prun.name):
-                print(f"- {prun.name} {prun.topology} x{prun.gpus}: {prun.notes}")
-        print("Sources:", LLAMA3_PAPER, ";", MEGATRON_2021)
-        return
+        _table(PIPELINE_RUNS, run_pipeline, pipeline_markdown, args,
+               lambda row: row["plan"].summary() if "plan" in row else None,
+               (LLAMA3_PAPER, MEGATRON_2021))
+    else:
+        _table(RUNS, run_one, markdown, args, lambda row: None, (TITAN_A100, TITAN_H100))
+
+
+def _table(runs, plan_one, table, args, detail, sources) -> None:  # noqa: ANN001
+    """Plan each run (a row printed as it is done, with ``detail``), then the whole table,
+    the runs' notes and the sources."""
     rows = []
-    for run in RUNS:
+    for run in runs:
         if args.only and args.only not in run.name:
             continue
-        row = run_one(run, args.time_limit, args.cache)
-        rows.append(row)
-        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+        rows.append(plan_one(run, args.time_limit, args.cache))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+        more = detail(rows[-1])
+        if more:
+            print(more, flush=True)
     print()
-    print(markdown(rows))
-    for run in RUNS:
+    print(table(rows))
+    for run in runs:
         if run.notes and (not args.only or args.only in run.name):
             print(f"- {run.name} {run.topology} x{run.gpus}: {run.notes}")
-    print("Sources:", TITAN_A100, ";", TITAN_H100)
-
+    print("Sources:", " ; ".join(sources))
 
 if __name__ == "__main__":
     main()
