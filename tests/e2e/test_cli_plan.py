@@ -315,7 +315,9 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_refuses_by_name(tm
     """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
     JSON; ``run`` and ``plan show`` say it is not runnable yet instead of failing on it;
     ``--schedule`` without a pp axis is refused."""
-    target = f"{REPO / 'examples' / 'gpt_distributed.py'}:train_step"
+    for name in ("gpt_distributed.py", "gpt.py", "_common.py"):    # outside the package:
+        shutil.copy(REPO / "examples" / name, tmp_path / name)      # the in-process CLI
+    target = f"{tmp_path / 'gpt_distributed.py'}:train_step"      # loads it as a module
     out = tmp_path / "pp.plan"
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
                           "--schedule", "1f1b", "-o", str(out))
