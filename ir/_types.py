@@ -126,5 +126,11 @@ class Ref:
         """``node`` or ``node[i]``: how plans, reports and telemetry name the value."""
         return self.node if self.index == 0 else f"{self.node}[{self.index}]"
 
+    @staticmethod
+    def parse(label: str) -> Ref:
+        """The inverse of ``label``."""
+        name, _, rest = label.partition("[")
+        return Ref(name, int(rest.rstrip("]")) if rest else 0)
+
     def __str__(self) -> str:
         return f"%{self.label}"

@@ -67,12 +67,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import PlanError
-from ..ir import Graph, NodeKind, Phase, Role, TensorMeta, repeated_layers
+from ..ir import Graph, NodeKind, Phase, Ref, Role, TensorMeta, repeated_layers
 from ..ir._recompute import _layer_key
-from ._comm import Collective, bucket_call_time, collective_time
+from ._comm import Collective, collective_time
 from ._mesh import Mesh, Topology
 from ._placement import layout_fraction
 from ._plan import Plan
+from ._planning import reduction_buckets
 from ._summary import format_bytes
 
 PP_AXIS = "pp"
@@ -204,7 +205,6 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
                         "parent, such as model.layers.0, model.layers.1): pipeline stages are "
                         "ranges of layers; use a mesh without a 'pp' axis")
     layer_set = set(layers)
-    pos_of = {n.name: i for i, n in enumerate(graph.nodes)}
     order = [PRE, *layers, POST]
     index = {u: k for k, u in enumerate(order)}
     unit: dict[str, str] = {}
@@ -242,8 +242,8 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
         # embedding, a tied head), else the embedding side's modules, else by where it runs
         # (before the first layer, or after: the final norm, the loss, their backward)
         state = next((unit[r.node] for r in n.refs()
-                      if nodes[pos_of[r.node]].kind is NodeKind.INPUT and r.node in unit
-                      and nodes[pos_of[r.node]].outputs[0].role is not Role.DATA), None)
+                      if graph.node(r.node).kind is NodeKind.INPUT and r.node in unit
+                      and graph.node(r.node).outputs[0].role is not Role.DATA), None)
         if state is None and n.module_path and by_path(n.module_path) == PRE:
             state = PRE
         unit[n.name] = state or (PRE if n.phase is Phase.FORWARD and i < first else POST)
@@ -277,18 +277,14 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
 
     kept: set[tuple] = set()      # parameters' copies in another layout, for the fwd/bwd
     for r in plan.redistributions:
-        src = r.value.split("[", 1)[0]
+        src = Ref.parse(r.value).node
         if src in batch or r.consumer.startswith("<") or (r.value, r.dst) in kept:
             continue
         c = graph.node(r.consumer)
-        meta = graph.meta(_ref_of(r.value))
+        meta = graph.meta(Ref.parse(r.value))
         if c.phase is not Phase.UPDATE and isinstance(meta, TensorMeta):
             kept.add((r.value, r.dst))
             acc[unit[c.name]]["kept_bytes"] += meta.nbytes / layout_fraction(r.dst, mesh.sizes)
-    readers: dict[str, list[str]] = {}
-    for n in graph.nodes:
-        for r in n.refs():
-            readers.setdefault(r.node, []).append(n.name)
     crossing = [0.0] * (len(order) - 1)
     for n in graph.nodes:
         if n.kind is NodeKind.INPUT:
@@ -301,16 +297,13 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
             continue
         if n.kind is not NodeKind.OP or n.phase is not Phase.FORWARD:
             continue
-        if n.name not in batch:          # a parameter's cast: kept for the step with it
-            acc[unit[n.name]]["kept_bytes"] += sum(
-                m.nbytes / layout_fraction(lay, mesh.sizes)
-                for m, lay in zip(n.outputs, placed[n.name].outputs)
-                if isinstance(m, TensorMeta) and lay is not None)
-            continue
         size = sum(m.nbytes / layout_fraction(lay, mesh.sizes)
                    for m, lay in zip(n.outputs, placed[n.name].outputs)
                    if isinstance(m, TensorMeta) and lay is not None)
-        users = readers.get(n.name, ())
+        if n.name not in batch:          # a parameter's cast: kept for the step with it
+            acc[unit[n.name]]["kept_bytes"] += size
+            continue
+        users = graph.users.get(n.name, ())
         if any(graph.node(u).phase is Phase.BACKWARD for u in users):
             acc[unit[n.name]]["act_bytes"] += size
         later = [index[unit[u]] for u in users if graph.node(u).phase is Phase.FORWARD
@@ -319,12 +312,6 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
         for k in range(here, max(later, default=here)):
             crossing[k] += size
     return [Unit(u, **acc[u]) for u in order], crossing
-
-
-def _ref_of(label: str):
-    from ._planning import _ref
-
-    return _ref(label)
 
 
 def _batch_dependent(graph: Graph) -> set[str]:
@@ -343,14 +330,10 @@ def _batch_dependent(graph: Graph) -> set[str]:
 def _charge_comm(plan: Plan, unit: dict[str, str], batch: set[str], charge) -> None:
     """Each redistribution's time to the unit and phase of its consumer (an all-reduce the
     lowering merges: its share of its bucket's call, by bytes)."""
-    from ._planning import _ref, reduction_buckets
-
     graph, mesh, rs = plan.graph, plan.mesh, plan.redistributions
     share: dict[int, float] = {}
     for b in reduction_buckets(graph, mesh, rs, plan.bucket_bytes):
-        a = mesh.names.index(b.axis)
-        t = bucket_call_time(b.nbytes, mesh.sizes[a], mesh.link(a),
-                             mesh.topology.comm_overlap if b.overlaps else 0.0)
+        t = b.time_s(mesh)
         seen: set[str] = set()
         for i in b.members:
             r = rs[i]
@@ -361,7 +344,7 @@ def _charge_comm(plan: Plan, unit: dict[str, str], batch: set[str], charge) -> N
             share[i] = t * r.collectives[0][2] * r.count / max(b.nbytes, 1.0)
     for i, r in enumerate(rs):
         t = share.get(i, r.time_s * r.count)
-        src = _ref(r.value).node
+        src = Ref.parse(r.value).node
         if r.consumer == "<result>":
             charge(POST, Phase.FORWARD, False, t)
         elif r.consumer.startswith("<state "):
@@ -862,12 +845,14 @@ def pipeline_summary(plan: PipelinePlan) -> str:
     return "\n".join(lines)
 
 
-def refuse_pp(mesh: Mesh, what: str) -> None:
+def refuse_pp(mesh: Mesh | Mapping[str, int], what: str) -> None:
     """``plan_graph`` and ``distribute`` on a mesh with a ``pp`` axis of more than one rank:
     one error that says what exists (planning) and what does not (running)."""
-    if PP_AXIS in mesh.names and mesh.sizes[mesh.index(PP_AXIS)] > 1:
+    axes = dict(mesh.axes) if isinstance(mesh, Mesh) else dict(mesh)
+    if axes.get(PP_AXIS, 1) > 1:
+        named = mesh if isinstance(mesh, Mesh) else ",".join(f"{a}={n}" for a, n in axes.items())
         raise PlanError(
-            f"{what}: mesh {mesh} has a '{PP_AXIS}' axis: pipeline stages are planned by "
+            f"{what}: mesh {named} has a '{PP_AXIS}' axis: pipeline stages are planned by "
             "meshplan.planner.plan_pipeline (stage split, schedule, micro-batches, cost and "
             "memory), but not yet lowered to rank programs or run (issue 24); plan without "
             f"'{PP_AXIS}' (e.g. fold it into dp) to run the step")

@@ -87,7 +87,7 @@ def plan_graph(
     check_recompute(recompute)
     from ._pipeline import refuse_pp
 
-    refuse_pp(mesh if isinstance(mesh, Mesh) else Mesh(mesh, topology), "plan_graph")
+    refuse_pp(mesh, "plan_graph")
     with _planning_session():
         return _plan_axis_order(graph, mesh, topology, strategy, memory_limit_bytes, pins,
                                 time_limit_s, compare_sharded, axis_order, recompute)
@@ -608,6 +608,13 @@ class ReductionBucket:
     # (that one starts only once the backward has made its last gradient)
     overlaps: bool = False
 
+    def time_s(self, mesh: Mesh) -> float:
+        """Its one call on ``mesh``, the topology's ``comm_overlap`` of its wire time hidden
+        when it overlaps."""
+        a = mesh.names.index(self.axis)
+        return bucket_call_time(self.nbytes, mesh.sizes[a], mesh.link(a),
+                                mesh.topology.comm_overlap if self.overlaps else 0.0)
+
 
 def reduction_buckets(graph: Graph, mesh: Mesh, redistributions: Sequence[Redistribution],
                       bucket_bytes: int | None) -> list[ReductionBucket]:
@@ -620,22 +627,23 @@ def reduction_buckets(graph: Graph, mesh: Mesh, redistributions: Sequence[Redist
     ``bucket_bytes`` (None: the lowering's default cap)."""
     cap = bucket_bytes or DEFAULT_BUCKET_BYTES
     pos = {n.name: i for i, n in enumerate(graph.nodes)}
-    cands: dict[tuple, list[int]] = {}
+    # (value, target layout) -> (bucket key: axis, op, dtype; bytes; redistribution indices)
+    cands: dict[tuple, tuple[tuple, float, list[int]]] = {}
     for i, r in enumerate(redistributions):
         if len(r.collectives) != 1 or r.collectives[0][0] != Collective.ALL_REDUCE.value:
             continue
-        ref = _ref(r.value)
+        ref = Ref.parse(r.value)
         meta = graph.meta(ref)
-        axis = mesh.names.index(r.collectives[0][1])
-        op = getattr(r.src[axis], "op", None)
+        _, axis, nbytes = r.collectives[0]
+        op = getattr(r.src[mesh.names.index(axis)], "op", None)
         if (not isinstance(meta, TensorMeta) or not meta.dtype.startswith(("float", "bfloat"))
                 or op is None or op.value not in ("sum", "avg") or ref.node not in pos):
             continue
-        cands.setdefault((r.value, r.dst), []).append(i)
+        cands.setdefault((r.value, r.dst), ((axis, op.value, meta.dtype), nbytes * r.count,
+                                            []))[2].append(i)
     if not cands:
         return []
-    keys = list(cands)
-    bit = {ref: 1 << k for k, ref in enumerate({_ref(v).node for v, _ in keys})}
+    bit = {ref: 1 << k for k, ref in enumerate({Ref.parse(v).node for v, _ in cands})}
     # below[n]: the candidates' value nodes reachable from node n (n included)
     users = graph.users
     below: dict[str, int] = {}
@@ -646,21 +654,15 @@ def reduction_buckets(graph: Graph, mesh: Mesh, redistributions: Sequence[Redist
         below[node.name] = m
     end = len(graph.nodes)
     info = []
-    for value, dst in keys:
-        idx = cands[(value, dst)]
-        node = _ref(value).node
+    for (value, _), (key, nbytes, idx) in cands.items():
+        node = Ref.parse(value).node
         readers = [redistributions[i].consumer for i in idx]
         after = 0
         for c in readers:
             after |= below.get(c, 0)
         inside = bool(after & ~bit[node])        # another candidate depends on this one
         first = min((pos[c] for c in readers if c in pos), default=end) if inside else end
-        r = redistributions[idx[0]]
-        _, axis, nbytes = r.collectives[0]
-        a = mesh.names.index(axis)
-        meta = graph.meta(_ref(value))
-        info.append((pos[node], idx, (axis, r.src[a].op.value, meta.dtype), nbytes * r.count,
-                     not inside, first))
+        info.append((pos[node], idx, key, nbytes, not inside, first))
     info.sort(key=lambda t: (t[0], t[1][0]))
     opened: dict[tuple, dict] = {}
     out: list[dict] = []
@@ -682,12 +684,6 @@ def reduction_buckets(graph: Graph, mesh: Mesh, redistributions: Sequence[Redist
             for k, b in enumerate(out)]
 
 
-def _ref(label: str) -> Ref:
-    """``"node"`` or ``"node[i]"`` (a Redistribution's value) as a Ref."""
-    name, _, rest = label.partition("[")
-    return Ref(name, int(rest.rstrip("]")) if rest else 0)
-
-
 def comm_time(mesh: Mesh, graph: Graph, redistributions: Sequence[Redistribution],
               bucket_bytes: int | None) -> float:
     """Seconds of communication a step's ``redistributions`` cost as the lowering runs them:
@@ -697,12 +693,8 @@ def comm_time(mesh: Mesh, graph: Graph, redistributions: Sequence[Redistribution
     ``bucket_time`` prices a data-parallel step."""
     buckets = reduction_buckets(graph, mesh, redistributions, bucket_bytes)
     merged = {i for b in buckets for i in b.members}
-    total = float(sum(r.time_s * r.count for i, r in enumerate(redistributions) if i not in merged))
-    for b in buckets:
-        a = mesh.names.index(b.axis)
-        total += bucket_call_time(b.nbytes, mesh.sizes[a], mesh.link(a),
-                                  mesh.topology.comm_overlap if b.overlaps else 0.0)
-    return total
+    return float(sum(r.time_s * r.count for i, r in enumerate(redistributions)
+                     if i not in merged) + sum(b.time_s(mesh) for b in buckets))
 
 
 def plan_bucket_bytes(mesh: Mesh, redistributions: Sequence[Redistribution]) -> int | None:

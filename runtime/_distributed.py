@@ -32,8 +32,8 @@ from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, STATE_ROLES, Role
-from ..planner import Mesh, Plan, check_recompute, plan_graph
-from ..planner._pipeline import PP_AXIS, refuse_pp
+from ..planner import Plan, check_recompute, plan_graph
+from ..planner._pipeline import refuse_pp
 from ..planner._summary import format_bytes
 from ..telemetry import Level, TelemetryConfig
 from ._checks import check_indices
@@ -121,8 +121,7 @@ class DistributedStep:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
-        if self.mesh.get(PP_AXIS, 1) > 1:       # planned, not yet run: say so before tracing
-            refuse_pp(Mesh(self.mesh), "distribute")
+        refuse_pp(self.mesh, "distribute")       # planned, not yet run: say so before tracing
         self.topology = topology or (gpu_topology() if self.device == "cuda" else "cpu")
         self.strategy = strategy
         check_precision(precision)

@@ -355,16 +355,13 @@ def test_the_planner_prices_the_buckets_the_lowering_makes(axes, strategy) -> No
     plan = plan_graph(traced.graph, axes, topology="cpu", strategy=strategy)
     rs = plan.redistributions
 
-    def label(ref):
-        return ref.node + (f"[{ref.index}]" if ref.index else "")
-
     for cap in (plan.bucket_bytes, 256 << 10):
         planned = [sorted({rs[k].value for k in b.members})
                    for b in reduction_buckets(plan.graph, plan.mesh, rs, cap)]
         ins = lower(plan, 0, bucket_bytes=cap).instructions
-        lowered = [sorted({label(m.ref) for m in i.members}) for i in ins
+        lowered = [sorted({m.ref.label for m in i.members}) for i in ins
                    if isinstance(i, Bucket)]
-        alone = {label(i.ref) for i in ins if isinstance(i, Reshard) and len(i.steps) == 1
+        alone = {i.ref.label for i in ins if isinstance(i, Reshard) and len(i.steps) == 1
                  and i.steps[0].kind == "all_reduce"}
         assert all(b in planned for b in lowered)
         # a one-member bucket read before any other op runs stays a plain all-reduce: one
