@@ -454,6 +454,15 @@ class ControllerChannel(_Endpoint):
         self._auth: Any = None
         self._gate: Gate | None = None
         self.last_beat: dict[int, float] = {}    # rank -> monotonic time of its last heartbeat
+        # rank -> monotonic time the connection its newest message came on ended (it exited,
+        # or closed its socket); a message from the rank, or ``forget``, clears it. Which rank
+        # ended first, when a job ends every rank; on one host (``sees_drops``) also a rank
+        # that lives on without its connection.
+        self.ended: dict[int, float] = {}
+        self.sees_drops = False
+        self._monitor: zmq.Socket | None = None
+        self._rank_fd: dict[int, int] = {}      # rank -> the connection its newest message came on
+        self._fd_rank: dict[int, int] = {}      # and back (read by the Gate's thread too)
         if transport == "ipc":
             try:
                 self._socket.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
@@ -463,6 +472,13 @@ class ControllerChannel(_Endpoint):
                 self._dir = tempfile.mkdtemp(prefix="meshplan-ctl-")
                 self.address = f"ipc://{self._dir}/control"
             self._socket.bind(self.address)
+            # each message's socket (SRCFD) names the connection a rank is on, and this
+            # monitor reports the connection's end. Its event is queued before the descriptor
+            # closes, and ``recv`` reads the events before every message, so a later
+            # connection that reuses the descriptor is never taken for the ended one: a rank
+            # that closes its connection while it lives is seen at once.
+            self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self.sees_drops = True
         else:
             from zmq.auth.thread import ThreadAuthenticator
 
@@ -473,7 +489,10 @@ class ControllerChannel(_Endpoint):
             self._socket.setsockopt(zmq.CURVE_SERVER, 1)
             self._socket.setsockopt(zmq.CURVE_SECRETKEY, private)
             self._socket.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
-            self._gate = Gate(self._socket, run_id, grace_s=HANDSHAKE_S + 1.0)
+            # the Gate's thread owns the socket's one monitor: it passes connection ends on
+            # (in its own time, so only for the order in which ranks ended)
+            self._gate = Gate(self._socket, run_id, grace_s=HANDSHAKE_S + 1.0,
+                              on_end=self._connection_ended)
             port = self._socket.bind_to_random_port(f"tcp://{host}")
             self.address = f"tcp://{host}:{port}"
 
@@ -493,10 +512,12 @@ class ControllerChannel(_Endpoint):
         self._check_open()
         deadline = self._deadline(timeout_s)
         while True:
+            self.poll_connections()
             if not self._poll(self._socket, deadline):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no message from any worker within {timeout_s} s")
                 continue
+            self.poll_connections()      # an end queued before this message's connection began
             ident, *frames = self._socket.recv_multipart(copy=False)
             # an identity without the run's tag fails the sender check in _accept
             got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
@@ -505,11 +526,50 @@ class ControllerChannel(_Endpoint):
                     self.last_beat[_BEAT_BASE - got[0]] = time.monotonic()
                 continue
             if got is not None:
+                self._on(got[0], ident.get(zmq.SRCFD))
                 return got
+
+    def _on(self, rank: int, fd: int) -> None:
+        """``rank``'s newest message came on connection ``fd``."""
+        old = self._rank_fd.get(rank)
+        if old != fd:
+            if old is not None:
+                self._fd_rank.pop(old, None)
+            self._rank_fd[rank] = fd
+            self._fd_rank[fd] = rank
+        self.ended.pop(rank, None)
+
+    def _connection_ended(self, fd: int) -> None:
+        rank = self._fd_rank.pop(fd, None)
+        if rank is not None and self._rank_fd.get(rank) == fd:
+            del self._rank_fd[rank]
+            self.ended[rank] = time.monotonic()
+
+    def poll_connections(self) -> None:
+        """Read the connection ends the monitor reported (one host; over TCP the Gate's
+        thread passes them on by itself)."""
+        if self._monitor is None or self._closed:
+            return
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            self._connection_ended(int(recv_monitor_message(self._monitor)["value"]))
+
+    def forget(self, rank: int) -> None:
+        """``rank``'s process is being replaced (killed, or started again): the end of its
+        old connection is not news, and its new process has not connected yet."""
+        self.poll_connections()
+        fd = self._rank_fd.pop(rank, None)
+        if fd is not None:
+            self._fd_rank.pop(fd, None)
+        self.ended.pop(rank, None)
 
     def close(self) -> None:
         if self._gate is not None:
             self._gate.stop()
+        if self._monitor is not None and not self._closed:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
         if self._auth is not None and not self._closed:
             self._auth.stop()
         self._close(self._socket, 0)

@@ -1038,15 +1038,15 @@ class DistributedStep:
 
     def _replace(self, failure: WorkerFailure) -> tuple[list[list[int]] | None, list[int]]:
         """Start only the failed ranks again while the others stay up: kill the failed ones
-        (exited, or stopped), wait until every survivor has finished what it was doing (a
+        (exited, stopped, or alive without their control connection), wait until every survivor has finished what it was doing (a
         survivor waiting on a dead peer in a collective gives up by itself: the shared-memory
         groups see the peer die, gloo its sockets close), start the replacements, set them up
         from their predecessors' snapshots, and build a new communicator on every rank.
         Returns the snapshot steps every rank holds and the new ranks, or ``(None, [])`` when
         this cannot be done (the caller starts every rank again)."""
         workers = self._workers
-        if workers is None or workers.closed or failure.reason not in ("exit", "stopped") \
-                or not workers.can_respawn:
+        if workers is None or workers.closed or not workers.can_respawn \
+                or failure.reason not in ("exit", "stopped", "dropped"):
             return None, []
         ft = self._ft
         assert ft is not None

@@ -20,6 +20,7 @@ import socket as _socket
 import threading
 import time
 from collections import Counter
+from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -35,10 +36,12 @@ _TICK_S = 0.25
 
 class Gate:
     """Run a thread that bounds ``socket``'s unauthenticated TCP connections; ``stop()`` it
-    before the socket's context is terminated."""
+    before the socket's context is terminated. ``on_end(fd)`` is called (from that thread) as
+    each connection ends: the socket's one monitor is the Gate's."""
 
     def __init__(self, socket: zmq.Socket, run_id: str, grace_s: float,
-                 per_peer: int | None = None, total: int | None = None) -> None:
+                 per_peer: int | None = None, total: int | None = None,
+                 on_end: Callable[[int], None] | None = None) -> None:
         per_peer = PER_PEER if per_peer is None else per_peer
         total = TOTAL if total is None else total
         if per_peer < 1 or total < per_peer:
@@ -47,6 +50,7 @@ class Gate:
         self.refused = 0
         self._throttle = Throttle(_LOG_FIRST, _LOG_EVERY_S)
         self._young: dict[int, tuple[str, float]] = {}    # fd -> (peer address, accepted at)
+        self._on_end = on_end           # told of each connection's end (its descriptor)
         self._monitor = socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._socket = socket
         self._stop = threading.Event()
@@ -74,6 +78,8 @@ class Gate:
                         else:
                             fresh.pop(fd, None)
                             self._young.pop(fd, None)
+                            if self._on_end is not None:
+                                self._on_end(fd)
                 now = time.monotonic()
                 self._young = {fd: v for fd, v in self._young.items() if now - v[1] < self.grace_s}
                 for fd in fresh:

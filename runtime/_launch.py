@@ -10,6 +10,7 @@ raises :class:`WorkerFailure`; nothing is left running, even when the controller
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import signal
@@ -44,7 +45,8 @@ class WorkerFailure(RuntimeFailure):
 
     ``reason`` is ``"error"`` (a handler raised: ``remote_type``, ``remote_traceback``, ``where``
     are set), ``"exit"`` (a process ended: ``exit_code``; negative is a signal), ``"timeout"``,
-    ``"stopped"`` (a rank stopped by SIGSTOP for ``STOPPED_S``), ``"lost"`` (ranks on another
+    ``"stopped"`` (a rank stopped by SIGSTOP for ``STOPPED_S``), ``"dropped"`` (a rank closed
+    its control connection while its process lives; on one host), ``"lost"`` (ranks on another
     host sent no heartbeat for ``$MESHPLAN_LOST_AFTER_S``: ``hosts`` names them) or
     ``"protocol"`` (an unexpected reply).
     """
@@ -334,6 +336,7 @@ class Workers:
                 if not self._is_late(rank, message):
                     self._take(rank, message, kind_expected, got)
             self._check_exits(kind_expected)
+            self._check_dropped(kind_expected, got)
             self._check_stopped(kind_expected, got)
             self._check_lost(kind_expected, got, started)
             if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
@@ -426,6 +429,7 @@ class Workers:
     def kill(self, ranks: Sequence[int]) -> None:
         """SIGKILL ``ranks`` (stopped ones too) and reap them."""
         for rank in ranks:
+            self.channel.forget(rank)
             proc = self._group.procs[rank]
             if proc.poll() is None:
                 proc.kill()
@@ -477,6 +481,7 @@ class Workers:
         if group.respawn is None:
             raise RuntimeFailure("this launcher cannot start a single rank again")
         for rank in ranks:
+            self.channel.forget(rank)
             spare, group.spare = group.spare, None
             if spare is not None and spare.poll() is None and spare.stdin is not None:
                 try:
@@ -592,9 +597,12 @@ class Workers:
         lines = [f"rank {rank}{on} {_describe_exit(code)} while the controller waited for "
                  f"{kind!r}"]
         if getattr(proc, "exit_order", 0) is None and not getattr(proc, "local", True):
-            # one job (mpiexec) ran every rank and ended: its code is the job's, and nothing
-            # here saw which rank ended first on another host
-            lines = [f"the ranks' job ended (code {code}) while the controller waited for "
+            # one job (mpiexec) ran every rank and ended: its code is the job's; no pid of
+            # another host's ranks can be watched here, but their control connections can
+            lines = [f"rank {rank}{on} ended first (its control connection closed first) and "
+                     f"the ranks' job ended the others (code {code}) while the controller "
+                     f"waited for {kind!r}"] if rank in self.channel.ended else [
+                     f"the ranks' job ended (code {code}) while the controller waited for "
                      f"{kind!r}: a rank ended and the job ended the others; which one ended "
                      f"first is not known here (ranks on other hosts); rank {rank}{on} is "
                      "named for it"]
@@ -611,11 +619,15 @@ class Workers:
                                  exit_code=code, hosts=[host] if host else []))
 
     def _first_exited(self, ranks: Sequence[int]) -> int:
-        """The cause among exited ``ranks``: the first to end where the launcher knows the
-        order (mpiexec and srun end every rank once one dies), else the lowest."""
-        def order(r: int) -> tuple[bool, int, int]:
+        """The cause among exited ``ranks`` (mpiexec and srun end every rank once one dies):
+        the first whose control connection ended, else the first to end where the launcher
+        knows the order, else the lowest."""
+        self.channel.poll_connections()
+        ended = self.channel.ended
+
+        def order(r: int) -> tuple[float, bool, int, int]:
             seen = getattr(self._group.procs[r], "exit_order", None)
-            return seen is None, seen or 0, r
+            return ended.get(r, math.inf), seen is None, seen or 0, r
 
         return min(ranks, key=order)
 
@@ -674,6 +686,28 @@ class Workers:
             f"one\n  all {self.n} workers were stopped (ranks on a host the controller cannot "
             f"reach stop by themselves once they lose it, after ${P.ENV_LOST_AFTER} = "
             f"{limit:g} s)", reason="lost", ranks=lost, kind=kind, hosts=list(hosts)))
+
+    def _check_dropped(self, kind: str, got: dict[int, Message]) -> None:
+        """Fail at once, naming it, when an awaited rank's control connection has closed while
+        its process lives (``channel.ended``, where the channel ``sees_drops``: on one host):
+        it can neither be told what to do nor answer, and would otherwise be caught by the
+        step's deadline, with every rank blamed. A rank whose process ended is left to
+        ``_check_exits`` (its exit says more)."""
+        ended = self.channel.ended
+        if not ended or not self.channel.sees_drops:
+            return
+        now = time.monotonic()
+        for rank, since in sorted(ended.items()):
+            if rank in got or not 0 <= rank < self.n or now - since < _DEATH_GRACE_S:
+                continue
+            proc = self._group.procs[rank]
+            if proc.poll() is not None:
+                continue
+            self._fail(WorkerFailure(
+                f"rank {rank} closed its control connection to the controller while its "
+                f"process lives ({self._state(rank)}, pid {proc.pid}), while the controller "
+                f"waited for its {kind!r} reply, which it can no longer send\n  all {self.n} "
+                "workers were stopped", reason="dropped", ranks=[rank], kind=kind))
 
     def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
         missing = [r for r in range(self.n) if r not in got]

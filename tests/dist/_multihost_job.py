@@ -237,7 +237,11 @@ def main() -> None:
         # DISTINCT: a rank started again (fault_tolerance=True) has a row per process
         hosts = store.sql(f"SELECT DISTINCT rank, host FROM ranks WHERE run_id = '{run}' "
                           "AND rank >= 0 ORDER BY rank").column("host").to_pylist()
+        failed = [[r["rank"], r["kind"]] for r in store.sql(
+            f"SELECT rank, kind FROM failures WHERE run_id = '{run}' AND kind <> 'snapshot' "
+            "ORDER BY time_us, rank").to_pylist()]
     print(json.dumps({"got": got, "want": want, "param_diff": diff, "hosts": hosts,
+                      "failed": failed,
                       "controller": __import__("socket").gethostname(), **extra}))
 
 

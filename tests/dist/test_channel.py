@@ -429,3 +429,33 @@ def test_lost_after_is_checked(monkeypatch) -> None:
     for bad in ("soon", "1", "-3"):
         with pytest.raises(RuntimeFailure, match="MESHPLAN_LOST_AFTER_S"):
             _channel.lost_after_s({"MESHPLAN_LOST_AFTER_S": bad})
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_the_end_of_a_ranks_connection_is_seen_in_order(transport) -> None:
+    """A rank whose newest message came on a connection that then ends is in ``ended``, in
+    the order the connections ended (which rank of a job ended first: over TCP the Gate's
+    thread passes the ends on); a message from the rank's new connection clears it, and
+    ``forget`` drops a rank being replaced. Only on one host (ipc) are ends seen in step
+    with the messages, so only there does the channel say it ``sees_drops``."""
+    secret = Secret.new()
+    with ControllerChannel(secret, RUN, transport=transport) as ctrl:
+        assert ctrl.sees_drops is (transport == "ipc")
+        workers = [WorkerChannel(ctrl.address, secret, RUN, rank=r) for r in range(3)]
+        for w in workers:
+            w.send("hello")
+        assert sorted(ctrl.recv(10)[0] for _ in workers) == [0, 1, 2]
+        for r in (2, 0):
+            workers[r].close()
+            deadline = time.monotonic() + 10
+            while r not in ctrl.ended and time.monotonic() < deadline:
+                with pytest.raises(TimeoutError):
+                    ctrl.recv(0.05)
+        assert sorted(ctrl.ended, key=ctrl.ended.get) == [2, 0]
+        again = WorkerChannel(ctrl.address, secret, RUN, rank=2)
+        again.send("hello")
+        assert ctrl.recv(10)[0] == 2 and sorted(ctrl.ended) == [0]
+        ctrl.forget(0)
+        assert ctrl.ended == {}
+        for w in (again, workers[1]):
+            w.close()

@@ -105,16 +105,27 @@ def test_a_failed_rank_restarts_the_mesh_and_the_run_is_bit_for_bit_the_same(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["hang", "drop"])
-def test_a_rank_that_hangs_past_the_step_deadline_restarts_every_rank(reference, plugin,
-                                                                      how) -> None:
-    """Alive, running, never answering (``hang``; ``drop``: its control connection closed as
-    well): after three measured steps a step may take ten times their median (at least
-    hang_s); then every rank starts again (the hung one cannot be told from a slow one, and
-    its peers wait for it)."""
-    got = _run({"dp": 2}, faults=[plugin(0, 3, "backward", how)], hang_s=1.5)
+def test_a_rank_that_hangs_past_the_step_deadline_restarts_every_rank(reference,
+                                                                      plugin) -> None:
+    """Alive, running, never answering: after three measured steps a step may take ten times
+    their median (at least hang_s); then every rank starts again (the hung one cannot be told
+    from a slow one, and its peers wait for it)."""
+    got = _run({"dp": 2}, faults=[plugin(0, 3, "backward", "hang")], hang_s=1.5)
     assert got[2] == 1
     assert got[4] == [0, 1]
+    _same(got, reference)
+    _gone(got[3])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_drops_its_control_connection_is_replaced_at_once(reference,
+                                                                      plugin) -> None:
+    """Rank 0 closes its control socket mid-backward and sleeps, alive. The controller sees
+    the connection end (not the step deadline: hang_s=300 would outlast the test's timeout),
+    replaces that rank alone, and the run is bit for bit the fault-free one."""
+    got = _run({"dp": 2}, faults=[plugin(0, 2, "backward", "drop")], hang_s=300)
+    assert got[2] == 1
+    assert got[4] == [0], "only the rank that lost its connection is started again"
     _same(got, reference)
     _gone(got[3])
 
