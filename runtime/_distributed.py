@@ -690,17 +690,23 @@ class DistributedStep:
         keeps (asked for at the first launch when the controller runs outside one)."""
         if self._ft is None:
             return SlurmLauncher(self.slurm)
-        if self._allocation is None:
-            self._allocation = SlurmLauncher(self.slurm).allocation(world)
+        if self._allocation is None:      # one that outlives a node failing (--no-kill)
+            self._allocation = SlurmLauncher(self.slurm).allocation(world, no_kill=True)
         return SlurmLauncher(self.slurm, env=self._allocation.environ())
+
+    def _slurm_nodes(self, world: int) -> list[str]:
+        """The nodes of the run's Slurm allocation that ``world`` ranks use (the first ones;
+        the others are spares)."""
+        assert self._allocation is not None and self.slurm is not None
+        return self._allocation.nodes[:slurm_nodes(self._allocation, world, self.slurm.nodes,
+                                                   say=False)]
 
     def _rank_hosts(self, world: int) -> list[str | None]:
         """The host of every rank, None for the controller's own (where the controller holds
         the snapshot files): the mpi launcher's placement (``host_slots``), or the Slurm
         allocation's nodes, consecutive ranks on one."""
         if self.launcher == "slurm" and self._allocation is not None:
-            nodes = self._allocation.nodes[:slurm_nodes(self._allocation, world,
-                                                          self.slurm.nodes, say=False)]
+            nodes = self._slurm_nodes(world)
             names = [nodes[r * len(nodes) // world] for r in range(world)]
         else:
             placement = host_slots(self.hosts, world) if self.launcher == "mpi" else None
@@ -817,14 +823,18 @@ class DistributedStep:
                     f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
                     f"failure:\n{failure}") from failure
             moving = ft.relocating if ft.held is not None else self._relocatable(failure)
-            if failure.reason == "lost" and self.launcher == "mpi" and ft.elastic is None \
-                    and parse_hosts(self.hosts) and not moving:
+            if failure.reason == "lost" and ft.elastic is None and not moving and (
+                    self.launcher == "slurm" or self.launcher == "mpi" and parse_hosts(self.hosts)):
                 self._stop_workers(lost=True)     # starting on the same hosts would wait on it
+                spares = ("slurm={'nodes': N, 'spare_nodes': K} asks for K spare nodes; inside "
+                          "an allocation, its nodes beyond nodes= are spares"
+                          if self.launcher == "slurm" else "hosts= may list more hosts, or "
+                          "slots, than the mesh needs: they are its spares")
                 raise RuntimeFailure(
-                    f"{self.__name__}: {str(failure).splitlines()[0]}; no spare host can take "
-                    "its ranks (hosts= may list more hosts, or slots, than the mesh needs: "
-                    "they are its spares) and elastic= is off (elastic=True goes on without "
-                    "them, on a smaller mesh)") from failure
+                    f"{self.__name__}: {str(failure).splitlines()[0]}; no spare "
+                    f"{'node' if self.launcher == 'slurm' else 'host'} can take its ranks "
+                    f"({spares}) and elastic= is off (elastic=True goes on without them, on a "
+                    "smaller mesh)") from failure
             ft.restarts += 1
             logger.warning("meshplan: %s: %s; %s from its in-memory snapshots (restart %d of "
                            "at most %d)", self.__name__, str(failure).splitlines()[0],
@@ -901,10 +911,18 @@ class DistributedStep:
             failed |= set(workers.failed_ranks())     # another rank that died with it
         # (mpiexec ends every rank once one dies: there the failure's ranks are the failed)
         moved: list[str] = []
-        if failure.reason == "lost" and self.launcher == "mpi":
+        if failure.reason == "lost" and self.launcher in ("mpi", "slurm"):
             found = self._lost_hosts(failure.ranks, n)
             if found is not None:      # their snapshots: the copies on the next hosts
-                gone, self.hosts, moved = found
+                gone, left, moved = found
+                if self.launcher == "mpi":
+                    self.hosts = left
+                else:                  # the same number of nodes, or as many as split
+                    assert self._allocation is not None and self.slurm is not None
+                    count = len(self._slurm_nodes(n))
+                    self._allocation.lose(moved)
+                    self.slurm = dataclasses.replace(self.slurm,
+                                                     nodes=count if relocate else None)
                 failed |= gone
                 ft.files.lose(sorted(gone))
                 logger.warning("meshplan: %s: host%s %s lost; the mesh goes on without %s",
@@ -950,10 +968,19 @@ class DistributedStep:
 
     def _lost_hosts(self, ranks: Sequence[int], world: int
                     ) -> tuple[set[int], list[str], list[str]] | None:
-        """Hosts were lost (no heartbeat from ``ranks``, under the mpi launcher): every rank on
-        them, the hosts a new mesh may use without them (``host:slots``, each with its own
-        slots, or as many as it ran; spare hosts of ``hosts=`` too), and their names; None
-        when the ranks do not run on listed hosts."""
+        """Hosts were lost (no heartbeat from ``ranks``, under the mpi or slurm launcher):
+        every rank on them, the hosts a new mesh may use without them (mpi: ``host:slots``,
+        each with its own slots, or as many as it ran, spare hosts of ``hosts=`` too; slurm:
+        the allocation's other nodes, spares too), and their names; None when the ranks do
+        not run on listed hosts."""
+        if self.launcher == "slurm":
+            if self._allocation is None:
+                return None
+            used = self._slurm_nodes(world)
+            owner = [used[r * len(used) // world] for r in range(world)]
+            lost = sorted({owner[r] for r in ranks})
+            return ({r for r, h in enumerate(owner) if h in lost},
+                    [h for h in self._allocation.nodes if h not in lost], lost)
         found = parse_hosts(self.hosts)
         placement = host_slots(self.hosts, world)
         if found is None or placement is None:
@@ -969,12 +996,14 @@ class DistributedStep:
         """Whether the mesh can start again as it is on the hosts left after a host loss
         (spare hosts in ``hosts=`` take the lost ones' ranks): then it moves instead of
         shrinking, and its results stay bit for bit the fault-free run's."""
-        if failure.reason != "lost" or self.launcher != "mpi":
+        if failure.reason != "lost" or self.launcher not in ("mpi", "slurm"):
             return False
         world = math.prod(self.plan.mesh.sizes)
         found = self._lost_hosts(failure.ranks, world)
         if found is None or not found[1]:
             return False
+        if self.launcher == "slurm":            # as many nodes left as the mesh ran on
+            return len(found[1]) >= len(self._slurm_nodes(world))
         try:
             host_slots(found[1], world)
         except RuntimeFailure:
@@ -1215,8 +1244,10 @@ class DistributedStep:
             how = (f"the mesh shrank from {before} to {after} ({self.plan.strategy} plan, "
                    f"estimated {self.plan.estimated_step_time_s * 1e3:.1f} ms per step)")
         elif ft.moved:
-            how = (f"every rank started again, those of {', '.join(ft.moved)} on spare hosts "
-                   f"(hosts now {self.hosts})")
+            now = (f"Slurm nodes now {', '.join(self._slurm_nodes(self._workers.n))}"
+                   if self.launcher == "slurm" else f"hosts now {self.hosts}")
+            how = (f"every rank started again, those of {', '.join(ft.moved)} on spare "
+                   f"{'nodes' if self.launcher == 'slurm' else 'hosts'} ({now})")
         logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: %s, every "
                        "rank went back to its snapshot after step %d and re-ran %d step%s",
                        self.__name__, took, how, restored, replayed, "s" * (replayed != 1))

@@ -71,6 +71,7 @@ __all__ = ["Allocation", "SlurmLauncher", "SlurmOptions", "slurm_nodes", "worker
 logger = logging.getLogger("meshplan.runtime")
 
 ENV_SLURM = "MESHPLAN_SLURM"              # "1": started by srun; rank from $SLURM_PROCID
+ENV_LOST = "MESHPLAN_SLURM_LOST"          # the allocation's nodes fault tolerance lost
 SLURM_FIX = ("install Slurm's client commands (Debian: apt-get install slurm-client) or run "
              "where they are on PATH")
 # salloc's command: say what was allocated, then hold it until the controller's pipe closes
@@ -103,9 +104,13 @@ class SlurmOptions:
     salloc's options of those names; ``args``: more salloc arguments; ``srun_args``: more srun
     arguments; ``overcommit``: run more ranks on a node than it has CPUs (``--overcommit``);
     ``wait_s``: how long to wait for a pending allocation (default: until it starts; Ctrl-C
-    cancels it); ``job_name``: the allocation's name in ``squeue``."""
+    cancels it); ``job_name``: the allocation's name in ``squeue``; ``spare_nodes``: nodes a
+    new allocation holds beyond ``nodes`` (which it needs), idle until a node of the ranks is
+    lost, when fault tolerance moves the mesh onto them (inside an allocation, its nodes
+    beyond ``nodes`` are the spares)."""
 
     nodes: int | None = None
+    spare_nodes: int = 0
     partition: str | None = None
     time: str | None = None
     account: str | None = None
@@ -143,13 +148,15 @@ class SlurmOptions:
         for key, v in value.items():
             if v is None:
                 continue
-            if key == "nodes":
+            if key in ("nodes", "spare_nodes"):
+                least = 1 if key == "nodes" else 0
                 try:
                     kw[key] = int(v)
                 except (TypeError, ValueError):
-                    kw[key] = 0
-                if kw[key] < 1 or isinstance(v, bool):
-                    raise RuntimeFailure(f"{where}: nodes={v!r}; give a whole number >= 1")
+                    kw[key] = -1
+                if kw[key] < least or isinstance(v, bool):
+                    raise RuntimeFailure(f"{where}: {key}={v!r}; give a whole number >= "
+                                         f"{least}")
             elif key == "wait_s":
                 try:
                     kw[key] = float(v)
@@ -163,6 +170,9 @@ class SlurmOptions:
                 kw[key] = tuple(v.split()) if isinstance(v, str) else tuple(str(a) for a in v)
             else:
                 kw[key] = str(v)
+        if kw.get("spare_nodes") and "nodes" not in kw:
+            raise RuntimeFailure(f"{where}: spare_nodes={kw['spare_nodes']} needs nodes= too "
+                                 "(the nodes the ranks run on; the spares come on top)")
         return cls(**kw)
 
     def salloc_args(self) -> list[str]:
@@ -208,10 +218,20 @@ class Allocation:
     (``request``; ``holder`` is its salloc, ``release`` gives it back)."""
 
     job_id: str
-    nodes: list[str]
+    nodes: list[str]                # the nodes the ranks may use: lost ones are taken out
     cpus: list[int]
     holder: subprocess.Popen | None = field(default=None, repr=False)
     pending_reason: str = ""        # squeue's, while a request waits
+    lost: list[str] = field(default_factory=list)
+
+    def lose(self, names: list[str]) -> None:
+        """``names`` are lost (fault tolerance: no heartbeat): no rank starts there again.
+        The job keeps them (Slurm decides when a node is down); ``environ()`` leaves them
+        out, and srun's ``--nodelist`` names only the nodes the ranks use."""
+        keep = [k for k, h in enumerate(self.nodes) if h not in names]
+        self.lost += [h for h in self.nodes if h in names]
+        self.nodes = [self.nodes[k] for k in keep]
+        self.cpus = [self.cpus[k] for k in keep]
 
     @classmethod
     def current(cls, env: Mapping[str, str] = os.environ) -> Allocation | None:
@@ -225,16 +245,21 @@ class Allocation:
                                  "sbatch)")
         nodes = expand_nodelist(nodelist)
         return cls(job, nodes, cpus_per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""),
-                                             len(nodes)))
+                                             len(nodes)),
+                   lost=[h for h in env.get(ENV_LOST, "").split(",") if h])
 
     @classmethod
-    def request(cls, options: SlurmOptions, nodes: int, per_node: int) -> Allocation:
-        """Ask for ``nodes`` nodes with ``per_node`` tasks each and wait (module docstring)."""
+    def request(cls, options: SlurmOptions, nodes: int, per_node: int,
+                no_kill: bool = False) -> Allocation:
+        """Ask for ``nodes`` nodes with ``per_node`` tasks each and wait (module docstring).
+        ``no_kill``: the allocation outlives a node failing (``--no-kill``: fault tolerance
+        goes on on the other nodes; without it Slurm ends the job once it calls the node
+        down)."""
         salloc = find_command("salloc")
         find_command("srun")
         cmd = [salloc, f"--nodes={nodes}", f"--ntasks-per-node={per_node}",
-               f"--job-name={options.job_name}", *options.salloc_args(),
-               "/bin/sh", "-c", _HOLD]
+               f"--job-name={options.job_name}", *(["--no-kill"] if no_kill else []),
+               *options.salloc_args(), "/bin/sh", "-c", _HOLD]
         try:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -283,7 +308,8 @@ class Allocation:
         """``base`` with this allocation as the one we run in (``current``): a launcher given
         it uses these nodes and leaves the allocation to whoever holds it."""
         return {**base, "SLURM_JOB_ID": self.job_id, "SLURM_JOB_NODELIST": ",".join(self.nodes),
-                "SLURM_JOB_CPUS_PER_NODE": ",".join(map(str, self.cpus))}
+                "SLURM_JOB_CPUS_PER_NODE": ",".join(map(str, self.cpus)),
+                ENV_LOST: ",".join(self.lost)}
 
     def release(self, grace_s: float = 10.0) -> None:
         """Give back an allocation we asked for (nothing for one we run in). Idempotent."""
@@ -494,16 +520,18 @@ class SlurmLauncher(LocalLauncher):
         self.options = SlurmOptions.parse(options)
         self.env = os.environ if env is None else env
 
-    def allocation(self, n: int) -> Allocation:
-        """The allocation ``n`` ranks would run in: the one we run in, or a new one, which the
-        caller gives back (``release``) once done with it; launchers given its ``environ()``
-        run in it as in their own (``distribute(fault_tolerance=True)`` keeps one for the run,
-        so that restarted ranks find their nodes and snapshots again)."""
+    def allocation(self, n: int, no_kill: bool = False) -> Allocation:
+        """The allocation ``n`` ranks would run in: the one we run in, or a new one (with
+        ``spare_nodes`` more nodes; ``no_kill``: ``Allocation.request``), which the caller
+        gives back (``release``) once done with it; launchers given its ``environ()`` run in
+        it as in their own (``distribute(fault_tolerance=True)`` keeps one for the run, so
+        that restarted ranks find their nodes and snapshots again)."""
         alloc = Allocation.current(self.env)
         if alloc is not None:
             return alloc
         nodes = self.options.nodes or 1
-        return Allocation.request(self.options, nodes, _per_node(n, nodes, _NODES))
+        return Allocation.request(self.options, nodes + self.options.spare_nodes,
+                                  _per_node(n, nodes, _NODES), no_kill)
 
     def launch(self, n: int, *, env: Mapping[str, str] | None = None,
                cwd: str | os.PathLike | None = None) -> Workers:
@@ -549,13 +577,19 @@ class SlurmLauncher(LocalLauncher):
             if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in (env or {}):
                 cpus = min(alloc.cpus[:nodes]) or os.cpu_count() or 1
                 base["OMP_NUM_THREADS"] = str(max(1, cpus // per))
-            cmd = [srun, f"--jobid={alloc.job_id}", f"--nodes={nodes}", f"--ntasks={n}",
+            # the nodes by name: the allocation may hold spares, and lost nodes Slurm has
+            # not called down yet (``Allocation.lose``)
+            named = any(a.startswith(("--nodelist", "-w")) for a in self.options.srun_args)
+            cmd = [srun, f"--jobid={alloc.job_id}", f"--nodes={nodes}",
+                   *([] if named else [f"--nodelist={','.join(used)}"]), f"--ntasks={n}",
                    f"--ntasks-per-node={per}", "--distribution=block", "--kill-on-bad-exit=1",
                    "--input=all", "--mpi=none", f"--job-name={self.options.job_name}",
                    *(["--overcommit"] if self.options.overcommit else []),
                    # the controller itself runs in a step (`srun python train.py`): its CPUs
-                   # are that step's, and a new step would wait for them for ever
-                   *(["--overlap"] if "SLURM_STEP_ID" in self.env else []),
+                   # are that step's, and a new step would wait for them for ever; so it
+                   # would for the CPUs of the steps that ran on a lost node, which Slurm
+                   # counts as completing until it hears from the node again
+                   *(["--overlap"] if "SLURM_STEP_ID" in self.env or alloc.lost else []),
                    *self.options.srun_args]
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)

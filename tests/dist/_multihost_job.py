@@ -57,9 +57,10 @@ def cut(result: str, launcher: str = "mpi") -> None:
         json.dump(out, f)
 
 
-def lose(result: str) -> None:
+def lose(result: str, launcher: str = "mpi") -> None:
     """``fault_tolerance=True, elastic=True`` on dp4 FSDP over three hosts of 2 slots
-    (``hosts=h0:2,h1:2,h2:2``: h2 is a spare). ``cut-now`` on stdout before step 2 and again
+    (``hosts=h0:2,h1:2,h2:2``: h2 is a spare; under slurm, ``slurm={"nodes": 2,
+    "spare_nodes": 1}``: a third node of the allocation is). ``cut-now`` on stdout before step 2 and again
     before step 4; after a line on stdin each time (the test has cut h1's link, then h2's),
     the run goes on: six steps. Next to it, the same run on h0 and h1 without a fault (four
     steps, and its state after them) and one process (six steps). As JSON in ``result``: the
@@ -69,12 +70,12 @@ def lose(result: str) -> None:
     import os
     import socket
 
-    names = os.environ["MESHPLAN_HOSTS"].split(",")
+    names = os.environ.get("MESHPLAN_HOSTS", "").split(",")
 
     def run(steps: int, cuts: tuple[int, ...] = (), **more):
         ex = gpt.build(optimizer="adamw", clip=1.0)
-        step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", strategy="fsdp",
-                                   telemetry=False, timeout_s=120, **more)
+        step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher=launcher,
+                                   strategy="fsdp", telemetry=False, timeout_s=120, **more)
         losses, sd, after = [], None, []
         with step:
             for i in range(steps):
@@ -90,9 +91,14 @@ def lose(result: str) -> None:
             step.sync()                    # the live model holds the mesh's state
         return ex, losses, sd, after
 
-    _, want, want_sd, _ = run(4, hosts=[f"{h}:2" for h in names[:2]])
-    ex, got, sd, after = run(6, (2, 4), hosts=[f"{h}:2" for h in names],
-                             fault_tolerance=True, elastic=True)
+    if launcher == "slurm":
+        _, want, want_sd, _ = run(4, slurm={"nodes": 2})
+        ex, got, sd, after = run(6, (2, 4), slurm={"nodes": 2, "spare_nodes": 1},
+                                 fault_tolerance=True, elastic=True)
+    else:
+        _, want, want_sd, _ = run(4, hosts=[f"{h}:2" for h in names[:2]])
+        ex, got, sd, after = run(6, (2, 4), hosts=[f"{h}:2" for h in names],
+                                 fault_tolerance=True, elastic=True)
     ref = gpt.build(optimizer="adamw", clip=1.0)
     one = [float(ref.step(*ref.batch(i)).detach()) for i in range(6)]
     equal = all(torch.equal(a, b) for a, b in zip(got[:4], want)) and all(
@@ -199,7 +205,7 @@ def main() -> None:
     if sys.argv[1] == "unreachable":
         return unreachable(sys.argv[2])
     if sys.argv[1] == "lose":
-        return lose(sys.argv[2])
+        return lose(*sys.argv[2:4])
     if sys.argv[1] == "die":
         return die(sys.argv[2])
     if sys.argv[1] == "hold":

@@ -324,16 +324,21 @@ def test_lost_hosts_move_to_a_spare_then_the_mesh_shrinks() -> None:
       lost, repeated, or restored from another step's state is off by far more).
 
     Nothing is left running on h0 after."""
+    _lose_two_hosts("mpi")
+
+
+def _lose_two_hosts(launcher: str) -> None:
     import json
 
-    b = Sandbox.up(3, _name("p"), owner=os.getpid())
+    b = Sandbox.up(3, _name("p" if launcher == "mpi" else "q"), owner=os.getpid(),
+                   **({"slurm": True, "cpus": 2} if launcher == "slurm" else {}))
     work = tempfile.mkdtemp(prefix="meshplan-lose-", dir="/var/tmp")
     try:
         h0, h1, h2 = b.hosts
         result = os.path.join(work, "result.json")
         job = Path(__file__).with_name("_multihost_job.py")
         proc = subprocess.Popen(b.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
-                                        str(job), "lose", result]),
+                                        str(job), "lose", result, launcher]),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             for host in (h1, h2):
@@ -361,10 +366,13 @@ def test_lost_hosts_move_to_a_spare_then_the_mesh_shrinks() -> None:
                           "hosts": [h0.name, h0.name]}, r
         assert r["got"] == pytest.approx(r["one"], rel=1e-5)
         assert r["param_diff"] < 3e-5
-        deadline = time.monotonic() + 10      # the run is over: no rank, keeper or proxy left
-        while _in_netns(h0.pid) and time.monotonic() < deadline:
+        def left() -> list[str]:       # the run is over: no rank, keeper or proxy left
+            return [c for c in _in_netns(h0.pid) if not c.startswith("slurm")]  # but slurmd
+
+        deadline = time.monotonic() + 10
+        while left() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _in_netns(h0.pid) == []
+        assert left() == []
     finally:
         shutil.rmtree(work, ignore_errors=True)
         b.down()
@@ -491,6 +499,17 @@ def cluster():
         yield b
     finally:
         b.down()
+
+
+@needs_namespaces
+@needs_slurm
+@pytest.mark.timeout(300)
+def test_lost_slurm_nodes_move_to_a_spare_then_the_mesh_shrinks() -> None:
+    """As under mpi (``test_lost_hosts_move_to_a_spare...``), with ``slurm={"nodes": 2, "spare_nodes": 1}``: the launcher asks
+    Slurm for three nodes (``--no-kill``: the job outlives a node failing), srun names the
+    two the ranks use, and a lost node is taken out of the ones srun may use; the third node
+    takes its ranks, then the mesh shrinks onto the one node left."""
+    _lose_two_hosts("slurm")
 
 
 def _job(b: Sandbox, *args: str, timeout: float = 150, salloc: list[str] | None = None,

@@ -37,6 +37,8 @@ def test_options_from_a_dict_or_the_cli_string() -> None:
     ({"nodes": 0}, "nodes=0; give a whole number >= 1"),
     ({"nodes": "two"}, "nodes='two'"),
     ({"wait_s": -1}, "wait_s=-1; give seconds > 0"),
+    ({"nodes": 2, "spare_nodes": -1}, "spare_nodes=-1; give a whole number >= 0"),
+    ({"spare_nodes": 1}, "spare_nodes=1 needs nodes= too"),
     ("nodes", "'nodes' is not key=value"),
     (3, "pass a dict"),
 ])
@@ -70,6 +72,21 @@ def test_nodes_used_and_whether_the_ranks_fit() -> None:
     with pytest.raises(RuntimeFailure, match="too small .*n3 has 4.*'overcommit': True"):
         _check_fits(alloc, 4, 8, overcommit=False)
     _check_fits(alloc, 4, 8, overcommit=True)
+
+
+def test_a_lost_node_is_out_of_the_allocation_for_every_later_launch(monkeypatch) -> None:
+    """Fault tolerance takes a lost node out (``lose``): the nodes and CPUs left, and the
+    environment later launchers read the allocation from says so too (they name their nodes
+    to srun and share CPUs with the steps Slurm still counts on the lost node)."""
+    monkeypatch.setattr("meshplan.runtime._slurm_launch.expand_nodelist",
+                        lambda text: text.split(","))
+    alloc = Allocation("7", ["n0", "n1", "n2"], [8, 4, 2])
+    alloc.lose(["n1"])
+    assert (alloc.nodes, alloc.cpus, alloc.lost) == (["n0", "n2"], [8, 2], ["n1"])
+    again = Allocation.current(alloc.environ({}))
+    assert (again.nodes, again.cpus, again.lost) == (["n0", "n2"], [8, 2], ["n1"])
+    assert slurm_nodes(again, 4, 2) == 2
+    assert Allocation.current(Allocation("7", ["n0"], [8]).environ({})).lost == []
 
 
 def test_distribute_options_belong_to_their_launcher() -> None:
