@@ -701,8 +701,9 @@ class Workers:
             if rank in got or not 0 <= rank < self.n or now - since < _DEATH_GRACE_S:
                 continue
             proc = self._group.procs[rank]
-            if proc.poll() is not None:
-                continue
+            if proc.poll() is not None or (getattr(proc, "local", True) and proc.pid
+                                           and _proc_state(proc.pid) in (None, "Z", "X")):
+                continue            # it ended: the launcher will say so (mpiexec: soon)
             self._fail(WorkerFailure(
                 f"rank {rank} closed its control connection to the controller while its "
                 f"process lives ({self._state(rank)}, pid {proc.pid}), while the controller "

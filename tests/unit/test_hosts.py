@@ -86,7 +86,8 @@ def test_a_lost_host_leaves_the_others_and_the_spares() -> None:
     from meshplan.runtime._distributed import DistributedStep
 
     def lost(hosts, ranks, world):
-        return DistributedStep._lost_hosts(SimpleNamespace(hosts=hosts), ranks, world)
+        return DistributedStep._lost_hosts(SimpleNamespace(hosts=hosts, launcher="mpi"), ranks,
+                                          world)
 
     assert lost("a:2,b:2,c:2", [2], 4) == ({2, 3}, ["a:2", "c:2"], ["b"])
     assert host_slots(["a:2", "c:2"], 4, env={}) == [("a", 2), ("c", 2)]   # c takes b's ranks
