@@ -540,9 +540,11 @@ class ControllerChannel(_Endpoint):
         self.ended.pop(rank, None)
 
     def _connection_ended(self, fd: int) -> None:
+        """Connection ``fd`` ended (over TCP, told from the Gate's thread: only single dict
+        operations here, which may interleave with ``_on`` and ``forget``)."""
         rank = self._fd_rank.pop(fd, None)
         if rank is not None and self._rank_fd.get(rank) == fd:
-            del self._rank_fd[rank]
+            self._rank_fd.pop(rank, None)
             self.ended[rank] = time.monotonic()
 
     def poll_connections(self) -> None:

@@ -701,13 +701,17 @@ class DistributedStep:
         return self._allocation.nodes[:slurm_nodes(self._allocation, world, self.slurm.nodes,
                                                    say=False)]
 
+    def _slurm_owners(self, world: int) -> list[str]:
+        """Every rank's node (``_slurm_nodes``, consecutive ranks on one)."""
+        nodes = self._slurm_nodes(world)
+        return [nodes[r * len(nodes) // world] for r in range(world)]
+
     def _rank_hosts(self, world: int) -> list[str | None]:
         """The host of every rank, None for the controller's own (where the controller holds
         the snapshot files): the mpi launcher's placement (``host_slots``), or the Slurm
         allocation's nodes, consecutive ranks on one."""
         if self.launcher == "slurm" and self._allocation is not None:
-            nodes = self._slurm_nodes(world)
-            names = [nodes[r * len(nodes) // world] for r in range(world)]
+            names = self._slurm_owners(world)
         else:
             placement = host_slots(self.hosts, world) if self.launcher == "mpi" else None
             if placement is None:
@@ -976,8 +980,7 @@ class DistributedStep:
         if self.launcher == "slurm":
             if self._allocation is None:
                 return None
-            used = self._slurm_nodes(world)
-            owner = [used[r * len(used) // world] for r in range(world)]
+            owner = self._slurm_owners(world)
             lost = sorted({owner[r] for r in ranks})
             return ({r for r, h in enumerate(owner) if h in lost},
                     [h for h in self._allocation.nodes if h not in lost], lost)
@@ -1067,9 +1070,10 @@ class DistributedStep:
 
     def _replace(self, failure: WorkerFailure) -> tuple[list[list[int]] | None, list[int]]:
         """Start only the failed ranks again while the others stay up: kill the failed ones
-        (exited, stopped, or alive without their control connection), wait until every survivor has finished what it was doing (a
-        survivor waiting on a dead peer in a collective gives up by itself: the shared-memory
-        groups see the peer die, gloo its sockets close), start the replacements, set them up
+        (exited, stopped, or alive without their control connection), wait until every
+        survivor has finished what it was doing (a survivor waiting on a dead peer in a
+        collective gives up by itself: the shared-memory groups see the peer die, gloo its
+        sockets close), start the replacements, set them up
         from their predecessors' snapshots, and build a new communicator on every rank.
         Returns the snapshot steps every rank holds and the new ranks, or ``(None, [])`` when
         this cannot be done (the caller starts every rank again)."""

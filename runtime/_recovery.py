@@ -40,8 +40,8 @@ from .._errors import RuntimeFailure
 __all__ = ["RECOVERABLE", "Recovery", "Remembered", "smaller_meshes"]
 
 # WorkerFailure reasons a restart can cure: a process that ended, stopped, went silent, lost
-# its control connection or broke the protocol. "error" (a handler raised: the user's code, an index out of range) would raise
-# again on the replay, and is raised to the caller as it is.
+# its control connection or broke the protocol. "error" (a handler raised: the user's code, an
+# index out of range) would raise again on the replay, and is raised to the caller as it is.
 RECOVERABLE = ("exit", "stopped", "dropped", "lost", "timeout", "protocol")
 
 _DEADLINE_STEPS = 3       # measured steps before the step deadline follows the step time
