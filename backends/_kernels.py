@@ -400,14 +400,15 @@ def _is_callers(value: Any, original: Any) -> bool:
 
 
 def kernels_report(plan: Any, device: str | None = None, rank: int = 0) -> dict[str, Any]:
-    """Which kernels rank ``rank``'s program uses on ``device`` (default: ``cpu`` for the
-    ``cpu`` topology, else ``cuda``), whether or not this process has that device:
+    """Which kernels rank ``rank``'s program uses on ``device`` (default: the topology's,
+    ``cpu`` for the ``cpu`` preset and machines fitted on CPUs, else ``cuda``), whether or not
+    this process has that device:
     ``{"device", "rank", "enabled", "kernels": [{"kernel", "backend", "calls", "updates",
     "replaced_nodes", "doc"}]}`` (``updates``: matches, e.g. parameters an optimizer kernel
     updates)."""
     from ._lower import lower
 
-    device = device or ("cpu" if plan.mesh.topology.name == "cpu" else "cuda")
+    device = device or plan.mesh.topology.device
     prog = lower(plan, rank, device=device, check_available=False)
     rows = []
     for kernel, calls, updates, replaced in kernel_summary(prog.instructions):

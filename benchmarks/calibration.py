@@ -1,13 +1,13 @@
 """The cost model against measured steps, before and after one calibration run (issue 20, point 6).
 
     python benchmarks/calibration.py [--ranks 2 4] [--steps 8] [--calibrate-with dp]
-                                     [--only dp,fsdp,megatron_tp,auto]
+                                     [--only dp,fsdp,megatron_tp,auto] [--save DIR]
 
 The benchmark GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on N local CPU processes:
 
 1. One calibration run: ``distribute(step, mesh={"dp": N}, strategy=<--calibrate-with>,
-   calibrate=True)`` times every op of its first five mesh steps, fits the machine
+   calibrate=True)`` times every op of its first eight mesh steps, fits the machine
    (``planner/_calibrate.py``: ``from_telemetry``: compute rates, per-op factors, the links
    per collective kind from blocking probes on the mesh, the step overhead) and re-plans; the
    fitted topology is kept.
@@ -57,10 +57,10 @@ def _batches(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def calibrate(n: int, strategy: str, db: Path) -> tuple[meshplan.planner.Topology, float]:
-    """The fitted machine from a ``calibrate=True`` (5 steps) run; and the seconds the
+    """The fitted machine from a ``calibrate=True`` (8 steps) run; and the seconds the
     calibration took (its mesh steps after the first, the probes, the fit and the re-plan)."""
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
-    batches = _batches(5)
+    batches = _batches(8)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",
                                telemetry=TelemetryConfig(db=db), calibrate=True,
                                fault_tolerance=False)     # the model prices the bare step
@@ -87,7 +87,8 @@ def calibrate(n: int, strategy: str, db: Path) -> tuple[meshplan.planner.Topolog
     return fit.topology, took
 
 
-def measure(strategy: str, n: int, topo: object, steps: int, db: Path) -> dict[str, float]:
+def measure(strategy: str, n: int, topo: object, steps: int, db: Path,
+            save: Path | None = None) -> dict[str, float]:
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
     batches = _batches(steps + 1)
     x, y = batches[0]
@@ -95,6 +96,9 @@ def measure(strategy: str, n: int, topo: object, steps: int, db: Path) -> dict[s
                               topology="cpu")
     after = meshplan.compile(ex.step, x, y, mesh=_mesh(strategy, n), strategy=strategy,
                              topology=topo)
+    if save is not None:                # the plan measured, to look into a row afterwards
+        save.mkdir(parents=True, exist_ok=True)
+        after.save(str(save / f"{strategy}{n}.plan.json"))
     # level ops on every 4th step: those steps also count the tensor memory the program holds
     step = meshplan.distribute(ex.step, mesh=_mesh(strategy, n), plan=after,
                                telemetry=TelemetryConfig(db=db, level="ops", ops_every=4),
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed mesh steps per plan")
     ap.add_argument("--calibrate-with", default="dp", help="the calibration run's strategy")
     ap.add_argument("--only", default=",".join(STRATEGIES))
+    ap.add_argument("--save", type=Path, default=None,
+                    help="write each fitted topology and measured plan (JSON) into this folder")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     strategies = [s for s in args.only.split(",") if s]
@@ -134,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.ranks:
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
             topo, took = calibrate(n, args.calibrate_with, Path(tmp) / f"cal{n}.duckdb")
-            rows = {s: measure(s, n, topo, args.steps, Path(tmp) / f"{s}{n}.duckdb")
+            if args.save is not None:
+                args.save.mkdir(parents=True, exist_ok=True)
+                topo.save(str(args.save / f"topology{n}.json"))
+            rows = {s: measure(s, n, topo, args.steps, Path(tmp) / f"{s}{n}.duckdb", args.save)
                     for s in strategies}
             print(f"\n{n} ranks (calibrated on {args.calibrate_with}; the calibration's steps, "
                   f"fit and re-plan took {took:.1f} s)")

@@ -33,6 +33,7 @@ import numpy as np
 
 from .._errors import PlanError, RuntimeFailure
 from ._comm import Collective, bucket_call_time, collective_time
+from ._kernel_cost import KERNEL_PREFIX
 from ._mesh import Link, Topology, get_topology
 from ._summary import format_bytes
 
@@ -263,7 +264,8 @@ def _combine(ranks: list[dict], cfg: dict, wall_s: float) -> Calibration:
         memory_bytes=_total_ram() // n, devices_per_node=max(64, os.cpu_count() or 1),
         intra_node=link, inter_node=link, compute_efficiency=1.0,
         kernel_floor_s=max(r["kernel_floor_s"] for r in ranks),
-        comm_overlap=get_topology("cpu").comm_overlap)     # gloo on the ranks' own cores
+        comm_overlap=get_topology("cpu").comm_overlap,     # gloo on the ranks' own cores
+        device="cpu")
     return Calibration(topology=topo, world_size=n, threads=cfg["threads"], samples=samples,
                        fits=fits, matmul_sizes=ranks[0]["matmul_sizes"], wall_s=wall_s,
                        phase_s={k: max(r["phases"][k] for r in ranks) for k in ranks[0]["phases"]})
@@ -736,12 +738,12 @@ def _priced_step(store: object, run: str, topo: Topology) -> float | None:
     from ._problem import _compute_time
 
     q = _sq(run)
-    nodes = store.sql(f"SELECT target, flops, bytes, dtype FROM plan_nodes "
+    nodes = store.sql(f"SELECT target, flops, bytes, dtype, kernel FROM plan_nodes "
                       f"WHERE run_id = '{q}'").to_pylist()
     if not nodes or any(n["flops"] is None for n in nodes):
         return None
     compute = sum(_compute_time(n["flops"], n["bytes"], 1, n["dtype"] or "float32", topo,
-                                n["target"]) for n in nodes)
+                                n["kernel"] or n["target"]) for n in nodes)
     colls = store.sql(f"SELECT value, kind, group_size, bytes, bucket, bucket_overlaps "
                       f"FROM plan_collectives WHERE run_id = '{q}' AND value <> '<vote>'"
                       ).to_pylist()
@@ -760,8 +762,9 @@ def _priced_step(store: object, run: str, topo: Topology) -> float | None:
 
 
 def _op_samples(store: object, run: str) -> list[OpSample]:
-    """Each planned node's median sampled time (``ops`` joined to ``plan_nodes``), leaving out
-    step 0 when later steps were sampled. Empty when the run sampled none or its plan rows
+    """Each planned node's median sampled time (``ops`` joined to ``plan_nodes``), and each
+    fused kernel's (its calls in a step, against the work of every node it replaces), leaving
+    out step 0 when later steps were sampled. Empty when the run sampled none or its plan rows
     predate the work columns."""
     try:
         rows = store.sql(f"""
@@ -772,19 +775,40 @@ def _op_samples(store: object, run: str) -> list[OpSample]:
                    any_value(p.dtype) AS dtype, quantile_cont(o.dur_us, 0.5) AS us
             FROM plan_nodes p JOIN o ON o.node = p.node, first
             WHERE p.run_id = '{_sq(run)}' AND o.step <> first.s AND p.flops IS NOT NULL
+              AND p.kernel IS NULL AND o.target NOT LIKE '{KERNEL_PREFIX}%'
             GROUP BY p.node, p.target""").to_pylist()
-    except Exception as e:  # noqa: BLE001 - a store from before the ops/work columns
+        # a fused kernel's calls (one per group of matches: node "anchor+N") against the work
+        # of all its matches: the median over ranks and steps of the step's calls together
+        fused = store.sql(f"""
+            WITH o AS (SELECT * FROM ops WHERE run_id = '{_sq(run)}'),
+                 first AS (SELECT CASE WHEN max(step) > min(step) THEN min(step) ELSE -1 END AS s
+                           FROM o),
+                 calls AS (SELECT o.target, o.rank, o.step, sum(o.dur_us) AS us FROM o, first
+                           WHERE o.target LIKE '{KERNEL_PREFIX}%' AND o.step <> first.s
+                           GROUP BY ALL),
+                 work AS (SELECT kernel AS target, sum(flops) AS flops, sum(bytes) AS bytes,
+                                 any_value(dtype) AS dtype
+                          FROM plan_nodes WHERE run_id = '{_sq(run)}' AND kernel IS NOT NULL
+                          GROUP BY kernel)
+            SELECT w.target, w.flops, w.bytes, w.dtype, quantile_cont(c.us, 0.5) AS us
+            FROM work w JOIN calls c ON c.target = w.target
+            WHERE w.bytes > 0 GROUP BY ALL""").to_pylist()
+    except Exception as e:  # noqa: BLE001 - a store from before the ops/work/kernel columns
         logger.debug("no op samples for run %s: %s", run, e)
         return []
     return [OpSample(target=r["target"], flops=float(r["flops"]), nbytes=float(r["bytes"]),
-                     dtype=r["dtype"] or "float32", seconds=float(r["us"]) * 1e-6) for r in rows]
+                     dtype=r["dtype"] or "float32", seconds=float(r["us"]) * 1e-6)
+            for r in (*rows, *fused)]
 
 
 def node_work(graph: object, placement: object, mesh: object) -> tuple[float, float, str]:
     """(FLOPs, bytes read + written, dtype) that one rank runs for ``placement``'s node: the
     numbers the cost model prices (``_problem._compute_time``). A node's work is divided by
-    every mesh axis along which its placement is not all-Replicate (the planner's split)."""
-    from ..ir import TensorMeta, node_bytes, node_flops
+    every mesh axis along which its placement is not all-Replicate (the planner's split). A
+    node a fused kernel replaces carries the kernel's work on its anchor and none on the
+    other members (``_kernel_cost.kernel_work``)."""
+    from ..ir import TensorMeta
+    from ._kernel_cost import kernel_work, node_work_of
     from ._placement import R
 
     node = graph.node(placement.node)
@@ -793,7 +817,8 @@ def node_work(graph: object, placement: object, mesh: object) -> tuple[float, fl
         if any(lay is not None and lay[a] != R for lay in (*placement.inputs, *placement.outputs)):
             split *= n
     dtype = next((m.dtype for m in node.outputs if isinstance(m, TensorMeta)), "float32")
-    return node_flops(graph, node) / split, node_bytes(graph, node) / split, dtype
+    flops, nbytes, _ = node_work_of(graph, node, kernel_work(graph, mesh.topology))
+    return flops / split, nbytes / split, dtype
 
 
 def _latest_run(store: object) -> str:

@@ -75,12 +75,18 @@ class Topology:
     # time every step takes beyond its ops and collectives (the program's interpreter, views,
     # host arithmetic, the step's vote), fitted to a run; presets: 0
     step_overhead_s: float = 0.0
+    # what the ranks compute on: "cuda" or "cpu". It picks the fused kernels the lowering will
+    # run, which the cost model prices as kernels (``_kernel_cost.py``)
+    device: str = "cuda"
 
     def __post_init__(self) -> None:
         if isinstance(self.flops, Mapping):
             object.__setattr__(self, "flops", tuple(sorted(self.flops.items())))
         if isinstance(self.op_factors, Mapping):
             object.__setattr__(self, "op_factors", tuple(sorted(self.op_factors.items())))
+        if self.device not in ("cpu", "cuda"):
+            raise PlanError(f"topology {self.name!r}: device must be 'cpu' or 'cuda', "
+                            f"got {self.device!r}")
         if not self.step_overhead_s >= 0:
             raise PlanError(f"topology {self.name!r}: step_overhead_s must be >= 0")
         if any(not f > 0 for _, f in self.op_factors):
@@ -126,6 +132,9 @@ class Topology:
                 comm_overlap=float(d.get("comm_overlap", 1.0)),
                 op_factors={str(k): float(v) for k, v in dict(d.get("op_factors", {})).items()},
                 step_overhead_s=float(d.get("step_overhead_s", 0.0)),
+                # a file from before the field: the CPU machines were named so
+                device=str(d.get("device") or ("cpu" if str(d["name"]).startswith(
+                    ("cpu", "calibrated")) else "cuda")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"bad topology description ({type(e).__name__}: {e})") from None
@@ -150,7 +159,7 @@ PRESETS: dict[str, Topology] = {
         memory_bandwidth=10 * GB, memory_bytes=8 * GiB, devices_per_node=64,
         intra_node=Link(bandwidth=1.0 * GB, latency=50e-6),
         inter_node=Link(bandwidth=1.0 * GB, latency=50e-6),
-        compute_efficiency=0.5, kernel_floor_s=10e-6, comm_overlap=0.0,
+        compute_efficiency=0.5, kernel_floor_s=10e-6, comm_overlap=0.0, device="cpu",
     ),
 }
 

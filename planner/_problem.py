@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from .._errors import PlanError
 from ..ir import (
-    Graph, Node, NodeKind, OutputKind, Phase, Ref, Role, TensorMeta, node_bytes, node_flops,
+    Graph, Node, NodeKind, OutputKind, Phase, Ref, Role, TensorMeta, node_bytes,
 )
 from ..ir._ops import view_source
 from ..ir._types import DTYPE_BYTES
 from ._comm import Collective, collective_time, transition
+from ._kernel_cost import Work, kernel_work, node_work_of
 from ._mesh import Mesh
 from ._placement import (
     Layout, Partial, Placement, R, Shard, divides, format_layout, layout_fraction,
@@ -218,12 +219,13 @@ def _fits(metas: tuple[TensorMeta | None, ...], layouts: tuple[Layout | None, ..
     return all(m is None or divides(m.shape, l, sizes) for m, l in zip(metas, layouts))
 
 
-def _op_choices(graph: Graph, node: Node, mesh: Mesh) -> tuple[list[Choice], bool]:
+def _op_choices(graph: Graph, node: Node, mesh: Mesh,
+                kernels: dict[str, Work]) -> tuple[list[Choice], bool]:
     one_axis, has_rule = strategies_for(node, graph)
     ins = [graph.meta(r) for r in node.refs()]
     in_metas = tuple(m if isinstance(m, TensorMeta) else None for m in ins)
     out_metas = tuple(m if isinstance(m, TensorMeta) else None for m in node.outputs)
-    flops, nbytes = node_flops(graph, node), node_bytes(graph, node)
+    flops, nbytes, target = node_work_of(graph, node, kernels)    # a fused kernel's share
     topo = mesh.topology
     dtype = next((m.dtype for m in out_metas if m is not None), "float32")
     base = one_axis[0]
@@ -238,7 +240,7 @@ def _op_choices(graph: Graph, node: Node, mesh: Mesh) -> tuple[list[Choice], boo
             if s != base:
                 split *= n
         choices.append(Choice(inputs, outputs,
-                              _compute_time(flops, nbytes, split, dtype, topo, node.target)))
+                              _compute_time(flops, nbytes, split, dtype, topo, target)))
     return choices, has_rule
 
 
@@ -364,12 +366,16 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
     decisions: dict[str, Decision] = {}
     fallbacks: list[str] = []
     hashes = wl_hashes(graph)
-    # nodes of one hash (and inputs of one layout set) share their Choice objects
-    seen: dict[str, tuple[list[Choice], bool]] = {}
+    kernels = kernel_work(graph, mesh.topology)
+    # nodes of one hash and one part in a fused kernel (inputs: of one layout set) share their
+    # Choice objects
+    seen: dict[tuple[str, str | None], tuple[list[Choice], bool]] = {}
     input_choices: dict[tuple[Layout, ...], list[Choice]] = {}
     for node in graph.nodes:
-        if node.kind is NodeKind.OP and hashes[node.name] in seen:
-            choices, has_rule = seen[hashes[node.name]]
+        key = (hashes[node.name], kernels[node.name][2] if node.name in kernels else "") \
+            if node.kind is NodeKind.OP else None
+        if node.kind is NodeKind.OP and key in seen:
+            choices, has_rule = seen[key]
             if not has_rule:
                 fallbacks.append(node.target)
             decisions[node.name] = Decision(node.name, list(choices))
@@ -392,8 +398,8 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
                 input_choices[key] = [Choice((), key, 0.0)]
             decisions[node.name] = Decision(node.name, list(input_choices[key]))
         elif node.kind is NodeKind.OP:
-            choices, has_rule = _op_choices(graph, node, mesh)
-            seen[hashes[node.name]] = (choices, has_rule)
+            choices, has_rule = _op_choices(graph, node, mesh, kernels)
+            seen[key] = (choices, has_rule)
             if not has_rule:
                 fallbacks.append(node.target)
             if not choices:

@@ -42,10 +42,11 @@ as strings like ``"(S(0), R)"``, one placement per mesh axis; ``"-"`` for a non-
   do not match one process bit for bit, ``backends/_rng.py``): ``name``, ``target``,
   ``source``, ``outputs`` (layouts: each rank draws its own values on the axes that shard
   them, the same values on the others);
-* ``kernels`` (added by ``meshplan plan show``, which may lower; the planner does not know the
-  kernels): ``{"device", "rank", "enabled", "kernels": [{"kernel", "backend", "calls",
-  "updates", "replaced_nodes", "doc"}]}``, what rank 0's program uses on the plan's device
-  (``cpu`` for the ``cpu`` topology, else ``cuda``), see ``backends/_kernels.py``.
+* ``kernels`` (added by ``meshplan plan show``, which lowers: the planner prices the kernels
+  it expects, ``_kernel_cost.py``, and the lowering decides): ``{"device", "rank", "enabled",
+  "kernels": [{"kernel", "backend", "calls", "updates", "replaced_nodes", "doc"}]}``, what
+  rank 0's program uses on the plan's device (the topology's ``device``), see
+  ``backends/_kernels.py``.
 """
 
 from __future__ import annotations

@@ -680,10 +680,14 @@ class DistributedStep:
         """``graph`` planned with the run's options (strategy, memory limit, recompute) on
         ``mesh`` (default: the run's) and ``topology`` (default: the run's); ``pins``: state
         layouts to keep (``_state_pins``)."""
-        return plan_graph(graph, self.mesh if mesh is None else mesh,
-                          topology=self.topology if topology is None else topology,
-                          strategy=self.strategy, memory_limit_bytes=self.memory_limit_bytes,
-                          pins=pins, recompute=self.recompute)
+        from ..kernels import kernels_disabled
+
+        # kernels=False: the cost model prices the ops the program runs instead of the kernels
+        with contextlib.nullcontext() if self.kernels else kernels_disabled():
+            return plan_graph(graph, self.mesh if mesh is None else mesh,
+                              topology=self.topology if topology is None else topology,
+                              strategy=self.strategy, memory_limit_bytes=self.memory_limit_bytes,
+                              pins=pins, recompute=self.recompute)
 
     def _slurm_launcher(self, world: int) -> SlurmLauncher:
         """The Slurm launcher of a launch; under fault tolerance, in the allocation the run
@@ -1461,7 +1465,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``"fp32"``: as written. ``recompute``: activation recompute of the repeated layers,
     ``"auto"`` (the planner decides when memory is short), ``"none"``, ``"selective"``,
     ``"full"`` or ``(policy, layers)`` (``plan_graph``; README, "Activation recompute").
-    ``calibrate``: True (5 steps) or a number of mesh steps: time every op of the first mesh
+    ``calibrate``: True (8 steps) or a number of mesh steps: time every op of the first mesh
     steps, fit the cost model's machine to those times and the collectives' (``meshplan
     calibrate --from-telemetry`` does the same from a store), plan again with it, and if the
     plan changes, go on with the new one (the state moves through the controller once); one
@@ -1642,16 +1646,21 @@ def _fault_tolerance(on: Any, launcher: str, max_restarts: Any,
                     elastic=least)
 
 
+CALIBRATION_STEPS = 8      # distribute(calibrate=True)
+
+
 def _calibration_steps(calibrate: Any, telemetry: TelemetryConfig | None,
                        plan: Any) -> int:
     if calibrate is False or calibrate is None or calibrate == 0:
         return 0
-    # 5: the fit reads the median of the steps after the first, and the next two or three
-    # still warm up (4 ranks on 2 cores: 307 ms in steps 1-2, 225-258 in 3-5 and after)
-    steps = 5 if calibrate is True else calibrate
+    # 8: the fit reads the median of the steps after the first; of 7, one or two slow ones
+    # (a rank's first telemetry flush, 2 s in, made one step 30-50 % slower on 4 ranks
+    # sharing 2 cores) move it less than of 4
+    steps = CALIBRATION_STEPS if calibrate is True else calibrate
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
-        raise RuntimeFailure(f"distribute(calibrate={calibrate!r}): pass True (5 steps) or the "
-                             "number of mesh steps to fit to, at least 2 (the first warms up)")
+        raise RuntimeFailure(f"distribute(calibrate={calibrate!r}): pass True "
+                             f"({CALIBRATION_STEPS} steps) or the number of mesh steps to fit "
+                             "to, at least 2 (the first warms up)")
     if telemetry is None:
         raise RuntimeFailure("distribute(calibrate=...) fits the cost model to the op and "
                              "collective times the ranks record, and telemetry is off: pass "

@@ -31,6 +31,7 @@ from ..backends._lower import Bucket, Reshard
 from ..ir import Node
 from ..planner import Plan
 from ..planner._calibrate import node_work
+from ..planner._kernel_cost import fused_kernel_of
 from ..planner._comm import Collective, collective_time
 from ..planner._plan import layout_str
 from ..planner._planning import reduction_buckets
@@ -103,6 +104,7 @@ def plan_node_rows(plan: Plan) -> list[tuple]:
     work behind it (one rank's FLOPs and bytes, the dtype it was priced at), which
     ``meshplan calibrate --from-telemetry`` fits compute rates to."""
     graph = plan.graph
+    kernel_of = fused_kernel_of(graph, plan.mesh.topology)
     rows = []
     for p in plan.placements:
         n = graph.node(p.node)
@@ -111,7 +113,7 @@ def plan_node_rows(plan: Plan) -> list[tuple]:
                      f"{n.source.file}:{n.source.line}" if n.source else None,
                      " ".join(layout_str(x) for x in p.inputs),
                      " ".join(layout_str(x) for x in p.outputs), p.compute_s * 1e6,
-                     flops, nbytes, dtype))
+                     flops, nbytes, dtype, kernel_of.get(p.node)))
     return rows
 
 

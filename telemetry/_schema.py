@@ -56,7 +56,9 @@ TABLES: dict[str, pa.Schema] = {
     "plan_nodes": _schema(
         ("run_id", _s), ("node", _s), ("target", _s), ("kind", _s), ("phase", _s),
         ("module", _s), ("source", _s), ("inputs", _s), ("outputs", _s),
-        ("est_compute_us", _f64), ("flops", _f64), ("bytes", _f64), ("dtype", _s)),
+        ("est_compute_us", _f64), ("flops", _f64), ("bytes", _f64), ("dtype", _s),
+        # the fused kernel the node runs inside (priced as the kernel: its work on the anchor)
+        ("kernel", _s)),
     "plan_collectives": _schema(
         ("run_id", _s), ("value", _s), ("node", _s), ("seq", _i32), ("kind", _s), ("axis", _s),
         ("group_size", _i32), ("bytes", _i64), ("est_us", _f64),

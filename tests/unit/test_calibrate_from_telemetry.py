@@ -14,6 +14,7 @@ from meshplan._errors import PlanError
 from meshplan.planner._calibrate import from_telemetry
 from meshplan.planner._comm import Collective, collective_time
 from meshplan.planner._mesh import Link
+from meshplan.planner._problem import _compute_time
 from meshplan.telemetry import Recorder, Store, segments_dir
 
 
@@ -100,8 +101,18 @@ def _record_ops(db, truth, overhead_s: float) -> float:
     ctl.add("runs", (1, "step", '{"dp": 2}', 2, "dp", "cpu", "h", 1.0, 1, "ops", "host", 1,
                      "0.1", "2.13"))
     ctl.add_many("plan_nodes", [(r["node"], r["target"], "op", "forward", "m", None, "", "", 0.0,
-                                 r["flops"], r["bytes"], "float32") for r in rows])
-    step_s = sum(r["us"] for r in rows) * 1e-6 + overhead_s
+                                 r["flops"], r["bytes"], "float32", None) for r in rows])
+    # two fused AdamW kernels' matches (anchor: the kernel's work; members: none), which the
+    # ranks run as one call "k0+1" taking half the kernel's roofline
+    kernel = "kernel.adamw_cpu"
+    ctl.add_many("plan_nodes", [
+        (f"k{m}{part}", target, "op", "optimizer", "m", None, "", "", 0.0, work, 7 * work,
+         "float32", kernel)
+        for m in range(2)
+        for part, target, work in (("", "aten.addcdiv.default", 4.0e6),
+                                   ("_mul", "aten.mul.Tensor", 0.0))])
+    kernel_us = 0.5 * _compute_time(8.0e6, 56.0e6, 1, "float32", truth, None) * 1e6
+    step_s = (sum(r["us"] for r in rows) + kernel_us) * 1e-6 + overhead_s
     for step in range(4):
         ctl.add("steps", (step, 0, int(step_s * 1e6 * (3 if step == 0 else 1)), 1.0, None,
                           None, None))
@@ -112,16 +123,18 @@ def _record_ops(db, truth, overhead_s: float) -> float:
             slow = 5 if step == 0 else 1                  # the first step warms up: left out
             rec.add_many("ops", [(step, k, r["node"], r["target"], 0, int(r["us"] * slow))
                                  for k, r in enumerate(rows)])
+            rec.add("ops", (step, len(rows), "k0+1", kernel, 0, int(kernel_us * slow)))
         rec.close()
     return step_s
 
 
 def test_compute_rates_op_factors_and_step_overhead_are_fitted_back(tmp_path) -> None:
     """Op times made by the cost model itself from a known machine (37 GFLOP/s, 3.4 GB/s,
-    a 12 us floor, attention 3x its roofline) and steps 30 ms longer than their ops: the fit
-    finds the rates (within 3 %: op times are whole microseconds), the attention factor,
-    and the overhead, so the run's own plan priced on the fitted machine is the measured
-    step."""
+    a 12 us floor, attention 3x its roofline, a fused optimizer kernel 2x faster than its
+    roofline) and steps 30 ms longer than their ops: the fit finds the rates (within 3 %: op
+    times are whole microseconds), the attention's and the kernel's factors (the kernel's
+    calls against the work of every match it runs), and the overhead, so the run's own plan
+    priced on the fitted machine is the measured step."""
     from meshplan.planner import get_topology
 
     truth = Topology_with(flops={"float32": 37e9}, memory_bandwidth=3.4e9,
@@ -137,8 +150,9 @@ def test_compute_rates_op_factors_and_step_overhead_are_fitted_back(tmp_path) ->
     assert c.memory_bandwidth == pytest.approx(3.4e9, rel=0.03)
     assert c.kernel_floor_s == pytest.approx(12e-6, rel=0.03)
     assert c.op_factors["aten.sdpa.default"] == pytest.approx(3.0, rel=0.03)
+    assert c.op_factors["kernel.adamw_cpu"] == pytest.approx(0.5, rel=0.03)
     assert all(f == pytest.approx(1.0, rel=0.03) for t, f in c.op_factors.items()
-               if t != "aten.sdpa.default")
+               if t not in ("aten.sdpa.default", "kernel.adamw_cpu"))
     assert fit.measured_step_s == pytest.approx(step_s, rel=1e-3)
     assert fit.topology.step_overhead_s == pytest.approx(0.030, rel=0.03)
     # the other dtypes keep the preset's ratios to float32

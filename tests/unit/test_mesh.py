@@ -154,6 +154,7 @@ def _topology(**changes) -> Topology:
     ({"devices_per_node": 0}, "memory and devices_per_node"),
     ({"compute_efficiency": 0.0}, r"compute_efficiency must be in \(0, 1\]"),
     ({"compute_efficiency": 1.5}, r"compute_efficiency must be in \(0, 1\]"),
+    ({"device": "tpu"}, "device must be 'cpu' or 'cuda', got 'tpu'"),
 ])
 def test_bad_topologies_name_themselves(changes, match) -> None:
     with pytest.raises(PlanError, match=f"topology 't': {match}"):
@@ -171,6 +172,16 @@ def test_topology_dict_round_trip(name) -> None:
     d = json.loads(json.dumps(t.to_dict()))                  # through JSON, as files are
     assert Topology.from_dict(d) == t
     assert set(d) >= {"name", "flops", "intra_node", "inter_node", "memory_bytes"}
+
+
+def test_a_topology_file_from_before_the_device_field_reads_it_from_the_name() -> None:
+    """The device picks the fused kernels the cost model prices; files written before it was
+    recorded were CPU machines when named cpu... or calibrated..."""
+    for name, device in (("cpu+run-1", "cpu"), ("calibrated", "cpu"), ("h100", "cuda")):
+        d = PRESETS["h100"].to_dict()
+        del d["device"]
+        assert Topology.from_dict({**d, "name": name}).device == device
+    assert PRESETS["cpu"].device == "cpu" and PRESETS["h100"].device == "cuda"
 
 
 def test_save_and_load_a_topology_file(tmp_path) -> None:

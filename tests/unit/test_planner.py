@@ -4,6 +4,7 @@ under the same cost model, plans persist exactly, and bad input gets one clear P
 from __future__ import annotations
 
 import json
+import math
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -431,3 +432,44 @@ def test_gradient_clipping_on_a_2d_mesh_keeps_the_relaxation_integral() -> None:
     stacked = [p for p in plan.placements if p.target == "aten.stack.default"]
     assert stacked and all(isinstance(q, Partial) for q in stacked[0].outputs[0])
     lower(plan, 0)
+
+
+@pytest.mark.parametrize(("topology", "kernel"), [("cpu", "kernel.adamw_cpu"),
+                                                  ("h100", "kernel.adamw")])
+def test_the_fused_kernels_the_lowering_runs_are_priced_as_kernels(topology, kernel) -> None:
+    """The lowering runs each parameter's eight AdamW ops as one fused kernel (numba on CPU,
+    Triton on GPUs): the plan prices the kernel's one pass over param, grad and moments on the
+    chain's anchor and nothing on its other ops, and with kernels switched off every op as
+    itself again. The optimizer is replicated under dp, so dp's priced compute drops the most;
+    priced op by op it made dp look 13 ms slower than the sharded plans on 2 CPU ranks
+    (benchmarks/README.md, "Calibration")."""
+    from meshplan.kernels import kernels_disabled
+    from meshplan.planner._kernel_cost import fused_kernel_of, kernel_work
+    from meshplan.planner._problem import _compute_time
+
+    g = _graph("gpt")
+    plan = plan_graph(g, {"dp": 2}, topology=topology, strategy="dp")
+    topo = plan.mesh.topology
+    work, member_of = kernel_work(g, topo), fused_kernel_of(g, topo)
+    anchors = {n: w for n, w in work.items() if w[2] is not None}
+    optimizer = {n: w for n, w in anchors.items() if w[2] == kernel}
+    params = [n for n in g.inputs if n.meta.role.value == "param"]
+    assert len(optimizer) == len(params)                 # one AdamW match per parameter
+    # (mul for the decay,) lerp, mul, addcmul, sqrt, div, add, addcdiv: 10 of the parameters
+    # decay, 18 (biases, norms) do not
+    assert sum(k == kernel for k in member_of.values()) == 8 * 10 + 7 * 18
+    by_node = {p.node: p for p in plan.placements}
+    for name in member_of:
+        if name not in anchors:
+            assert by_node[name].compute_s == 0.0
+    for name, (flops, nbytes, target) in anchors.items():
+        assert by_node[name].compute_s == pytest.approx(
+            _compute_time(flops, nbytes, 1, "float32", topo, target))
+    for name, (_, nbytes, _) in optimizer.items():
+        numel = 4 * math.prod(g.node(name).outputs[0].shape)
+        # param, grad and the two moments read, three written: once each; and scalars
+        assert 7 * numel <= nbytes <= 7 * numel + 64
+    with kernels_disabled():
+        assert kernel_work(g, topo) == {}
+        op_by_op = plan_graph(g, {"dp": 2}, topology=topology, strategy="dp")
+    assert op_by_op.compute_time_s > plan.compute_time_s
