@@ -247,8 +247,9 @@ class _PodRank:
 
     stdin = None
 
-    def __init__(self, pods: _Pods, index: int, group: _K8sGroup) -> None:
+    def __init__(self, pods: _Pods, index: int, group: _K8sGroup, ranks: range) -> None:
         self.pods, self.index, self.group = pods, index, group
+        self.ranks = ranks                 # the ranks of its pod
         self.pid: int | None = None
         self.local = False                 # another host: only the pod's end ends it
         self.returncode: int | None = None
@@ -260,9 +261,15 @@ class _PodRank:
 
     @property
     def ended(self) -> str | None:
-        """How its pod ended (``Workers`` adds it to the failure's message)."""
+        """How its pod ended, and the pod's ranks, which went with it (``Workers`` adds it to
+        the failure's message: which of them was seen to end first is chance)."""
         with self.pods.lock:
-            return self.pods.ended.get(self.index)
+            why = self.pods.ended.get(self.index)
+        if why is None:
+            return None
+        ranks = list(self.ranks)
+        return (f"{why} (the pod ran rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))})")
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -384,7 +391,9 @@ class K8sLauncher:
                 core.create_namespaced_secret(ns, key)
             except ApiException as exc:
                 raise _api_error(exc, "creating the Service and Secret", ns) from exc
-            group.procs = [_PodRank(group.pods, r // per, group) for r in range(n)]
+            group.procs = [_PodRank(group.pods, r // per, group,
+                                    range(r - r % per, min(n, r - r % per + per)))
+                           for r in range(n)]
             workers = Workers(group, run_id=run_id, master_addr=host,
                               master_port=group.store.port, log_dir=None)
             _stream_logs(core, ns, group, per)

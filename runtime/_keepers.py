@@ -19,6 +19,8 @@ ranks' memory files, holds them for the run, and serves:
 With two hosts of keepers or more, each keeper also holds copies of the previous host's
 ranks' files, which those ranks send it after each snapshot (``_snapshot.Replica``; Gemini's
 ring, SOSP '23): a lost host's snapshots are read from the next host's keeper (``lose``).
+With one host of keepers (every rank on one host besides the controller's), the controller
+holds the copies, so that a spare host can take that host's ranks over when it is lost.
 
 A rank that dies, or the whole rank job, leaves its host's keeper and files alone: the
 restarted ranks (the launcher puts rank r on the same host again) read their pieces back from
@@ -46,6 +48,7 @@ from ._worker import WorkerState, register
 __all__ = ["KEEPER_PLUGIN", "MeshSnapshots"]
 
 KEEPER_PLUGIN = "meshplan.runtime._keepers"
+_CONTROLLER = -1       # "keeper" index of this process, where it holds replicas
 
 
 # ---- the keeper's side ------------------------------------------------------------------------
@@ -76,12 +79,15 @@ _MAX_PENDING = 16      # replica connections not yet past their MAC'd hello, at 
 
 
 def _accept(listener: socket.socket, key: bytes, path_of: Callable[[int], str]) -> None:
-    """Take replica connections for the keeper's life, each in a thread of its own; past
-    ``_MAX_PENDING`` connections that have not said their hello, the next is closed at once
-    (a flood of silent connections cannot pile up threads)."""
+    """Take replica connections until the listener is closed (a keeper's: its life), each in
+    a thread of its own; past ``_MAX_PENDING`` connections that have not said their hello,
+    the next is closed at once (a flood of silent connections cannot pile up threads)."""
     pending = threading.BoundedSemaphore(_MAX_PENDING)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except OSError:                 # closed: the controller's copies are done with
+            return
         if not pending.acquire(blocking=False):
             conn.close()
             continue
@@ -141,10 +147,13 @@ def _keep_read(state: WorkerState, header: dict[str, Any], tensors: list[torch.T
 class MeshSnapshots:
     """Every rank's snapshot file: the files of ranks on the controller's host (``hosts[r]``
     None; all of them on one host) in this process, the others' in their host's keeper, and
-    with two hosts of keepers or more, a replica of each file in the keeper of the next host
-    (``replica``). ``launch(names)`` starts one keeper per named host, in that order, and
-    returns their ``Workers``. Reads as ``SnapshotFiles`` does (``_snapshot.Held``), from a
-    replica where the file's own keeper is lost (``lose``)."""
+    a replica of each file of a keeper's host (``replica``): with two hosts of keepers or
+    more in the keeper of the next host, with one in this process (the controller's host is
+    then the only other one: without it, losing that host would lose every snapshot of its
+    ranks, and a spare host could not take them over). ``launch(names)`` starts one keeper
+    per named host, in that order, and returns their ``Workers``. Reads as ``SnapshotFiles``
+    does (``_snapshot.Held``), from a replica where the file's own keeper is lost
+    (``lose``)."""
 
     def __init__(self, hosts: Sequence[str | None],
                  launch: Callable[[list[str]], Any], timeout_s: float) -> None:
@@ -158,6 +167,10 @@ class MeshSnapshots:
         self._listeners: dict[int, list[Any]] = {}
         self.key = secrets.token_bytes(32)
         self.keepers = None
+        # one host of keepers: the replicas of its ranks' files, held here, and where its
+        # ranks send them
+        self.copies: SnapshotFiles | None = None
+        self._copies_at: socket.socket | None = None
         if not remote:
             return
         try:
@@ -173,9 +186,24 @@ class MeshSnapshots:
                 self._paths.update({int(r): p for r, p in reply.header["paths"].items()})
                 if reply.header.get("replicas"):
                     self._listeners[k] = reply.header["replicas"]
+            if len(remote) == 1:
+                self._hold_copies(keepers.master_addr)
         except BaseException:
             self.close()
             raise
+
+    def _hold_copies(self, controller: str) -> None:
+        """Hold the replicas of the one keeper host's ranks in this process: their files, and
+        a listener on the address the ranks reach the controller at, served as a keeper
+        serves its own (``_accept``: MAC'd hellos, one thread per rank)."""
+        self.copies = SnapshotFiles(self._ranks_of(0))
+        listener = socket.create_server((controller, 0),
+                                        family=socket.AF_INET6 if ":" in controller
+                                        else socket.AF_INET)
+        self._copies_at = listener
+        threading.Thread(target=_accept, args=(listener, self.key, self.copies.path),
+                         name="meshplan-replicas", daemon=True).start()
+        self._listeners[_CONTROLLER] = [controller, listener.getsockname()[1]]
 
     def _ranks_of(self, keeper: int, ranks: Iterable[int] | None = None) -> list[int]:
         keeper %= max(1, len(self.hosts))
@@ -186,13 +214,19 @@ class MeshSnapshots:
         """Where rank ``rank`` opens its file, on its own host."""
         return self._paths[rank]
 
+    def _successor(self, keeper: int) -> int:
+        """Who holds the replicas of ``keeper``'s ranks: the next host's keeper, or with one
+        host of keepers, this process (``_CONTROLLER``)."""
+        return (keeper + 1) % len(self.hosts) if len(self.hosts) > 1 else _CONTROLLER
+
     def replica(self, rank: int) -> dict[str, Any] | None:
-        """Where rank ``rank`` sends the copy of each snapshot (the next host's keeper), or
-        None (a rank on the controller's host, a single host of keepers, a keeper lost)."""
+        """Where rank ``rank`` sends the copy of each snapshot (the next host's keeper; this
+        process, where there is one host of keepers), or None (a rank on the controller's
+        host, a keeper lost)."""
         k = self._keeper.get(rank)
-        if k is None or len(self.hosts) < 2:
+        if k is None:
             return None
-        succ = (k + 1) % len(self.hosts)
+        succ = self._successor(k)
         if succ in self.dead or succ not in self._listeners:
             return None
         return {"address": self._listeners[succ], "key": self.key.hex()}
@@ -203,18 +237,24 @@ class MeshSnapshots:
         self.dead |= {self._keeper[r] for r in ranks if r in self._keeper}
 
     def _where(self, rank: int) -> tuple[int, bool]:
-        """The keeper that holds rank ``rank``'s snapshot, and whether as a replica."""
+        """The keeper that holds rank ``rank``'s snapshot (``_CONTROLLER``: this process),
+        and whether as a replica."""
         k = self._keeper[rank]
         if k not in self.dead:
             return k, False
-        succ = (k + 1) % len(self.hosts)
-        if len(self.hosts) > 1 and succ not in self.dead:
+        succ = self._successor(k)
+        if succ == _CONTROLLER and self.copies is not None:
+            return succ, True
+        if succ != _CONTROLLER and succ not in self.dead:
             return succ, True
         raise RuntimeFailure(
             f"rank {rank}'s snapshot is lost: its host {self.hosts[k]} is gone"
-            + (f", and so is {self.hosts[succ]}, which held its copy" if len(self.hosts) > 1
-               else ", and no other host held a copy (one host of ranks besides the "
-                    "controller's keeps none)"))
+            + (f", and so is {self.hosts[succ]}, which held its copy" if succ != _CONTROLLER
+               else ", and the controller held no copy of it"))
+
+    def _copied_here(self, ranks: Iterable[int]) -> list[int]:
+        """Of ``ranks``, those read from the replicas this process holds."""
+        return [r for r in ranks if r in self._keeper and self._where(r)[0] == _CONTROLLER]
 
     def _ask(self, kind: str, ranks: Iterable[int], header: Callable[[list[int]], dict]
              ) -> list[Any]:
@@ -224,6 +264,8 @@ class MeshSnapshots:
         for r in sorted(ranks):
             if r in self._keeper:
                 k, copy = self._where(r)
+                if k == _CONTROLLER:          # read here (``_copied_here``)
+                    continue
                 by.setdefault(k, ([], []))[0].append(r)
                 if copy:
                     by[k][1].append(r)
@@ -239,6 +281,8 @@ class MeshSnapshots:
     def held(self, ranks: Iterable[int]) -> dict[int, list[int] | None]:
         ranks = list(ranks)
         out = self.local.held(r for r in ranks if r in self.local.fds)
+        if self.copies is not None:
+            out.update(self.copies.held(self._copied_here(ranks)))
         for reply in self._ask("keep_held", ranks, lambda mine: {"ranks": mine}):
             out.update({int(r): steps for r, steps in reply.header["held"].items()})
         return out
@@ -246,6 +290,8 @@ class MeshSnapshots:
     def read(self, step: int, want: Mapping[int, Sequence[str]]
              ) -> dict[int, dict[str, torch.Tensor]]:
         out = self.local.read(step, {r: n for r, n in want.items() if r in self.local.fds})
+        if self.copies is not None:
+            out.update(self.copies.read(step, {r: want[r] for r in self._copied_here(want)}))
         for reply in self._ask("keep_read", want, lambda mine: {
                 "step": step, "want": {str(r): list(want[r]) for r in mine}}):
             for (r, name), tensor in zip(reply.header["names"], reply.tensors):
@@ -254,6 +300,12 @@ class MeshSnapshots:
 
     def close(self) -> None:
         self.local.close()
+        if self._copies_at is not None:
+            self._copies_at.close()           # ends the accepting thread
+            self._copies_at = None
+        if self.copies is not None:
+            self.copies.close()
+            self.copies = None
         keepers, self.keepers = self.keepers, None
         if keepers is not None and self.dead:     # a lost keeper would not answer: stop now
             keepers.stop(grace_s=0.5)

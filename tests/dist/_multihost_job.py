@@ -8,6 +8,7 @@ the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one pro
     python _multihost_job.py cut RESULT   (see ``cut``)
     python _multihost_job.py unreachable RESULT
     python _multihost_job.py lose RESULT            (see ``lose``)
+    python _multihost_job.py lose-only-host RESULT  (see ``lose_only_host``)
     python _multihost_job.py die RESULT             (slurm: a rank is killed; see ``die``)
     python _multihost_job.py hold                   (slurm: one step, ``ready``, then sleep)
     python _multihost_job.py refused MESH SLURM RESULT  (slurm: the launch's error)
@@ -113,6 +114,43 @@ def lose(result: str, launcher: str = "mpi") -> None:
         json.dump(out, f)
 
 
+def lose_only_host(result: str) -> None:
+    """``fault_tolerance=True`` on dp4 FSDP with ``hosts=h0:4,h1:4``: every rank on h0, h1 a
+    spare, so h0 is the one host of keepers and the controller holds the copies of its
+    ranks' snapshots. ``cut-now`` on stdout before step 2; after a line on stdin (the test
+    has cut h0's link) the run goes on on h1: four steps. Next to it, the same run on h0
+    without a fault. As JSON in ``result``: whether the losses and the state after four
+    steps are equal, and the hosts and restarts after the cut."""
+    import os
+
+    names = os.environ.get("MESHPLAN_HOSTS", "").split(",")
+
+    def run(cut: int | None, hosts: list[str], **more):
+        ex = gpt.build(optimizer="adamw", clip=1.0)
+        step = meshplan.distribute(ex.step, mesh={"dp": 4}, launcher="mpi", hosts=hosts,
+                                   strategy="fsdp", telemetry=False, timeout_s=120, **more)
+        losses = []
+        with step:
+            for i in range(4):
+                if i == cut:
+                    print("cut-now", flush=True)
+                    sys.stdin.readline()
+                losses.append(step(*ex.batch(i)).detach())
+            after = {"restarts": step.restarts, "hosts": list(step._workers.hostnames)}
+            sd = step.state_dict()
+        return losses, sd, after
+
+    want, want_sd, _ = run(None, [f"{names[0]}:4"])
+    got, sd, after = run(2, [f"{h}:4" for h in names[:2]], fault_tolerance=True)
+    equal = all(torch.equal(a, b) for a, b in zip(got, want)) and all(
+        torch.equal(sd["model"][k], v) for k, v in want_sd["model"].items()) and all(
+        torch.equal(sd["optim"]["state"][i][k], v)
+        for i, e in want_sd["optim"]["state"].items() for k, v in e.items())
+    with open(result, "w") as f:
+        json.dump({"equal": equal, "after": after, "got": [float(x) for x in got],
+                   "want": [float(x) for x in want]}, f)
+
+
 def unreachable(result: str) -> None:
     """A host list with an address nobody holds beside the first sandbox host: the error,
     as JSON in ``result``."""
@@ -206,6 +244,8 @@ def main() -> None:
         return unreachable(sys.argv[2])
     if sys.argv[1] == "lose":
         return lose(*sys.argv[2:4])
+    if sys.argv[1] == "lose-only-host":
+        return lose_only_host(sys.argv[2])
     if sys.argv[1] == "die":
         return die(sys.argv[2])
     if sys.argv[1] == "hold":

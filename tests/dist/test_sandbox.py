@@ -327,6 +327,44 @@ def test_lost_hosts_move_to_a_spare_then_the_mesh_shrinks() -> None:
     _lose_two_hosts("mpi")
 
 
+@needs_namespaces
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_the_one_host_of_ranks_is_lost_and_a_spare_takes_it_over(box) -> None:
+    """Every rank on h0, h1 a spare (``hosts=h0:4,h1:4``, FSDP on dp4): h0 is the one host
+    of keepers, so the controller holds the copies of its ranks' snapshots. h0's link goes
+    down before step 2; the mesh starts again on h1 from those copies, and the four steps and
+    the state after them equal the same run on h0 without a fault (the same plan on the same
+    mesh: every sum in the same order)."""
+    import json
+
+    h0, h1 = box.hosts
+    work = tempfile.mkdtemp(prefix="meshplan-lose1-", dir="/var/tmp")
+    result = os.path.join(work, "result.json")
+    job = Path(__file__).with_name("_multihost_job.py")
+    proc = subprocess.Popen(box.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
+                                      str(job), "lose-only-host", result]),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        while (line := proc.stdout.readline()) and line.strip() != "cut-now":
+            pass
+        assert line, "the job ended before it asked for a cut"
+        subprocess.run(["nsenter", "--target", str(h0.pid), "--net", "--", "ip", "link", "set",
+                        "eth0", "down"], check=True)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(200) == 0
+        with open(result) as f:
+            r = json.load(f)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    assert r["after"]["hosts"] == [h1.name] * 4 and r["after"]["restarts"] >= 1, r
+    assert r["equal"], r
+
+
 def _lose_two_hosts(launcher: str) -> None:
     import json
 
