@@ -1,13 +1,13 @@
 """The cost model against measured steps, before and after one calibration run (issue 20, point 6).
 
-    python benchmarks/calibration.py [--ranks 2 4] [--steps 8] [--calibrate-with dp]
+    python benchmarks/calibration.py [--ranks 2 4] [--steps 8] [--calibrate-with dp] [--calibration-steps N]
                                      [--only dp,fsdp,megatron_tp,auto] [--save DIR]
 
 The benchmark GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on N local CPU processes:
 
 1. One calibration run: ``distribute(step, mesh={"dp": N}, strategy=<--calibrate-with>,
-   calibrate=True)`` times every op of its first eight mesh steps, fits the machine
+   calibrate=True)`` times every op of its first 16 mesh steps, fits the machine
    (``planner/_calibrate.py``: ``from_telemetry``: compute rates, per-op factors, the links
    per collective kind from blocking probes on the mesh, the step overhead) and re-plans; the
    fitted topology is kept.
@@ -38,6 +38,7 @@ import meshplan
 import torch
 from meshplan.examples import gpt
 from meshplan.planner._calibrate import _measured_step
+from meshplan.runtime._distributed import CALIBRATION_STEPS
 from meshplan.telemetry import Store, TelemetryConfig
 
 CONFIG = gpt.GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, d_model=256,
@@ -56,13 +57,15 @@ def _batches(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(k)]
 
 
-def calibrate(n: int, strategy: str, db: Path) -> tuple[meshplan.planner.Topology, float]:
-    """The fitted machine from a ``calibrate=True`` (8 steps) run; and the seconds the
-    calibration took (its mesh steps after the first, the probes, the fit and the re-plan)."""
+def calibrate(n: int, strategy: str, db: Path, steps: int | None = None
+              ) -> tuple[meshplan.planner.Topology, float]:
+    """The fitted machine from a ``calibrate=True`` run (``steps``: ``calibrate=steps``);
+    and the seconds the calibration took (its mesh steps after the first, the probes, the
+    fit and the re-plan)."""
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=1.0, seed=0)
-    batches = _batches(8)
+    batches = _batches(steps or CALIBRATION_STEPS)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",
-                               telemetry=TelemetryConfig(db=db), calibrate=True,
+                               telemetry=TelemetryConfig(db=db), calibrate=steps or True,
                                fault_tolerance=False)     # the model prices the bare step
     with step:
         step(*batches[0])                       # launch + the first mesh step
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=8, help="timed mesh steps per plan")
     ap.add_argument("--calibrate-with", default="dp", help="the calibration run's strategy")
+    ap.add_argument("--calibration-steps", type=int, default=None,
+                    help=f"calibrate=N (default: True, {CALIBRATION_STEPS} steps)")
     ap.add_argument("--only", default=",".join(STRATEGIES))
     ap.add_argument("--save", type=Path, default=None,
                     help="write each fitted topology and measured plan (JSON) into this folder")
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="meshplan-calibration-") as tmp:
         for n in args.ranks:
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-            topo, took = calibrate(n, args.calibrate_with, Path(tmp) / f"cal{n}.duckdb")
+            topo, took = calibrate(n, args.calibrate_with, Path(tmp) / f"cal{n}.duckdb",
+                                   args.calibration_steps)
             if args.save is not None:
                 args.save.mkdir(parents=True, exist_ok=True)
                 topo.save(str(args.save / f"topology{n}.json"))

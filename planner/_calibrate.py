@@ -742,8 +742,11 @@ def _priced_step(store: object, run: str, topo: Topology) -> float | None:
                       f"WHERE run_id = '{q}'").to_pylist()
     if not nodes or any(n["flops"] is None for n in nodes):
         return None
+    # a fused kernel's members share its work: priced without a floor each (the anchor's
+    # one launch, microseconds against the kernel's milliseconds, is left to the overhead)
     compute = sum(_compute_time(n["flops"], n["bytes"], 1, n["dtype"] or "float32", topo,
-                                n["kernel"] or n["target"]) for n in nodes)
+                                n["kernel"] or n["target"], floor=n["kernel"] is None)
+                  for n in nodes)
     colls = store.sql(f"SELECT value, kind, group_size, bytes, bucket, bucket_overlaps "
                       f"FROM plan_collectives WHERE run_id = '{q}' AND value <> '<vote>'"
                       ).to_pylist()
@@ -805,8 +808,8 @@ def node_work(graph: object, placement: object, mesh: object) -> tuple[float, fl
     """(FLOPs, bytes read + written, dtype) that one rank runs for ``placement``'s node: the
     numbers the cost model prices (``_problem._compute_time``). A node's work is divided by
     every mesh axis along which its placement is not all-Replicate (the planner's split). A
-    node a fused kernel replaces carries the kernel's work on its anchor and none on the
-    other members (``_kernel_cost.kernel_work``)."""
+    node a fused kernel replaces carries its share of the kernel's work
+    (``_kernel_cost.kernel_work``)."""
     from ..ir import TensorMeta
     from ._kernel_cost import kernel_work, node_work_of
     from ._placement import R
@@ -817,7 +820,7 @@ def node_work(graph: object, placement: object, mesh: object) -> tuple[float, fl
         if any(lay is not None and lay[a] != R for lay in (*placement.inputs, *placement.outputs)):
             split *= n
     dtype = next((m.dtype for m in node.outputs if isinstance(m, TensorMeta)), "float32")
-    flops, nbytes, _ = node_work_of(graph, node, kernel_work(graph, mesh.topology))
+    flops, nbytes, _, _ = node_work_of(graph, node, kernel_work(graph, mesh.topology))
     return flops / split, nbytes / split, dtype
 
 

@@ -10,9 +10,14 @@ error made replicated plans look slower than they are.
 
 ``kernel_work(graph, topology)`` is what the planner prices instead: for each match of a fused
 kernel (Triton or numba; the torch ``foreach`` fallbacks run op by op and keep their ops'
-prices), the anchor node carries the kernel's work (its members' FLOPs; the bytes of the
-tensors it reads and of the ones it writes, once each) under the target ``kernel.<name>``, the
-op factor a calibration fits to the kernel's measured calls; the other members cost nothing.
+prices), the kernel's work is its members' FLOPs and the bytes of the tensors it reads and of
+the ones it writes, once each. Each member keeps its FLOPs and carries its share of those
+bytes (its own bytes scaled by the kernel's over the members' together), under the target
+``kernel.<name>`` (the op factor a calibration fits to the kernel's measured calls); only the
+anchor pays the kernel floor (one launch). Where the members share a layout, as they must for
+the lowering to substitute, their times add up to the kernel's. Spread over the members
+rather than put on the anchor alone, no member is free: zero-cost ops made the ILP of LLaMA-3
+405B's Megatron stages (75k variables) miss its 120 s limit, where it had solved in 40 s.
 Matches are taken as the lowering takes them (registration order, a node in one match at
 most). The lowering may still keep a match's ops where the plan reads its operands in
 different layouts (``backends/_kernels.py`` lists when); the planner does not know the
@@ -31,13 +36,14 @@ from ..ir import Graph, NodeKind, Ref, TensorMeta, node_bytes, node_flops
 
 KERNEL_PREFIX = "kernel."          # a kernel's op target, as the ops telemetry names its calls
 
-Work = tuple[float, float, str | None]      # (FLOPs, bytes, target priced under; None: free)
+# (FLOPs, bytes, target priced under, whether the kernel floor applies: one launch per kernel)
+Work = tuple[float, float, str, bool]
 
 
 def kernel_work(graph: Graph, topology: Any) -> dict[str, Work]:
     """Node name -> the work the planner prices it at, for the nodes a fused kernel replaces
-    on ``topology``'s device (anchors: the kernel's; other members: nothing). Nodes not listed
-    are priced as their own op. Cached on the graph per device and kernel switch."""
+    on ``topology``'s device (each its share of the kernel's). Nodes not listed are priced as
+    their own op. Cached on the graph per device and kernel switch."""
     return _fused(graph, topology)[0]
 
 
@@ -77,24 +83,23 @@ def _kernel_work(graph: Graph, device: str) -> tuple[dict[str, Work], dict[str, 
         if _kernels.get_kernel(m.kernel).backend not in fused:
             continue
         members = [graph.node(n) for n in m.nodes]
-        flops = float(sum(node_flops(graph, n) for n in members))
         tensors = {ref: graph.meta(ref) for _, ref in (*m.operands, *m.results)
                    if isinstance(ref, Ref) and isinstance(graph.meta(ref), TensorMeta)}
-        nbytes = float(sum(meta.nbytes for meta in tensors.values()))
-        if nbytes == 0:                # a match of views only: nothing to price differently
-            nbytes = float(sum(node_bytes(graph, n) for n in members))
-        for n in members:
-            out[n.name] = (0.0, 0.0, None)
-            member_of[n.name] = KERNEL_PREFIX + m.kernel
-        out[m.anchor] = (flops, nbytes, KERNEL_PREFIX + m.kernel)
+        own = [float(node_bytes(graph, n)) for n in members]
+        kernel_bytes = float(sum(meta.nbytes for meta in tensors.values()))
+        share = kernel_bytes / sum(own) if sum(own) > 0 else 1.0
+        target = KERNEL_PREFIX + m.kernel
+        for n, b in zip(members, own):
+            out[n.name] = (float(node_flops(graph, n)), b * share, target, n.name == m.anchor)
+            member_of[n.name] = target
     return out, member_of
 
 
 def node_work_of(graph: Graph, node: Any, work: dict[str, Work]) -> Work:
-    """(FLOPs, bytes, target) the planner prices ``node`` at: a kernel's share from ``work``
-    (``kernel_work``), else the op's own."""
+    """(FLOPs, bytes, target, floor) the planner prices ``node`` at: its share of a kernel
+    from ``work`` (``kernel_work``), else the op's own."""
     if node.name in work:
         return work[node.name]
     if node.kind is not NodeKind.OP:
-        return 0.0, 0.0, node.target
-    return float(node_flops(graph, node)), float(node_bytes(graph, node)), node.target
+        return 0.0, 0.0, node.target, True
+    return float(node_flops(graph, node)), float(node_bytes(graph, node)), node.target, True

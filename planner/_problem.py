@@ -225,7 +225,7 @@ def _op_choices(graph: Graph, node: Node, mesh: Mesh,
     ins = [graph.meta(r) for r in node.refs()]
     in_metas = tuple(m if isinstance(m, TensorMeta) else None for m in ins)
     out_metas = tuple(m if isinstance(m, TensorMeta) else None for m in node.outputs)
-    flops, nbytes, target = node_work_of(graph, node, kernels)    # a fused kernel's share
+    flops, nbytes, target, floor = node_work_of(graph, node, kernels)  # a kernel's share?
     topo = mesh.topology
     dtype = next((m.dtype for m in out_metas if m is not None), "float32")
     base = one_axis[0]
@@ -240,7 +240,8 @@ def _op_choices(graph: Graph, node: Node, mesh: Mesh,
             if s != base:
                 split *= n
         choices.append(Choice(inputs, outputs,
-                              _compute_time(flops, nbytes, split, dtype, topo, target)))
+                              _compute_time(flops, nbytes, split, dtype, topo, target,
+                                            floor=floor)))
     return choices, has_rule
 
 
@@ -249,15 +250,17 @@ def _zip_layouts(per_axis: list[tuple[Placement | None, ...]]) -> tuple[Layout |
 
 
 def _compute_time(flops: float, nbytes: float, split: int, dtype: str, topo,  # noqa: ANN001
-                  target: str | None = None) -> float:
-    """The roofline time of one rank's share of an op (at least the kernel floor), times the
-    op's calibrated factor (``Topology.op_factors``; 1 unless a run was fitted)."""
+                  target: str | None = None, floor: bool = True) -> float:
+    """The roofline time of one rank's share of an op (at least the kernel floor, unless
+    ``floor`` is False: a fused kernel's member other than its anchor), times the op's
+    calibrated factor (``Topology.op_factors``; 1 unless a run was fitted)."""
     if flops == 0 and nbytes == 0:
         return 0.0
     eff = topo.compute_efficiency
     t = max(flops / split / (topo.flops_for(dtype) * eff),
             nbytes / split / (topo.memory_bandwidth * eff))
-    t = max(t, topo.kernel_floor_s)
+    if floor:
+        t = max(t, topo.kernel_floor_s)
     return t * topo.op_factor(target) if target is not None else t
 
 
@@ -367,13 +370,12 @@ def build_problem(graph: Graph, mesh: Mesh, pins: dict[str, set[Layout]] | None 
     fallbacks: list[str] = []
     hashes = wl_hashes(graph)
     kernels = kernel_work(graph, mesh.topology)
-    # nodes of one hash and one part in a fused kernel (inputs: of one layout set) share their
-    # Choice objects
-    seen: dict[tuple[str, str | None], tuple[list[Choice], bool]] = {}
+    # nodes of one hash and one share of a fused kernel (inputs: of one layout set) share
+    # their Choice objects
+    seen: dict[tuple[str, Work | None], tuple[list[Choice], bool]] = {}
     input_choices: dict[tuple[Layout, ...], list[Choice]] = {}
     for node in graph.nodes:
-        key = (hashes[node.name], kernels[node.name][2] if node.name in kernels else "") \
-            if node.kind is NodeKind.OP else None
+        key = (hashes[node.name], kernels.get(node.name)) if node.kind is NodeKind.OP else None
         if node.kind is NodeKind.OP and key in seen:
             choices, has_rule = seen[key]
             if not has_rule:

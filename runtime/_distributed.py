@@ -1465,7 +1465,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``"fp32"``: as written. ``recompute``: activation recompute of the repeated layers,
     ``"auto"`` (the planner decides when memory is short), ``"none"``, ``"selective"``,
     ``"full"`` or ``(policy, layers)`` (``plan_graph``; README, "Activation recompute").
-    ``calibrate``: True (8 steps) or a number of mesh steps: time every op of the first mesh
+    ``calibrate``: True (16 steps) or a number of mesh steps: time every op of the first mesh
     steps, fit the cost model's machine to those times and the collectives' (``meshplan
     calibrate --from-telemetry`` does the same from a store), plan again with it, and if the
     plan changes, go on with the new one (the state moves through the controller once); one
@@ -1646,16 +1646,17 @@ def _fault_tolerance(on: Any, launcher: str, max_restarts: Any,
                     elastic=least)
 
 
-CALIBRATION_STEPS = 8      # distribute(calibrate=True)
+# distribute(calibrate=True): the fit reads the median of the steps after the first. Of 15,
+# a slow step or two (a rank's first telemetry flush, 2 s in, made one 30-50 % slower on 4
+# ranks sharing 2 cores) move it little, and the 2-4 s they take are less often all inside
+# one of a machine's slow periods than 4 steps were (benchmarks/README.md, "Calibration")
+CALIBRATION_STEPS = 16
 
 
 def _calibration_steps(calibrate: Any, telemetry: TelemetryConfig | None,
                        plan: Any) -> int:
     if calibrate is False or calibrate is None or calibrate == 0:
         return 0
-    # 8: the fit reads the median of the steps after the first; of 7, one or two slow ones
-    # (a rank's first telemetry flush, 2 s in, made one step 30-50 % slower on 4 ranks
-    # sharing 2 cores) move it less than of 4
     steps = CALIBRATION_STEPS if calibrate is True else calibrate
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
         raise RuntimeFailure(f"distribute(calibrate={calibrate!r}): pass True "
