@@ -28,10 +28,13 @@ from ._summary import format_bytes
 from ._problem import (INF, STATE_POS, Edge, Problem, has_partial, reduce_wide, reduces,
                        reshard_steps, reshard_time, result_refs, shrinks)
 
-# what the solver adds for a collective outside a hand-written family's own (Problem.collectives):
-# far above any step time it compares, so only a plan that cannot do without pays it (the
-# plan's reported times are computed from its redistributions, without the penalty)
-FAMILY_PENALTY_S = 1e3
+# what the solver adds for a collective outside a hand-written family's own (Problem.collectives)
+# is this many times the model's whole cost (every variable at 1, which no plan exceeds): above
+# any step time it compares, so only a plan that cannot do without pays it (the plan's reported
+# times are computed from its redistributions, without the penalty). It is relative, not a
+# fixed 1e3 s: next to the few-microsecond ops of a small model a 1e3 s cost left the LP so
+# badly scaled (costs 4e-3..3e9 us) that HiGHS's dual simplex stopped with status Unknown
+FAMILY_PENALTY = 2.0
 
 # ``solve`` leaves the memory rows out of its first round when the unsharded liveness peak,
 # spread over every device (the bound ``peak_lower_bound`` gives), is under this share of the
@@ -90,6 +93,7 @@ class _Model:
         self.integer: list[bool] = []
         self.lazy: list[bool] = []
         self.rows: list[tuple[float, float, list[int], list[float]]] = []
+        self.penalized: dict[int, float] = defaultdict(float)   # variable -> penalty units
         self.memory_rows = range(0)     # the rows that bound memory at the liveness points
 
     def var(self, cost: float, integer: bool, lazy: bool = False) -> int:
@@ -448,6 +452,10 @@ def _build(problem: Problem, memory_limit: float, points: list[int]) -> tuple[
         # in units of the limit: bytes next to seconds would leave the LP badly scaled
         model.row(-INF, 1.0, {v: b / memory_limit for v, b in terms.items()})
     model.memory_rows = range(first, len(model.rows))
+    if model.penalized:
+        unit = FAMILY_PENALTY * max(sum(c for c in model.cost if c < INF), 1e-6)
+        for v, units in model.penalized.items():
+            model.cost[v] += units * unit
     return model, xvar, members, transients
 
 
@@ -459,17 +467,16 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     constrain: point -> {variable: bytes}."""
     transients: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     graph, mesh, dec = problem.graph, problem.mesh, problem.decisions
-    cache: dict[tuple[int, Layout, Layout], float] = {}
+    cache: dict[tuple[int, Layout, Layout], tuple[float, bool]] = {}
 
-    def cost(nbytes: int, l: Layout, r: Layout) -> float:
+    def cost(nbytes: int, l: Layout, r: Layout) -> tuple[float, bool]:
+        """The change's seconds, and whether it needs a collective outside the family's."""
         key = (nbytes, l, r)
         if key not in cache:
             steps = reshard_steps(TensorMeta((nbytes,), "uint8"), l, r, mesh)
             t = INF if steps is None else sum(s[3] for s in steps)
-            if steps and problem.collectives is not None and any(
-                    k not in problem.collectives for k, *_ in steps):
-                t += FAMILY_PENALTY_S
-            cache[key] = t
+            cache[key] = (t, bool(steps) and problem.collectives is not None and any(
+                k not in problem.collectives for k, *_ in steps))
         return cache[key]
 
     wide_values = reduce_wide(graph)
@@ -506,11 +513,13 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
             for i, (cs, cd) in enumerate(zip(dec[e.src].choices, dec[e.dst].choices)):
                 l, r = cs.outputs[k], cd.required(pos)
                 if l != r:
-                    t = INF if wide and reduces(l, r) else cost(meta.nbytes, l, r)
+                    t, odd = (INF, False) if wide and reduces(l, r) else cost(meta.nbytes, l, r)
                     if t == INF:
                         model.ub[xvar[gs][i]] = 0.0
                         continue
                     model.cost[xvar[gs][i]] += count * t
+                    if odd:
+                        model.penalized[xvar[gs][i]] += count
                 for when, b in held.bytes(meta, l, r, mesh.sizes).items():
                     transients[when][xvar[gs][i]] += b
             continue
@@ -523,12 +532,14 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         ys: dict[tuple[Layout, Layout], int] = {}
         follower = problem.is_follower(e.dst)
         for l, r in candidate_pairs(tuple(by_out), tuple(by_in), follower):
-            t = INF if wide and reduces(l, r) else cost(meta.nbytes, l, r)
+            t, odd = (INF, False) if wide and reduces(l, r) else cost(meta.nbytes, l, r)
             if t < INF:
                 # keeping, slicing and gathering are in from the start; reduce-scatters
                 # and all-to-alls are priced in when they pay
                 lazy = not (l == r or _gathered(l, r) or _gathered(r, l))
                 ys[(l, r)] = model.var(count * t, False, lazy)
+                if odd:
+                    model.penalized[ys[(l, r)]] += count
                 for when, b in held.bytes(meta, l, r, mesh.sizes).items():
                     transients[when][ys[(l, r)]] += b
         rows_out: dict[Layout, dict[int, float]] = {l: {} for l in by_out}

@@ -83,6 +83,24 @@ def test_dp_plan_replicates_state_and_shards_the_batch() -> None:
             assert layout == (Replicate(),)
 
 
+def test_a_family_penalty_is_scaled_to_the_model(monkeypatch) -> None:  # noqa: ANN001
+    """A change outside a hand family's collectives costs a multiple of the model's whole cost,
+    not a fixed 1e3 s: next to a small model's few-microsecond ops that left costs spanning
+    4e-3..3e9 us and HiGHS stopped with status Unknown (the recompute planner's dp=2 GPT)."""
+    from meshplan.planner import _solve
+    seen = []
+    real = _solve._Model.solve
+    monkeypatch.setattr(_solve._Model, "solve", lambda self, *a: seen.append(self) or real(
+        self, *a))
+    plan = plan_graph(_graph("mlp"), {"dp": 2}, topology="h100", strategy="dp")
+    model = seen[-1]
+    assert model.penalized and plan.solver["status"] == "Optimal"
+    cost = [c for c in model.cost if 0 < c < float("inf")]
+    base = sum(c for v, c in enumerate(model.cost) if v not in model.penalized)
+    assert all(model.cost[v] > _solve.FAMILY_PENALTY * base for v in model.penalized)
+    assert max(cost) / min(cost) < 1e9
+
+
 def test_fsdp_shards_state_and_gathers_it() -> None:
     g = _graph("mlp")
     plan = plan_graph(g, {"dp": 2}, topology="h100", strategy="fsdp")
