@@ -47,7 +47,11 @@ MAGIC = b"MPSNAP01"
 _HEAD = struct.Struct("<8sQqq")          # magic, index length, step of slot 0, step of slot 1
 _PAGE = 4096
 _ALIGN = 64
-INVALID = -1
+# a slot's step when it holds nothing valid: no step can be it (a fresh mesh's launch state is
+# the snapshot of step -1, the step before its first; with -1 as the marker that snapshot did
+# not count, and a rank lost in step 0, or in step 1 while its copy of step 0 was still being
+# written, left no step to go back to)
+INVALID = -(2**63)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -105,6 +105,17 @@ def test_a_failed_rank_restarts_the_mesh_and_the_run_is_bit_for_bit_the_same(
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_lost_in_the_first_step_goes_back_to_the_launch_state(reference, plugin) -> None:
+    """The state a mesh starts from is the snapshot of step -1: a rank killed in step 0 (or
+    in step 1 before its copy of step 0 is written, which overlaps step 1's forward) restores
+    it and the run is bit for bit the fault-free one. -1 once marked an empty slot, so that
+    snapshot did not count and the run ended with "no step before 0 has a snapshot"."""
+    got = _run({"dp": 2}, faults=[plugin(1, 0, "forward", "kill")])
+    assert got[2] == 1
+    _same(got, reference)
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_that_hangs_past_the_step_deadline_restarts_every_rank(reference,
                                                                       plugin) -> None:
     """Alive, running, never answering: after three measured steps a step may take ten times

@@ -225,7 +225,7 @@ def test_gpt_on_two_hosts_under_mpi_equals_one_process_through_a_killed_rank(box
     r = json.loads(out.splitlines()[-1])
     h0, h1 = (h.name for h in box.hosts)
     assert r["controller"] == box.ctl.name
-    assert r["hosts"] == [h0, h0, h1, h1]          # consecutive ranks (the tp groups) share a host
+    assert r["hosts"] == [h0, h0, h1, h1], r     # consecutive ranks (the tp groups) share a host
     assert r["restarts"] == 1 and r["keeper_hosts"] == [h0, h1]
     # hydra's report (pid and host) names the killed rank, though it ran on another host
     # than the controller, where no pidfd could see which rank ended first
