@@ -337,30 +337,8 @@ def test_the_one_host_of_ranks_is_lost_and_a_spare_takes_it_over(box) -> None:
     down before step 2; the mesh starts again on h1 from those copies, and the four steps and
     the state after them equal the same run on h0 without a fault (the same plan on the same
     mesh: every sum in the same order)."""
-    import json
-
     h0, h1 = box.hosts
-    work = tempfile.mkdtemp(prefix="meshplan-lose1-", dir="/var/tmp")
-    result = os.path.join(work, "result.json")
-    job = Path(__file__).with_name("_multihost_job.py")
-    proc = subprocess.Popen(box.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
-                                      str(job), "lose-only-host", result]),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        while (line := proc.stdout.readline()) and line.strip() != "cut-now":
-            pass
-        assert line, "the job ended before it asked for a cut"
-        subprocess.run(["nsenter", "--target", str(h0.pid), "--net", "--", "ip", "link", "set",
-                        "eth0", "down"], check=True)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.wait(200) == 0
-        with open(result) as f:
-            r = json.load(f)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        shutil.rmtree(work, ignore_errors=True)
+    r = _job_with_a_cut(box, h0, ["lose-only-host"], [], 200)
     assert r["after"]["hosts"] == [h1.name] * 4 and r["after"]["restarts"] >= 1, r
     assert r["equal"], r
 
@@ -416,30 +394,41 @@ def _lose_two_hosts(launcher: str) -> None:
         b.down()
 
 
-def _cut_a_host(box: Sandbox, launcher: str) -> None:
+def _job_with_a_cut(box: Sandbox, host, mode: list[str], more: list[str],  # noqa: ANN001
+                    wait_s: float, ready=lambda: True) -> dict:  # noqa: ANN001
+    """``_multihost_job.py MODE RESULT MORE`` on the controller host, rank hosts counted lost
+    after 5 s without a word: when it prints ``cut-now`` (and ``ready()``), ``host``'s link
+    goes down and the job is told to go on; what it wrote to RESULT (JSON)."""
     import json
 
     work = tempfile.mkdtemp(prefix="meshplan-cut-", dir="/var/tmp")
     result = os.path.join(work, "result.json")
     job = Path(__file__).with_name("_multihost_job.py")
     proc = subprocess.Popen(box.argv(["env", "MESHPLAN_LOST_AFTER_S=5", sys.executable,
-                                      str(job), "cut", result, launcher]),
+                                      str(job), *mode, result, *more]),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    h1 = box.hosts[1]
     try:
-        assert proc.stdout.readline().strip() == "cut-now"
-        assert "python" in _in_netns(h1.pid)           # h1's ranks
-        subprocess.run(["nsenter", "--target", str(h1.pid), "--net", "--", "ip", "link", "set",
-                        "eth0", "down"], check=True)
+        while (line := proc.stdout.readline()) and line.strip() != "cut-now":
+            pass
+        assert line, "the job ended before it asked for a cut"
+        assert ready()
+        subprocess.run(["nsenter", "--target", str(host.pid), "--net", "--", "ip", "link",
+                        "set", "eth0", "down"], check=True)
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        assert proc.wait(120) == 0
+        assert proc.wait(wait_s) == 0
         with open(result) as f:
-            r = json.load(f)
+            return json.load(f)
     finally:
         if proc.poll() is None:
             proc.kill()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _cut_a_host(box: Sandbox, launcher: str) -> None:
+    h1 = box.hosts[1]
+    r = _job_with_a_cut(box, h1, ["cut"], [launcher], 120,
+                        lambda: "python" in _in_netns(h1.pid))       # h1's ranks run
     assert r["type"] == "WorkerFailure" and r["reason"] == "lost", r
     assert r["hosts"] == [h1.name] and f"lost host {h1.name} (ranks 2, 3)" in r["message"]
     assert 5 <= r["after_s"] < 30
