@@ -64,6 +64,12 @@ def probe_links(comm: Any, rank: int, sizes: tuple[int, ...], *, kinds: tuple[st
 
 
 WAIT_ITERS = 16        # bursts per timed batch
+# batches whose median is the wait (a calibration's probe_links takes 3): with 3, the wait
+# fitted on 4 ranks sharing 2 cores moved 209-658 us between calibrations minutes apart, and
+# a plan of ~100 collectives carried it all (fsdp +8..+39 %); with 9, ten calibrations fell
+# in 325-504 us and in three benchmark runs every plan's estimate was within -8..+7 %
+# (benchmarks/README.md); a calibration on 4 ranks took 5.0-5.3 s, against 4.5-5.8 s
+WAIT_REPEATS = 9
 WAIT_MATMULS, WAIT_SIZE = 24, 128   # a burst: 24 float32 128x128 matmuls (~2 ms on an idle core)
 
 
