@@ -73,7 +73,7 @@ WAIT_REPEATS = 9
 WAIT_MATMULS, WAIT_SIZE = 24, 128   # a burst: 24 float32 128x128 matmuls (~2 ms on an idle core)
 
 
-def probe_wait(comm: Any, rank: int, sizes: tuple[int, ...], *, repeats: int = 3,
+def probe_wait(comm: Any, rank: int, sizes: tuple[int, ...], *, repeats: int = WAIT_REPEATS,
                iters: int = WAIT_ITERS, device: str = "cpu") -> list[dict[str, Any]]:
     """Per mesh axis of more than one rank: ``{"kind": "wait", "axis", "group_size",
     "bytes": 4, "seconds"}``, the seconds a blocking collective waits beyond its idle time

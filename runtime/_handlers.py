@@ -296,15 +296,14 @@ def _probe_links(state: WorkerState, header: dict[str, Any], tensors: list[torch
     """Time blocking collectives on this rank's mesh-axis groups (``backends/_probe.py``):
     what a calibration fits the links to, and the wait a blocking collective adds when every
     rank is busy (``probe_wait``). Its calls are not a step's: nothing is recorded."""
-    from ..backends._probe import WAIT_REPEATS, probe_links, probe_wait
+    from ..backends._probe import probe_links, probe_wait
 
     ns = state.ns
     repeats, device = int(header.get("repeats", 3)), state_device(ns.state)
     samples = probe_links(ns.comm, state.rank, ns.plan.mesh.sizes,
                           nbytes=tuple(int(b) for b in header["bytes"]),
                           repeats=repeats, device=device)
-    samples += probe_wait(ns.comm, state.rank, ns.plan.mesh.sizes,
-                          repeats=int(header.get("wait_repeats", WAIT_REPEATS)), device=device)
+    samples += probe_wait(ns.comm, state.rank, ns.plan.mesh.sizes, device=device)
     ns.comm.records.clear()
     return {"samples": samples}, []
 
