@@ -39,7 +39,7 @@ from ..telemetry import Level, TelemetryConfig
 from ._checks import check_indices
 from ._files import FILES_PLUGIN
 from ._k8s import K8sOptions
-from ._k8s_launch import K8sLauncher
+from ._k8s_launch import K8sLauncher, K8sPods
 from . import _zygote
 from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
 from ._keepers import KEEPER_PLUGIN, MeshSnapshots
@@ -118,6 +118,9 @@ class DistributedStep:
         # under fault tolerance, the Slurm allocation every launch of the run uses (restarted
         # ranks go back to their nodes, where their snapshots are); given back at shutdown
         self._allocation: Allocation | None = None
+        # under fault tolerance, the pods every launch of the run uses (their agents keep
+        # the snapshots and start the ranks); deleted at shutdown
+        self._pods: K8sPods | None = None
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
@@ -412,6 +415,9 @@ class DistributedStep:
         if self._allocation is not None:
             self._allocation.release()
             self._allocation = None
+        if self._pods is not None:
+            self._pods.close()
+            self._pods = None
         if self._tel is not None:
             self._tel.close()
             self._tel = None
@@ -597,7 +603,7 @@ class DistributedStep:
                            "use them", os.environ["MESHPLAN_HOSTS"])
         launcher = (MPILauncher(hosts=self.hosts) if self.launcher == "mpi"
                     else self._slurm_launcher(world) if self.launcher == "slurm"
-                    else K8sLauncher(self.k8s) if self.launcher == "k8s"
+                    else self._k8s_launcher() if self.launcher == "k8s"
                     else LocalLauncher(fork=self.device == "cpu"))
         plugins = ",".join(filter(None, (_HANDLERS, FILES_PLUGIN,
                                          os.environ.get("MESHPLAN_WORKER_PLUGINS"))))
@@ -704,6 +710,16 @@ class DistributedStep:
             self._allocation = SlurmLauncher(self.slurm).allocation(world, no_kill=True)
         return SlurmLauncher(self.slurm, env=self._allocation.environ())
 
+    def _k8s_launcher(self) -> K8sLauncher | K8sPods:
+        """The k8s launcher of a launch; under fault tolerance, the run's pods (made at the
+        first launch, their agents keep the snapshots and start every launch's ranks)."""
+        assert self.k8s is not None
+        if self._ft is None:
+            return K8sLauncher(self.k8s)
+        if self._pods is None:
+            self._pods = K8sPods(self.k8s)
+        return self._pods
+
     def _slurm_nodes(self, world: int) -> list[str]:
         """The nodes of the run's Slurm allocation that ``world`` ranks use (the first ones;
         the others are spares)."""
@@ -722,6 +738,8 @@ class DistributedStep:
         allocation's nodes, consecutive ranks on one."""
         if self.launcher == "slurm" and self._allocation is not None:
             names = self._slurm_owners(world)
+        elif self._pods is not None:           # pods: never the controller's host
+            return list(self._pods.hosts(world))
         else:
             placement = host_slots(self.hosts, world) if self.launcher == "mpi" else None
             if placement is None:
@@ -737,6 +755,9 @@ class DistributedStep:
         env = {"MESHPLAN_WORKER_PLUGINS": KEEPER_PLUGIN}
 
         def launch(names: list[str]) -> Workers:
+            if self._pods is not None:          # the pods' agents keep their snapshots
+                assert self._pods.agents is not None
+                return self._pods.agents
             if self.launcher == "slurm":       # a step of its own, beside the ranks' steps
                 assert self.slurm is not None and self._allocation is not None
                 options = dataclasses.replace(self.slurm, nodes=len(names), srun_args=(
@@ -748,7 +769,7 @@ class DistributedStep:
             return MPILauncher(hosts=[f"{h}:1" for h in names],
                                mpiexec_args=("-disable-auto-cleanup",)).launch(
                 len(names), env=env)
-        return MeshSnapshots(hosts, launch, self.timeout_s)
+        return MeshSnapshots(hosts, launch, self.timeout_s, own=self._pods is None)
 
     def _snapshot_memory_check(self, world: int) -> None:
         """Under the default (``fault_tolerance=None``), leave fault tolerance off when the
@@ -837,6 +858,16 @@ class DistributedStep:
                     f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
                     f"failure:\n{failure}") from failure
             moving = ft.relocating if ft.held is not None else self._relocatable(failure)
+            lost = [] if self._pods is None else self._pods.lost()
+            if lost:                              # the pod's agent, and its snapshots, are gone
+                self._stop_workers()
+                raise RuntimeFailure(
+                    f"{self.__name__}: pod{'s' * (len(lost) > 1)} "
+                    f"{', '.join(map(str, lost))} of the run ended, with the agent and "
+                    "snapshots they held; starting a lost pod's ranks in the pod the Job "
+                    "makes in its place is not built yet (load the last checkpoint). The "
+                    "failure:\n"
+                    f"{failure}") from failure
             if failure.reason == "lost" and ft.elastic is None and not moving and (
                     self.launcher == "slurm" or self.launcher == "mpi" and parse_hosts(self.hosts)):
                 self._stop_workers(lost=True)     # starting on the same hosts would wait on it
@@ -1491,9 +1522,9 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``fault_tolerance``: None (the default) turns it on for CPU ranks under the local, mpi
     and slurm launchers, where it was measured to cost under 3 % of the step, unless the
     snapshots would take more than half of this host's available memory; off on GPU ranks
-    (not measured yet) and under k8s (not built); ``$MESHPLAN_FAULT_TOLERANCE`` (``auto``,
-    ``on``, ``off``) changes that default; ``step.fault_tolerance`` and the plan summary say
-    which holds. On (True) it keeps every rank's state in memory after every
+    (not measured yet) and under k8s (not measured on a cluster);
+    ``$MESHPLAN_FAULT_TOLERANCE`` (``auto``, ``on``, ``off``) changes that default;
+    ``step.fault_tolerance`` and the plan summary say which holds. On (True) it keeps every rank's state in memory after every
     ``snapshot_every``-th step (a copy per rank, in memory files the controller holds, or on
     another host a snapshot keeper there, with a copy on the next host's keeper) and the
     batches since; when a rank exits, is killed, stays stopped for ``hang_s`` or a step outlives
@@ -1501,9 +1532,10 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     mesh, brings every rank back to the newest snapshot and re-runs the steps since: the call
     returns what it would have, the state is bit for bit the fault-free run's, and a warning
     line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
-    ``max_restarts`` restarts in one run, ``RuntimeFailure``. The local, mpi (``hosts=`` too)
-    and slurm launchers, not yet k8s (README, "Fault tolerance"). ``hang_s``: how long a
-    rank may stay stopped (SIGSTOP) while
+    ``max_restarts`` restarts in one run, ``RuntimeFailure``. Every launcher: local, mpi
+    (``hosts=`` too), slurm, and k8s (each pod's agent keeps its ranks' snapshots and starts
+    them again; a lost pod is not recovered yet; README, "Fault tolerance"). ``hang_s``: how
+    long a rank may stay stopped (SIGSTOP) while
     the controller waits for it before it counts as failed (default 10 s). ``elastic``
     (with fault tolerance): True, or the fewest ranks to go on with, makes a failure shrink
     the mesh instead of starting the failed ranks again: the step is planned again for the
@@ -1582,9 +1614,10 @@ def _fault_tolerance_default(on: Any, elastic: Any, launcher: str,
     """What ``distribute(fault_tolerance=None)`` (the default) means here, and the plan
     summary's line on it: on for CPU ranks under the local, mpi and slurm launchers, where
     snapshots after every step were measured to cost under 3 % of the step (README, "Fault
-    tolerance"); off under k8s (no snapshot keeper in pods yet) and on GPU ranks (the copy of
-    their state to host memory every step is not measured yet). ``$MESHPLAN_FAULT_TOLERANCE``
-    (``auto``, ``on``, ``off``) changes the default; ``elastic=`` asks for it."""
+    tolerance"); off under k8s (its cost on a cluster is not measured) and on GPU ranks (the
+    copy of their state to host memory every step is not measured yet).
+    ``$MESHPLAN_FAULT_TOLERANCE`` (``auto``, ``on``, ``off``) changes the default; ``elastic=``
+    asks for it."""
     if on is not None:
         return on, "on, as asked" if on is True else "off, as asked"
     if elastic is not None and elastic is not False:
@@ -1595,11 +1628,12 @@ def _fault_tolerance_default(on: Any, elastic: Any, launcher: str,
                              "on for CPU ranks), on or off")
     if env == "off":
         return False, f"off (${ENV_FAULT_TOLERANCE}=off)"
-    if launcher == "k8s":
-        return False, ("off: not built for launcher='k8s' yet (no snapshot keeper runs in "
-                       "the pods)")
     if env == "on":
         return True, f"on (${ENV_FAULT_TOLERANCE}=on)"
+    if launcher == "k8s":
+        return False, ("off: the default under launcher='k8s' until its cost on a cluster is "
+                       "measured (each pod's agent keeps its ranks' snapshots, copied to the "
+                       "next pod's); fault_tolerance=True turns it on")
     if device != "cpu":
         return False, ("off: the default on GPU ranks until the cost of copying their state "
                        "to host memory every step is measured; fault_tolerance=True turns it on")
@@ -1634,14 +1668,11 @@ def _fault_tolerance(on: Any, launcher: str, max_restarts: Any,
         return None
     if on is not True:
         raise RuntimeFailure(f"distribute(fault_tolerance={on!r}): pass True or False")
-    if launcher == "k8s":
+    if launcher == "k8s" and elastic is not None and elastic is not False:
         raise RuntimeFailure(
-            "distribute(fault_tolerance=True, launcher='k8s'): restarting from in-memory "
-            "snapshots needs a process that outlives the ranks on every host (the controller "
-            "on its own, a snapshot keeper the mpi and slurm launchers start on the others), "
-            "and launcher='k8s' runs them in pods, where none is started yet; use "
-            "launcher='local', 'mpi' or 'slurm', or save_checkpoint() every few steps and "
-            "load_checkpoint() after a failure")
+            f"distribute(elastic={elastic!r}, launcher='k8s'): shrinking the mesh is not built "
+            "for pods (their Job keeps its pod count; a failed rank is started again in its "
+            "pod); drop elastic=, or use launcher='local', 'mpi' or 'slurm'")
     for name, value in (("max_restarts", max_restarts), ("snapshot_every", snapshot_every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (
                 0 if name == "max_restarts" else 1):

@@ -59,6 +59,9 @@ POD_ENTRY = "meshplan.runtime._k8s_pod"
 ENV_RANKS_PER_POD = "MESHPLAN_RANKS_PER_POD"
 ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
 ENV_K8S = "MESHPLAN_K8S"
+ENV_AGENT = "MESHPLAN_POD_AGENT"        # fault tolerance: the pod runs its agent
+# the agent's worker plugins: the snapshot keeper and the agent (``_k8s_agent.py``)
+AGENT_PLUGINS = "meshplan.runtime._keepers,meshplan.runtime._k8s_agent"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
@@ -262,11 +265,14 @@ def labels(run_id: str) -> dict[str, str]:
 
 def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
               store: tuple[str, int] | None, controller_host: str,
-              extra_env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+              extra_env: Mapping[str, str] | None = None, agent: bool = False
+              ) -> list[dict[str, Any]]:
     """The Job (or JobSet) and the headless Service that run ``world`` ranks for run
     ``run_id``, whose workers connect to the controller at ``address`` (``tcp://host:port``)
     and rendezvous through its store at ``store`` (host, port); ``extra_env``: the
-    launcher's own variables for the workers (the worker plugins)."""
+    launcher's own variables for the workers (the worker plugins). ``agent``: each pod runs
+    its agent (fault tolerance, ``_k8s_agent.py``), which connects to ``address`` and starts
+    the ranks when told."""
     pods, per = opts.layout(world)
     name = resource_name(run_id)
     meta_labels = {**opts.labels, **labels(run_id)}
@@ -275,7 +281,9 @@ def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
         meta["annotations"] = dict(opts.annotations)
     template = _pod_template(opts, name=name, run_id=run_id, world=world, per=per,
                              address=address, store=store, controller_host=controller_host,
-                             pod_labels=meta_labels, extra_env=extra_env or {})
+                             pod_labels=meta_labels,
+                             extra_env={**(extra_env or {}), **({ENV_AGENT: "1"} if agent
+                                                                else {})})
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": pods, "parallelism": pods,
         "backoffLimit": 0,

@@ -35,6 +35,7 @@ through a port-forward from a laptop.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -60,7 +61,7 @@ from ._k8s import (
 )
 from ._launch import RendezvousStore, WorkerFailure, Workers, _Group
 
-__all__ = ["K8sLauncher", "delete_all_mine", "logs_of_mine", "status_of_mine"]
+__all__ = ["K8sLauncher", "K8sPods", "delete_all_mine", "logs_of_mine", "status_of_mine"]
 
 logger = logging.getLogger("meshplan.runtime")
 
@@ -348,6 +349,13 @@ class K8sLauncher:
 
     def launch(self, n: int, *, env: Mapping[str, str] | None = None,
                cwd: str | os.PathLike | None = None) -> Workers:
+        return self.make(n, env)
+
+    def make(self, n: int, env: Mapping[str, str] | None = None, *, agent: bool = False
+             ) -> Workers:
+        """The Job, Service and Secret for ``n`` ranks, and their workers once every one
+        has said hello: the ranks, or with ``agent`` the pods' agents (one per pod, rank =
+        the pod's index; ``K8sPods`` starts the ranks through them)."""
         from kubernetes.client.rest import ApiException
 
         opts = self.options
@@ -373,7 +381,8 @@ class K8sLauncher:
         extra = {k: v for k, v in (env or {}).items()}
         job, service = manifests(opts, world=n, run_id=run_id, address=group.channel.address,
                                  store=(host, group.store.port),
-                                 controller_host=socket.gethostname(), extra_env=extra)
+                                 controller_host=socket.gethostname(), extra_env=extra,
+                                 agent=agent)
         try:
             try:
                 made = batch.create_namespaced_job(ns, job)
@@ -391,9 +400,9 @@ class K8sLauncher:
                 core.create_namespaced_secret(ns, key)
             except ApiException as exc:
                 raise _api_error(exc, "creating the Service and Secret", ns) from exc
-            group.procs = [_PodRank(group.pods, r // per, group,
-                                    range(r - r % per, min(n, r - r % per + per)))
-                           for r in range(n)]
+            indexes = range(pods_n) if agent else [r // per for r in range(n)]
+            group.procs = [_PodRank(group.pods, i, group, range(i * per, min(n, i * per + per)))
+                           for i in indexes]
             workers = Workers(group, run_id=run_id, master_addr=host,
                               master_port=group.store.port, log_dir=None)
             _stream_logs(core, ns, group, per)
@@ -420,6 +429,229 @@ class K8sLauncher:
         workers.pids = tuple(p.pid for p in group.procs)
         workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
         return workers
+
+
+class _AgentRank:
+    """What :class:`Workers` sees of one rank that a pod's agent runs (``K8sPods``): its
+    exit and whether it is stopped, which the controller on another host learns from the
+    agent (asked when the rank's control connection ends, or its heartbeats stop), or from
+    its pod's end."""
+
+    stdin = None
+    local = False
+
+    def __init__(self, pods: K8sPods, channel: ControllerChannel, rank: int, index: int
+                 ) -> None:
+        self.pods, self.channel, self.rank, self.index = pods, channel, rank, index
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self._asked = -math.inf
+        self._stopped = False
+
+    def _ask(self, every_s: float) -> None:
+        now = time.monotonic()
+        if now - self._asked < every_s:
+            return
+        self._asked = now
+        reply = self.pods.ask(self.index, "pod_poll", {"ranks": [self.rank]})
+        if reply is None:
+            return
+        state = reply["ranks"][str(self.rank)]
+        if state.get("code") is not None:
+            self.returncode = int(state["code"])
+        self._stopped = bool(state.get("stopped"))
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            code = self.pods.pod_code(self.index)        # the pod ended, its ranks with it
+            if code is not None:
+                self.returncode = code
+            elif self.rank in self.channel.ended:      # exited, or closed its connection
+                self._ask(0.1)
+        return self.returncode
+
+    def stopped(self) -> bool:
+        """Whether the rank is stopped (SIGSTOP): asked of the agent at most once a second,
+        once its heartbeats have paused (a stopped process cannot beat; a rank on the
+        controller's host does not beat at all)."""
+        beat = self.channel.last_beat.get(self.rank)
+        if self.returncode is not None or (
+                beat is not None and time.monotonic() - beat < 2.5 * P.BEAT_INTERVAL_S):
+            return False
+        self._ask(1.0)
+        return self._stopped
+
+    @property
+    def ended(self) -> str | None:
+        return self.pods.pod_ended(self.index)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                import subprocess
+                raise subprocess.TimeoutExpired(f"rank {self.rank}", timeout)
+            self._ask(0.1)
+            time.sleep(0.05)
+        return self.returncode or 0
+
+    def kill(self) -> None:
+        reply = self.pods.ask(self.index, "pod_kill", {"ranks": [self.rank]})
+        if self.returncode is None:
+            code = None if reply is None else reply["codes"].get(str(self.rank))
+            self.returncode = 137 if code is None else int(code)
+
+    terminate = kill
+
+
+class _AgentGroup(_Group):
+    """One launch of ranks through the pods' agents: stopping it kills the ranks (through
+    the agents) and closes the ranks' channel; the pods stay (``K8sPods.close`` ends them)."""
+
+    def __init__(self, channel: ControllerChannel, store: RendezvousStore, pods: K8sPods,
+                 start: dict[str, Any]) -> None:
+        super().__init__(channel, store)
+        self.k8s, self.start = pods, start
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.k8s.kill_ranks()
+        self.close_ends()
+
+
+class K8sPods:
+    """``launcher="k8s"`` under fault tolerance: pods that outlive their ranks. The first
+    ``launch`` makes the Job with each pod running its agent (``_k8s_agent.py``: the pod's
+    snapshot keeper, which starts its ranks when told), and every launch (the first, and a
+    restart of every rank after a failure) starts the ranks through the agents on a fresh
+    channel; ``Workers.respawn`` starts one rank again in its pod. The ranks' snapshots live
+    in their pod's agent (``MeshSnapshots`` with the agents as its keepers), so a rank's
+    replacement reads its state back there. ``close`` ends the pods (deletes the Job)."""
+
+    def __init__(self, options: K8sOptions | Mapping[str, Any], *,
+                 start_timeout_s: float = 300.0) -> None:
+        self.launcher = K8sLauncher(options, start_timeout_s=start_timeout_s)
+        self.agents: Workers | None = None
+        self.world: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def per(self) -> int:
+        assert self.world is not None
+        return self.launcher.options.layout(self.world)[1]
+
+    def hosts(self, world: int) -> list[str]:
+        """Every rank's "host" (its pod) for the snapshot keepers: ``pod<index>``."""
+        per = self.launcher.options.layout(world)[1]
+        return [f"pod{r // per}" for r in range(world)]
+
+    def launch(self, n: int, *, env: Mapping[str, str] | None = None,
+               cwd: str | os.PathLike | None = None) -> Workers:
+        if self.agents is None:
+            self.agents = self.launcher.make(n, env, agent=True)
+            self.agents.keep_on_failure = True     # a pod's end is the ranks' to report
+            self.world = n
+        elif n != self.world:
+            raise RuntimeFailure(f"launcher='k8s': the run's pods hold {self.world} ranks; a "
+                                 f"mesh of {n} cannot start in them")
+        agents, per = self.agents, self.per
+        host = agents.master_addr
+        secret, run_id = Secret.new(), secrets.token_hex(8)
+        start = {"address": "", "run_id": run_id, "key": secret.hex(), "world": n, "per": per,
+                 "env": dict(env or {})}
+        group = _AgentGroup(ControllerChannel(secret, run_id, host, transport="tcp"),
+                            RendezvousStore(host), self, start)
+        start.update(address=group.channel.address, store=[host, group.store.port])
+        group.channel.sees_drops = True     # the agents tell a closed connection from an exit
+        try:
+            for i in range(len(agents._group.procs)):
+                agents.send(i, "pod_start", {**start, "first": i * per,
+                                             "ranks": list(range(i * per, min(n, i * per + per)))})
+            agents.gather("pod_start", self.launcher.start_timeout_s)
+            group.procs = [_AgentRank(self, group.channel, r, r // per) for r in range(n)]
+            group.respawn = lambda rank: self._respawn(group, rank)
+            workers = Workers(group, run_id=run_id, master_addr=host,
+                              master_port=group.store.port, log_dir=None)
+            hellos = workers.gather(P.HELLO, timeout_s=self.launcher.start_timeout_s)
+        except BaseException:
+            group.stop()
+            raise
+        here, now = socket.gethostname(), time.monotonic()
+        for rank, (proc, hello) in enumerate(zip(group.procs, hellos)):
+            proc.pid = int(hello.header["pid"])
+            if hello.header.get("hostname") != here:     # it beats from now on (_worker)
+                group.channel.last_beat.setdefault(rank, now)
+        workers.pids = tuple(p.pid for p in group.procs)
+        workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
+        return workers
+
+    def _respawn(self, group: _AgentGroup, rank: int) -> _AgentRank:
+        index, per = rank // self.per, self.per
+        reply = self.ask(index, "pod_start", {**group.start, "first": index * per,
+                                              "ranks": [rank]}, timeout_s=30.0)
+        if reply is None:
+            raise RuntimeFailure(f"launcher='k8s': the agent of pod {index} did not start "
+                                 f"rank {rank} again ({self.pod_ended(index) or 'no answer'})")
+        proc = _AgentRank(self, group.channel, rank, index)
+        proc.pid = int(reply["pids"][str(rank)])
+        return proc
+
+    def ask(self, index: int, kind: str, header: dict[str, Any], timeout_s: float = 5.0
+            ) -> dict[str, Any] | None:
+        """Ask pod ``index``'s agent ``kind``; its reply's header, or None when it cannot
+        answer (its pod is gone, or it did not answer within ``timeout_s``)."""
+        agents = self.agents
+        if agents is None or agents.closed or self.pod_code(index) is not None:
+            return None
+        with self._lock:
+            nonce = secrets.token_hex(8)
+            try:
+                agents.channel.send(index, kind, {**header, "nonce": nonce})
+            except RuntimeFailure:
+                return None
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    rank, message = agents.channel.recv(left)
+                except TimeoutError:
+                    break
+                if rank == index and message.header.get("nonce") == nonce:
+                    return message.header if message.kind == kind else None
+            return None
+
+    def pod_code(self, index: int) -> int | None:
+        """The exit code pod ``index`` ended with (its agent's), or None while it runs."""
+        group = None if self.agents is None else self.agents._group
+        pods = getattr(group, "pods", None)
+        return None if pods is None else pods.exit_code(index)
+
+    def pod_ended(self, index: int) -> str | None:
+        """How pod ``index`` ended, naming its ranks (``_PodRank.ended``), or None."""
+        if self.agents is None:
+            return None
+        return self.agents._group.procs[index].ended
+
+    def lost(self) -> list[int]:
+        """The pods that ended (evicted, deleted, failed)."""
+        if self.agents is None:
+            return []
+        return [i for i in range(len(self.agents._group.procs)) if self.pod_code(i) is not None]
+
+    def kill_ranks(self) -> None:
+        """Kill every rank in every pod that still runs (a mesh stopping)."""
+        if self.agents is None:
+            return
+        for i in range(len(self.agents._group.procs)):
+            self.ask(i, "pod_kill", {})
+
+    def close(self) -> None:
+        """End the run's pods: the agents exit (their ranks with them), the Job is deleted."""
+        agents, self.agents = self.agents, None
+        if agents is not None:
+            agents.shutdown(timeout_s=5.0)
+
 
 
 def _address_toward(url: str) -> str:

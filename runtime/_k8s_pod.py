@@ -12,6 +12,10 @@ they send heartbeats, as ranks on another host than the controller do.
 Exit: the first rank to exit non-zero ends the others and the pod, with its code (the Job's
 ``podFailurePolicy`` fails the Job on it; the controller has already seen the rank go); a
 SIGTERM (the pod deleted) is passed to every rank; 0 when every rank ended with 0.
+
+With fault tolerance (``$MESHPLAN_POD_AGENT`` = 1) it starts one process instead, the pod's
+agent (``_k8s_agent.py``: rank = the pod's index in a "mesh" of pods), which holds the pod's
+snapshots and starts its ranks when the controller says so; the pod ends with the agent.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from ._k8s import ENV_RANKS_PER_POD, ENV_SECRET_FILE
+from ._k8s import AGENT_PLUGINS, ENV_AGENT, ENV_RANKS_PER_POD, ENV_SECRET_FILE
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -49,17 +53,23 @@ def main() -> int:
         return _fail(f"pod index {index} x {per} ranks per pod does not fit a mesh of {world} "
                      "ranks")
     procs: list[subprocess.Popen] = []
+    agent = env.get(ENV_AGENT) == "1"
 
     def stop(signum: int, _frame: object) -> None:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
     signal.signal(signal.SIGTERM, stop)
-    for local in range(per):
+    for local in range(1 if agent else per):
         rank = first + local
         child = dict(env, MESHPLAN_RANK=str(rank), RANK=str(rank), LOCAL_RANK=str(local),
                      MESHPLAN_PARENT_PID=str(os.getpid()), MESHPLAN_PDEATHSIG="1")
         child.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per)))
+        if agent:                  # one per pod: the pods are its mesh
+            pods = -(-world // per)
+            child.update(MESHPLAN_RANK=str(index), RANK=str(index), LOCAL_RANK="0",
+                         MESHPLAN_WORLD_SIZE=str(pods), WORLD_SIZE=str(pods),
+                         MESHPLAN_WORKER_PLUGINS=AGENT_PLUGINS)
         proc = subprocess.Popen([sys.executable, "-m", "meshplan.runtime._worker"],
                                 stdin=subprocess.PIPE, env=child, close_fds=True)
         assert proc.stdin is not None

@@ -31,6 +31,7 @@ its snapshots: one error names the rank whose snapshot is gone.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import sys
@@ -48,6 +49,7 @@ from ._worker import WorkerState, register
 __all__ = ["KEEPER_PLUGIN", "MeshSnapshots"]
 
 KEEPER_PLUGIN = "meshplan.runtime._keepers"
+logger = logging.getLogger("meshplan.runtime")
 _CONTROLLER = -1       # "keeper" index of this process, where it holds replicas
 
 
@@ -124,6 +126,18 @@ def _split(state: WorkerState, header: dict[str, Any], ranks: Iterable[int]
         (getattr(state.ns, "copies", None), [r for r in ranks if r in copies])) if mine]
 
 
+@register("keep_close")
+def _keep_close(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Close this keeper's files (a keeper that lives on: a k8s pod's agent, when its mesh's
+    snapshots are done with)."""
+    for name in ("files", "copies"):
+        files = getattr(state.ns, name, None)
+        if files is not None:
+            files.close()
+            delattr(state.ns, name)
+    return {}, []
+
+
 @register("keep_held")
 def _keep_held(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     held: dict[str, Any] = {}
@@ -151,13 +165,16 @@ class MeshSnapshots:
     more in the keeper of the next host, with one in this process (the controller's host is
     then the only other one: without it, losing that host would lose every snapshot of its
     ranks, and a spare host could not take them over). ``launch(names)`` starts one keeper
-    per named host, in that order, and returns their ``Workers``. Reads as ``SnapshotFiles``
+    per named host, in that order, and returns their ``Workers`` (``own``: they are stopped
+    with the files; a k8s pod's agent, which keeps its pod's, is not). Reads as ``SnapshotFiles``
     does (``_snapshot.Held``), from a replica where the file's own keeper is lost
     (``lose``)."""
 
     def __init__(self, hosts: Sequence[str | None],
-                 launch: Callable[[list[str]], Any], timeout_s: float) -> None:
+                 launch: Callable[[list[str]], Any], timeout_s: float, *,
+                 own: bool = True) -> None:
         self.timeout_s = timeout_s
+        self.own = own            # the keepers end with these files (else: their launcher's)
         self.local = SnapshotFiles([r for r, h in enumerate(hosts) if h is None])
         self._paths = {r: self.local.path(r) for r in self.local.fds}
         remote = list(dict.fromkeys(h for h in hosts if h is not None))
@@ -307,7 +324,18 @@ class MeshSnapshots:
             self.copies.close()
             self.copies = None
         keepers, self.keepers = self.keepers, None
-        if keepers is not None and self.dead:     # a lost keeper would not answer: stop now
+        if keepers is not None and not self.own:
+            # they stay and their files are done with; where a keeper is gone, so is the
+            # run's mesh of keepers (its launcher ends them all next): nothing to close
+            everyone = range(len(self.hosts))
+            if not keepers.closed and not keepers.failed_ranks():
+                try:
+                    for k in everyone:
+                        keepers.send(k, "keep_close", {})
+                    keepers.gather("keep_close", self.timeout_s)
+                except RuntimeFailure as exc:
+                    logger.debug("closing the keepers' snapshot files: %s", exc)
+        elif keepers is not None and self.dead:     # a lost keeper would not answer: stop now
             keepers.stop(grace_s=0.5)
         elif keepers is not None:
             keepers.shutdown(timeout_s=5.0)

@@ -157,6 +157,14 @@ def _proc_state(pid: int) -> str | None:
     return stat[stat.rfind(")") + 2:][:1] or None
 
 
+def _is_stopped(proc: Any) -> bool:
+    """Whether a rank's process is stopped (state ``T``): read here on this host, asked of its
+    launcher where that can tell for another host (``proc.stopped()``: a k8s pod's agent)."""
+    if hasattr(proc, "stopped"):
+        return bool(proc.stopped())
+    return getattr(proc, "local", True) and _proc_state(proc.pid) == "T"
+
+
 def _close_pipes(procs: Sequence[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.stdin is not None and not proc.stdin.closed:
@@ -411,10 +419,9 @@ class Workers:
         return self._group.respawn is not None and not self.closed
 
     def failed_ranks(self) -> list[int]:
-        """Ranks whose process has exited, or (on this host) is stopped."""
+        """Ranks whose process has exited, or is stopped (``_is_stopped``)."""
         return [r for r, p in enumerate(self._group.procs)
-                if p.poll() is not None
-                or (getattr(p, "local", True) and _proc_state(p.pid) == "T")]
+                if p.poll() is not None or _is_stopped(p)]
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop every worker now (terminate, then kill): no goodbye, nothing waited for.
@@ -722,14 +729,16 @@ class Workers:
     def _check_stopped(self, kind: str, got: dict[int, Message]) -> None:
         """Fail at once, naming it, when an awaited rank has been stopped (SIGSTOP or SIGTSTP:
         state ``T``) for ``STOPPED_S``: the others wait for it in a collective, and a timeout
-        would name them all much later. A rank held by a debugger (``t``) is left alone."""
+        would name them all much later. A rank held by a debugger (``t``) is left alone. A
+        rank on another host is judged by its launcher where that can tell
+        (``proc.stopped()``: a k8s pod's agent)."""
         now = time.monotonic()
         if now - self._stopped_checked < 1.0:
             return
         self._stopped_checked = now
         for rank in range(self.n):
-            if rank in got or not getattr(self._group.procs[rank], "local", True) \
-                    or _proc_state(self._group.procs[rank].pid) != "T":
+            proc = self._group.procs[rank]
+            if rank in got or not _is_stopped(proc):
                 self._stopped_since.pop(rank, None)
                 continue
             since = self._stopped_since.setdefault(rank, now)

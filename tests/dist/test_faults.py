@@ -223,8 +223,8 @@ def test_failures_and_recoveries_are_in_the_telemetry(plugin, tmp_path) -> None:
 
 def test_fault_tolerance_is_refused_where_it_cannot_work_yet() -> None:
     ex = gpt.build(optimizer="adamw")
-    with pytest.raises(meshplan.RuntimeFailure, match="runs them in pods"):
-        meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s", fault_tolerance=True,
+    with pytest.raises(meshplan.RuntimeFailure, match="not built for pods"):
+        meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s", elastic=True,
                             k8s={"image": "registry/train:1", "pods": 1})
     with pytest.raises(meshplan.RuntimeFailure, match="snapshot_every=0"):
         meshplan.distribute(ex.step, mesh={"dp": 2}, fault_tolerance=True, snapshot_every=0)
@@ -235,8 +235,8 @@ def test_fault_tolerance_is_refused_where_it_cannot_work_yet() -> None:
 def test_the_default_is_on_for_cpu_ranks_and_off_where_it_is_not_built_or_measured(
         monkeypatch) -> None:
     """``fault_tolerance=None`` (the default): on for CPU ranks under local / mpi / slurm,
-    off under k8s and on GPU ranks; ``$MESHPLAN_FAULT_TOLERANCE`` changes it; ``elastic=``
-    asks for it; an explicit value is kept."""
+    off under k8s (not measured on a cluster) and on GPU ranks; ``$MESHPLAN_FAULT_TOLERANCE``
+    changes it; ``elastic=`` asks for it; an explicit value is kept."""
     from meshplan.runtime._distributed import _fault_tolerance_default as default
 
     monkeypatch.delenv("MESHPLAN_FAULT_TOLERANCE", raising=False)
@@ -246,14 +246,14 @@ def test_the_default_is_on_for_cpu_ranks_and_off_where_it_is_not_built_or_measur
     on, note = default(None, False, "local", "cuda")
     assert on is False and "GPU" in note
     assert default(False, False, "local", "cpu") == (False, "off, as asked")
-    assert default(True, False, "k8s", "cuda")[0] is True      # refused later, by name
+    assert default(True, False, "k8s", "cuda")[0] is True
     assert default(None, True, "local", "cuda")[0] is True
     monkeypatch.setenv("MESHPLAN_FAULT_TOLERANCE", "off")
     assert default(None, False, "local", "cpu")[0] is False
     assert default(True, False, "local", "cpu")[0] is True
     monkeypatch.setenv("MESHPLAN_FAULT_TOLERANCE", "on")
     assert default(None, False, "local", "cuda")[0] is True
-    assert default(None, False, "k8s", "cpu")[0] is False
+    assert default(None, False, "k8s", "cpu")[0] is True
     monkeypatch.setenv("MESHPLAN_FAULT_TOLERANCE", "yes")
     with pytest.raises(meshplan.RuntimeFailure, match="MESHPLAN_FAULT_TOLERANCE"):
         default(None, False, "local", "cpu")

@@ -258,3 +258,82 @@ def test_kubectl_sees_and_deletes_what_the_launcher_made(cluster, tmp_path, monk
         assert cluster.live() == {}
     finally:
         workers.shutdown()
+
+
+# ---- fault tolerance: each pod's agent keeps its ranks' snapshots and starts them again -----
+
+_FAULT_STEPS = 4
+_REFERENCE: dict[str, tuple] = {}        # the fault-free run, made once for the module
+
+
+def _ft_run(cluster, monkeypatch, faults=(), **options):
+    """``_FAULT_STEPS`` steps of the GPT (AdamW, clipping) on 2 pods of one rank each (dp=2),
+    then its state_dict(); the losses, the state, and what the recovery did."""
+    import json
+
+    monkeypatch.setenv("MESHPLAN_TEST_FAULTS", json.dumps(list(faults)))
+    ex = gpt.build(optimizer="adamw", clip=1.0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s", topology="h100",
+                               k8s={"image": "img:1", "pods": 2,
+                                    "controller_host": "127.0.0.1"},
+                               telemetry=False, timeout_s=12, hang_s=1.5, **options)
+    with step:
+        losses = [step(*ex.batch(i)).detach() for i in range(_FAULT_STEPS)]
+        sd = step.state_dict()
+        done = (step.restarts, step._ft.replaced if step._ft is not None else None)
+    return losses, sd, done
+
+
+@pytest.fixture
+def faults_plugin(monkeypatch):
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", here)      # the pods' ranks import the plugin too
+    monkeypatch.setenv("MESHPLAN_WORKER_PLUGINS", "_faults")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("at, how, replaced", [
+    ("backward", "kill", [1]), ("forward", "stop", [1]), ("allreduce", "hang", [0, 1])])
+def test_a_failed_rank_in_a_pod_is_started_again_there_bit_for_bit(
+        cluster, monkeypatch, faults_plugin, tmp_path, at, how, replaced) -> None:
+    """``fault_tolerance=True`` under k8s: rank 1 is killed mid-backward, stopped (SIGSTOP),
+    or hangs in an all-reduce in step 2. Its pod's agent, which holds the pod's snapshots,
+    starts it again (the hang: every rank, past the step's deadline) and the run is
+    ``torch.equal`` to the same run without fault tolerance and without the fault (same
+    pods, same collectives in the same order: any difference is a lost or doubled step)."""
+    if "dp2" not in _REFERENCE:
+        _REFERENCE["dp2"] = _ft_run(cluster, monkeypatch, fault_tolerance=False)
+    want = _REFERENCE["dp2"]
+    marker = tmp_path / "fired"
+    got = _ft_run(cluster, monkeypatch, [{"rank": 1, "step": 2, "at": at, "how": how,
+                                          "marker": str(marker)}], fault_tolerance=True)
+    assert marker.exists(), "the fault never fired"
+    assert got[2] == (1, replaced)
+    for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
+        assert torch.equal(a, b), f"loss of step {i}: {a} != {b}"
+    for k, v in want[1]["model"].items():
+        assert torch.equal(got[1]["model"][k], v), k
+    a = {f"{i}.{k}": v for i, e in got[1]["optim"]["state"].items() for k, v in e.items()}
+    b = {f"{i}.{k}": v for i, e in want[1]["optim"]["state"].items() for k, v in e.items()}
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_pod_under_fault_tolerance_fails_cleanly(cluster) -> None:
+    """Evicting a pod takes its agent and the snapshots it held: starting its ranks in the
+    pod the Job makes in its place is not built, and the run says so, naming the pod, and
+    leaves nothing behind (the fixture checks)."""
+    ex = gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s",
+                               k8s={"image": "img:1", "pods": 2}, telemetry=False,
+                               timeout_s=30, fault_tolerance=True)
+    with step:
+        step(*ex.batch(0))
+        pod = next(n for n in cluster.live()["pods"] if "-1-" in n)
+        cluster.evict(pod)
+        with pytest.raises(meshplan.RuntimeFailure) as err:
+            for i in range(1, 4):
+                step(*ex.batch(i))
+    text = str(err.value)
+    assert "pod 1 of the run ended" in text and "not built yet" in text, text
+    assert f"pod {pod} was disrupted" in text, text

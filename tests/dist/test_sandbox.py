@@ -238,21 +238,31 @@ def test_gpt_on_two_hosts_under_mpi_equals_one_process_through_a_killed_rank(box
 
 
 @needs_namespaces
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_gpt_on_two_pods_on_two_hosts_equals_one_process(box, monkeypatch) -> None:
     """``launcher="k8s"`` across hosts: the stand-in API server (``_k8s_standin.py``) serves
     on NAME-ctl and its kubelet starts pod 0 on h0 and pod 1 on h1; the controller, on
     NAME-ctl, reaches it over the bridge, and the pods' ranks reach the controller (TCP with
     CURVE, heartbeats: another host) and each other (gloo between hosts, shared memory inside
-    a pod). Equal to one process; the Job and its pods are gone at the end."""
+    a pod). Equal to one process; the Job and its pods are gone at the end.
+
+    With ``fault_tolerance=True``: each pod runs its agent (``_k8s_agent.py``), which keeps
+    its ranks' snapshots (copied to the other pod's agent, across hosts) and starts them.
+    Rank 2 (pod 1, on h1) is killed mid-backward in step 1; its agent starts it again from
+    its snapshot and the run still equals one process (a lost or repeated step is off by far
+    more than the tolerance; bit for bit against the fault-free run: test_k8s_launch.py).
+    Nothing stays running, agents included."""
     import json
 
     pytest.importorskip("kubernetes", reason="pip install 'meshplan[k8s]'")
     work = tempfile.mkdtemp(prefix="meshplan-k8s-", dir="/var/tmp")
+    faults, env = _a_kill(2, work)
     here = Path(__file__).parent
+    # the pods' environment is the stand-in's (its kubelet's): the fault plan goes there
     server = subprocess.Popen(box.argv([sys.executable, str(here / "_k8s_standin.py"),
                                         box.name, work]),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(env, MESHPLAN_TEST_FAULTS=json.dumps(faults)))
     try:
         kubeconfig = server.stdout.readline().strip()
         assert kubeconfig, "the stand-in did not start"
@@ -260,7 +270,10 @@ def test_gpt_on_two_pods_on_two_hosts_equals_one_process(box, monkeypatch) -> No
         out = _out(box, [sys.executable, str(here / "_multihost_job.py"),
                          json.dumps({"dp": 2, "tp": 2}), "auto", os.path.join(work, "t.duckdb"),
                          "3", "k8s", json.dumps({"image": "registry.example/train:1",
-                                                 "pods": 2})])
+                                                 "pods": 2, "distribute": {
+                                                     "fault_tolerance": True}})],
+                   env=dict(env, KUBECONFIG=kubeconfig))
+        assert os.path.exists(faults[0]["marker"]), "the fault did not fire"
         left = _out(box, ["kubectl", "--kubeconfig", kubeconfig, "get", "jobs,pods", "-n", "default",
                           "-o", "name"]) if shutil.which("kubectl") else ""
     finally:
@@ -271,9 +284,14 @@ def test_gpt_on_two_pods_on_two_hosts_equals_one_process(box, monkeypatch) -> No
     h0, h1 = (h.name for h in box.hosts)
     assert r["controller"] == box.ctl.name
     assert r["hosts"] == [h0, h0, h1, h1]          # pod 0 (ranks 0-1) on h0, pod 1 on h1
+    assert r["restarts"] == 1 and r["keeper_hosts"] == ["pod0", "pod1"]
+    # the survivors stay up (only rank 2 starts again): each records the step it could not
+    # finish, its collective's peer gone, as under the local launcher
+    assert [f for f in r["failed"] if f[1] != "error"] == [[2, "exit"]], r["failed"]
     assert r["got"] == pytest.approx(r["want"], rel=1e-5)      # as under mpi
     assert r["param_diff"] < 3e-5
     assert left == ""
+    assert _gone(r["pids"], 10.0), "a rank or agent outlived the run"
 
 
 def _in_netns(holder: int) -> list[str]:
