@@ -3,6 +3,7 @@ cost when nothing fails, and the same kills under torchrun.
 
     python benchmarks/faults.py [--ranks 4] [--kills 20] [--steps 30] [--rounds 2]
                                 [--gap 0] [--torchrun-kills 4] [--elastic 0] [--quick]
+                                [--k8s PODS [--evictions N]]
 
 The GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, data parallel:
@@ -27,6 +28,12 @@ global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, dat
 
 - **elastic** (``--elastic N``): ``shrinking``: N shrinks of a ``dp`` mesh under
   ``elastic=True``, from the kill to the interrupted call's return on the smaller mesh.
+- **k8s** (``--k8s PODS``): the recovery's kills under ``launcher="k8s"`` on ``PODS`` pods,
+  against the tests' loopback stand-in API server and kubelet (``tests/dist/_k8s_standin.py``:
+  no cluster runs here; the pods are local processes, so this times meshplan's side only:
+  the pod agents, the replacement rank's start, the restore); ``--evictions N``: N times a
+  random pod is evicted before a step (its agent and snapshots go; the Job makes the pod
+  again), timed from the eviction to the interrupted call's return.
 
 Churn follows from the recovery's cost: a run that loses ``c`` seconds per kill (kill to the
 next committed step, less one step) at one kill per ``T`` seconds of training keeps
@@ -98,14 +105,15 @@ def overhead(ranks: int, steps: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def recovery(ranks: int, kills: int, seed: int = 0, gap_s: float = 0.0) -> dict[str, object]:
+def recovery(ranks: int, kills: int, seed: int = 0, gap_s: float = 0.0,
+             **launch: object) -> dict[str, object]:
     rng = random.Random(seed)
     seen = _Seen()
     logging.getLogger("meshplan").addHandler(seen)
     logging.getLogger("meshplan").setLevel(logging.WARNING)
     ex = _example()
     step = meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
-                               fault_tolerance=True, max_restarts=kills + 1)
+                               fault_tolerance=True, max_restarts=kills + 1, **launch)
     detect, back, replaced = [], [], []
     try:
         with step:
@@ -158,6 +166,33 @@ def shrinking(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
     finally:
         logging.getLogger("meshplan").removeHandler(seen)
     return {"back": back, "meshes": meshes}
+
+
+def evictions(ranks: int, pods: int, count: int, standin, seed: int = 0  # noqa: ANN001
+              ) -> list[float]:
+    """``count`` times, a random pod of the run evicted before a step (the stand-in's Job
+    controller makes it again); seconds from the eviction to that call's return."""
+    rng = random.Random(seed)
+    ex = _example()
+    back = []
+    with meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
+                             fault_tolerance=True, max_restarts=count + 1, launcher="k8s",
+                             k8s={"image": "bench:1", "pods": pods,
+                                  "controller_host": "127.0.0.1"}) as step:
+        i, _ = _warm_up(step, ex)
+        for k in range(count):
+            for _ in range(2):
+                step(*ex.batch(i))
+                i += 1
+            pod = rng.choice(standin.live()["pods"])
+            t0 = time.monotonic()
+            standin.evict(pod)
+            step(*ex.batch(i))
+            i += 1
+            back.append(time.monotonic() - t0)
+            print(f"  eviction {k + 1}/{count}: {pod}, next committed step after "
+                  f"{back[-1]:.2f} s", flush=True)
+    return back
 
 
 def _warm_up(step, ex, i: int = 0) -> tuple[int, float]:  # noqa: ANN001
@@ -339,7 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--elastic", type=int, default=0,
                     help="also measure this many shrinks under elastic=True (0: skip)")
     ap.add_argument("--quick", action="store_true", help="2 ranks, 3 kills, 1 torchrun kill")
+    ap.add_argument("--k8s", type=int, default=0, metavar="PODS",
+                    help="the kills under launcher='k8s' on PODS pods of the tests' stand-in "
+                    "API server (no overhead, no torchrun)")
+    ap.add_argument("--evictions", type=int, default=0,
+                    help="with --k8s: also evict a random pod this many times")
     a = ap.parse_args(argv)
+    if a.k8s:
+        return _k8s(a)
     if a.quick:
         a.ranks, a.kills, a.steps, a.rounds, a.torchrun_kills = 2, 3, 10, 1, 1
     logging.basicConfig(level=logging.ERROR)
@@ -384,6 +426,38 @@ def main(argv: list[str] | None = None) -> int:
                   f"kill -> next step p50 {_pct(tr['back'], .5):.2f} s", flush=True)
         else:
             print(f"torchrun + DDP + DCP: 0 of {tr['kills']} kills recovered", flush=True)
+    return 0
+
+
+def _k8s(a: argparse.Namespace) -> int:
+    """``--k8s PODS``: the recovery's kills, then ``--evictions``, against the stand-in."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                    "dist"))
+    from _k8s_standin import StandIn
+
+    logging.basicConfig(level=logging.ERROR)
+    torch.manual_seed(0)
+    print(f"# faults under k8s (stand-in): GPT d_model {CONFIG.d_model}, {a.ranks} ranks (dp) "
+          f"on {a.k8s} pods, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+          flush=True)
+    with StandIn() as standin:
+        os.environ["KUBECONFIG"] = standin.kubeconfig
+        if a.kills:
+            rec = recovery(a.ranks, a.kills, gap_s=a.gap, launcher="k8s",
+                           k8s={"image": "bench:1", "pods": a.k8s,
+                                "controller_host": "127.0.0.1"})
+            det, back = rec["detect"], rec["back"]
+            one = sum(1 for r in rec["replaced"] if r == 1)
+            print(f"meshplan k8s: {len(back)} of {a.kills} kills recovered ({one} by starting "
+                  f"the killed rank alone in its pod); failure seen after p50 "
+                  f"{_pct(det, .5):.2f} s / p99 {_pct(det, .99):.2f} s; kill -> next "
+                  f"committed step p50 {_pct(back, .5):.2f} s / p99 {_pct(back, .99):.2f} s "
+                  f"(a step takes {rec['step_s'] * 1e3:.0f} ms)", flush=True)
+        if a.evictions:
+            back = evictions(a.ranks, a.k8s, a.evictions, standin)
+            print(f"meshplan k8s: {len(back)} of {a.evictions} evicted pods replaced; eviction "
+                  f"-> next committed step p50 {_pct(back, .5):.2f} s / p99 "
+                  f"{_pct(back, .99):.2f} s", flush=True)
     return 0
 
 

@@ -858,16 +858,6 @@ class DistributedStep:
                     f"{'s' * (ft.restarts != 1)} (max_restarts={ft.max_restarts}); the last "
                     f"failure:\n{failure}") from failure
             moving = ft.relocating if ft.held is not None else self._relocatable(failure)
-            lost = [] if self._pods is None else self._pods.lost()
-            if lost:                              # the pod's agent, and its snapshots, are gone
-                self._stop_workers()
-                raise RuntimeFailure(
-                    f"{self.__name__}: pod{'s' * (len(lost) > 1)} "
-                    f"{', '.join(map(str, lost))} of the run ended, with the agent and "
-                    "snapshots they held; starting a lost pod's ranks in the pod the Job "
-                    "makes in its place is not built yet (load the last checkpoint). The "
-                    "failure:\n"
-                    f"{failure}") from failure
             if failure.reason == "lost" and ft.elastic is None and not moving and (
                     self.launcher == "slurm" or self.launcher == "mpi" and parse_hosts(self.hosts)):
                 self._stop_workers(lost=True)     # starting on the same hosts would wait on it
@@ -973,6 +963,19 @@ class DistributedStep:
                 logger.warning("meshplan: %s: host%s %s lost; the mesh goes on without %s",
                                self.__name__, "s" * (len(moved) != 1), ", ".join(moved),
                                "them" if len(moved) != 1 else "it")
+        if self._pods is not None and relocate:     # pods lost: the Job makes others
+            moved = self._pods.lose()
+            if ft.held is None:
+                per = self._pods.per
+                gone = {r for r in range(n) if r // per in self._pods.waiting}
+                failed |= gone
+                ft.files.lose(sorted(gone))   # their snapshots: the copies on the next pods
+            if moved:
+                logger.warning("meshplan: %s: pod%s %s lost; %s ranks start again in the "
+                               "pod%s the Job makes in %s place", self.__name__,
+                               "s" * (len(moved) != 1), ", ".join(moved),
+                               "their" if len(moved) != 1 else "its", "s" * (len(moved) != 1),
+                               "their" if len(moved) != 1 else "its")
         if ft.held is None:                   # the state is still in the mesh's snapshots
             assert ft.files is not None and ft.owners is not None
             found = read_mesh(ft.files, ft.owners,
@@ -996,6 +999,8 @@ class DistributedStep:
         else:
             mesh, plans = self._smaller_plan(n - len(failed))
         ft.close()                            # the old mesh's snapshot files
+        if self._pods is not None:
+            self._pods.replace()              # the lost pods' successors, their agents up
         self.mesh, self._plan = mesh, plans[0]
         self._resume_step = restored + 1
         self._launch()                        # its first snapshot: the state after `restored`
@@ -1040,6 +1045,8 @@ class DistributedStep:
         """Whether the mesh can start again as it is on the hosts left after a host loss
         (spare hosts in ``hosts=`` take the lost ones' ranks): then it moves instead of
         shrinking, and its results stay bit for bit the fault-free run's."""
+        if self._pods is not None:            # a lost pod: the Job makes another
+            return bool(self._pods.lost())
         if failure.reason != "lost" or self.launcher not in ("mpi", "slurm"):
             return False
         world = math.prod(self.plan.mesh.sizes)
@@ -1288,6 +1295,10 @@ class DistributedStep:
             before, after = ft.shrunk
             how = (f"the mesh shrank from {before} to {after} ({self.plan.strategy} plan, "
                    f"estimated {self.plan.estimated_step_time_s * 1e3:.1f} ms per step)")
+        elif ft.moved and self.launcher == "k8s":
+            how = (f"every rank started again, those of {', '.join(ft.moved)} in the pod"
+                   f"{'s' * (len(ft.moved) != 1)} the Job made in "
+                   f"{'their' if len(ft.moved) != 1 else 'its'} place")
         elif ft.moved:
             now = (f"Slurm nodes now {', '.join(self._slurm_nodes(self._workers.n))}"
                    if self.launcher == "slurm" else f"hosts now {self.hosts}")
@@ -1534,7 +1545,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
     ``max_restarts`` restarts in one run, ``RuntimeFailure``. Every launcher: local, mpi
     (``hosts=`` too), slurm, and k8s (each pod's agent keeps its ranks' snapshots and starts
-    them again; a lost pod is not recovered yet; README, "Fault tolerance"). ``hang_s``: how
+    them again; an evicted pod's ranks start in the pod the Job makes in its place; README,
+    "Fault tolerance"). ``hang_s``: how
     long a rank may stay stopped (SIGSTOP) while
     the controller waits for it before it counts as failed (default 10 s). ``elastic``
     (with fault tolerance): True, or the fewest ranks to go on with, makes a failure shrink

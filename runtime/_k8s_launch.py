@@ -26,6 +26,10 @@ What it does, in order:
    be gone. ``meshplan k8s delete --all-mine`` sweeps what a controller killed before that
    left (every object labelled with this user as its owner).
 
+Under fault tolerance the run's pods outlive their ranks: ``K8sPods`` (below) makes the Job
+once, with each pod running its agent (``_k8s_agent.py``), and starts every launch's ranks
+through the agents.
+
 The control channel listens on TCP (CURVE, the run's keys) on this machine's address toward
 the API server, or on ``k8s={"controller_host": ...}``: the pods must be able to reach it (a
 controller in the cluster, or on a network the pods route to). Not built: reaching pods
@@ -117,6 +121,8 @@ class _Pods:
         self.by_index: dict[int, dict[str, Any]] = {}
         self.gone: dict[int, int] = {}            # index -> exit code it ended with
         self.ended: dict[int, str] = {}           # index -> what ended its pod
+        self.old: set[str] = set()                # pods forgotten (``forget``): ignored
+        self.gone_name: dict[int, str] = {}       # index -> the pod whose end ``gone`` holds
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.relists = 0
@@ -168,7 +174,9 @@ class _Pods:
             return
         with self.lock:
             held = self.by_index.get(index)
-            if held is not None and held["name"] != pod.metadata.name and kind == "DELETED":
+            if pod.metadata.name in self.old or (
+                    held is not None and held["name"] != pod.metadata.name
+                    and kind == "DELETED"):
                 return                           # an older pod of this index
             phase = "Deleted" if kind == "DELETED" else (pod.status.phase or "Pending")
             self.by_index[index] = {"name": pod.metadata.name, "phase": phase,
@@ -176,10 +184,24 @@ class _Pods:
             if phase in ("Failed", "Succeeded", "Deleted") and index not in self.gone:
                 self.gone[index] = _exit_code(pod, phase)
                 self.ended[index] = _why_ended(pod, phase)
+                self.gone_name[index] = pod.metadata.name
 
     def exit_code(self, index: int) -> int | None:
         with self.lock:
             return self.gone.get(index)
+
+    def forget(self, index: int) -> str | None:
+        """Pod ``index`` ended and the Job makes another in its place (it may have already):
+        forget the one that ended (its events are ignored from now on). Returns its name."""
+        with self.lock:
+            name = self.gone_name.pop(index, None)
+            self.gone.pop(index, None)
+            self.ended.pop(index, None)
+            if name is not None:
+                self.old.add(name)
+                if self.by_index.get(index, {}).get("name") == name:
+                    del self.by_index[index]
+            return name
 
     def not_started(self) -> list[str]:
         """'<pod>: why' for every pod not Running yet (or never seen)."""
@@ -528,7 +550,9 @@ class K8sPods:
     restart of every rank after a failure) starts the ranks through the agents on a fresh
     channel; ``Workers.respawn`` starts one rank again in its pod. The ranks' snapshots live
     in their pod's agent (``MeshSnapshots`` with the agents as its keepers), so a rank's
-    replacement reads its state back there. ``close`` ends the pods (deletes the Job)."""
+    replacement reads its state back there. A lost pod (evicted: the Job makes another of
+    its index) is written off (``lose``) and its successor's agent waited for (``replace``)
+    before the mesh starts again. ``close`` ends the pods (deletes the Job)."""
 
     def __init__(self, options: K8sOptions | Mapping[str, Any], *,
                  start_timeout_s: float = 300.0) -> None:
@@ -536,6 +560,7 @@ class K8sPods:
         self.agents: Workers | None = None
         self.world: int | None = None
         self._lock = threading.Lock()
+        self.waiting: set[int] = set()        # pods lost, their successors not yet here
 
     @property
     def per(self) -> int:
@@ -638,6 +663,51 @@ class K8sPods:
         if self.agents is None:
             return []
         return [i for i in range(len(self.agents._group.procs)) if self.pod_code(i) is not None]
+
+    def lose(self) -> list[str]:
+        """The pods that ended (``lost``) are written off: their agents' places wait for the
+        pods the Job makes instead (an evicted or preempted pod: ``podFailurePolicy``
+        ignores disruptions), which ``replace`` waits for. Returns their names."""
+        agents = self.agents
+        if agents is None:
+            return []
+        group = agents._group
+        names = []
+        for index in self.lost():
+            names.append(group.pods.forget(index) or f"pod {index}")
+            group.procs[index] = _PodRank(group.pods, index, group, group.procs[index].ranks)
+            agents.channel.forget(index)
+            agents.channel.last_beat.pop(index, None)
+            self.waiting.add(index)
+        return names
+
+    def replace(self) -> None:
+        """Wait (``start_timeout_s``) until every pod written off (``lose``) has a successor
+        whose agent said hello; else one error naming them and why they did not start."""
+        agents, waiting = self.agents, sorted(self.waiting)
+        if agents is None or not waiting:
+            return
+        try:
+            hellos = agents.gather(P.HELLO, self.launcher.start_timeout_s, ranks=waiting)
+        except WorkerFailure as exc:
+            pods = agents._group.pods
+            why = [] if pods is None else pods.not_started()
+            raise RuntimeFailure(
+                f"launcher='k8s': no pod took the place of lost pod{'s' * (len(waiting) > 1)} "
+                f"{', '.join(map(str, waiting))} within {self.launcher.start_timeout_s:g} s "
+                "(start_timeout_s; the Job makes one for an evicted or preempted pod, not for "
+                "one that failed or was deleted)" + (":\n  " + "\n  ".join(why) if why else "")
+                + f"\n  {str(exc).splitlines()[0]}") from exc
+        here, now = socket.gethostname(), time.monotonic()
+        names = list(agents.hostnames)
+        for index, hello in zip(waiting, hellos):
+            agents._group.procs[index].pid = int(hello.header["pid"])
+            names[index] = str(hello.header.get("hostname"))
+            if names[index] != here:
+                agents.channel.last_beat.setdefault(index, now)
+        agents.hostnames = tuple(names)
+        agents.pids = tuple(p.pid for p in agents._group.procs)
+        self.waiting.clear()
 
     def kill_ranks(self) -> None:
         """Kill every rank in every pod that still runs (a mesh stopping)."""

@@ -325,14 +325,14 @@ class MeshSnapshots:
             self.copies = None
         keepers, self.keepers = self.keepers, None
         if keepers is not None and not self.own:
-            # they stay and their files are done with; where a keeper is gone, so is the
-            # run's mesh of keepers (its launcher ends them all next): nothing to close
-            everyone = range(len(self.hosts))
-            if not keepers.closed and not keepers.failed_ranks():
+            # they stay and their files are done with (a lost one's went with it); where a
+            # keeper ended unforeseen, the run is ending (its launcher ends them all)
+            live = [k for k in range(len(self.hosts)) if k not in self.dead]
+            if live and not keepers.closed and not keepers.failed_ranks():
                 try:
-                    for k in everyone:
+                    for k in live:
                         keepers.send(k, "keep_close", {})
-                    keepers.gather("keep_close", self.timeout_s)
+                    keepers.gather("keep_close", self.timeout_s, ranks=live)
                 except RuntimeFailure as exc:
                     logger.debug("closing the keepers' snapshot files: %s", exc)
         elif keepers is not None and self.dead:     # a lost keeper would not answer: stop now

@@ -212,9 +212,9 @@ class StandIn:
                 self._make_pods(obj)
             return 201, copy.deepcopy(obj)
 
-    def _make_pods(self, job: dict) -> None:
+    def _make_pods(self, job: dict, indexes=None) -> None:
         spec, meta = job["spec"], job["metadata"]
-        for index in range(int(spec.get("completions", 1))):
+        for index in range(int(spec.get("completions", 1))) if indexes is None else indexes:
             tmpl = copy.deepcopy(spec["template"])
             labels = {**tmpl.get("metadata", {}).get("labels", {}),
                       "job-name": meta["name"], "batch.kubernetes.io/job-name": meta["name"],
@@ -275,14 +275,23 @@ class StandIn:
             self.lock.notify_all()
 
     def evict(self, name: str, ns: str = "default") -> None:
-        """As a node drain does: the pod gets DisruptionTarget and is deleted."""
+        """As a node drain does: the pod gets DisruptionTarget and is deleted; its Job's
+        controller makes a pod of the same completion index in its place (the Job's
+        ``podFailurePolicy`` ignores disruptions), as a real Indexed Job does."""
         with self.lock:
             pod = self.objects["pods"].get((ns, name))
+            job = None
             if pod is not None:
                 pod["status"]["conditions"].append(
                     {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"})
                 self._event("pods", "MODIFIED", pod)
+                owner = pod["metadata"]["labels"].get("batch.kubernetes.io/job-name")
+                job = self.objects["jobs"].get((ns, owner))
         self.delete("pods", ns, name)
+        if job is not None and pod is not None:
+            index = int(pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"])
+            with self.lock:
+                self._make_pods(job, [index])
 
     # ---- the kubelet ------------------------------------------------------------------
 
