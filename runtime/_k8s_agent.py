@@ -14,7 +14,10 @@ controller on a channel of its own (the pods' channel, keyed by the run's Secret
   its children (a rank exits when its stdin closes: they never outlive the agent);
 - tells the controller how its ranks are (``pod_poll``: exited with a code, stopped, or
   running), which a controller on another host cannot see for itself;
-- kills ranks (``pod_kill``), before a replacement is started or when the mesh stops.
+- kills ranks (``pod_kill``), before a replacement is started or when the mesh stops;
+- keeps a warm spare (``pod_spare``, once the launch's ranks are set up): a worker of the
+  launch started ahead, torch imported, at nice 19, waiting to be told its rank; a
+  replacement rank then costs no start-up (as the local launcher's spare).
 """
 
 from __future__ import annotations
@@ -75,41 +78,76 @@ def _kill(proc: subprocess.Popen) -> None:
             pass
 
 
+def _spawn(header: dict[str, Any], rank: int | None) -> subprocess.Popen:
+    """A worker of the launch ``header`` describes (``pod_start``): rank ``rank``, or with
+    None a spare that waits to be told its rank."""
+    world, first = int(header["world"]), int(header["first"])
+    store_host, store_port = header["store"]
+    env = {k: v for k, v in os.environ.items() if k != ENV_PLUGINS}
+    env.update({str(k): str(v) for k, v in header.get("env", {}).items()})
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                              // max(1, int(header["per"])))))
+    env.update({ENV_WORLD_SIZE: str(world), "WORLD_SIZE": str(world),
+                ENV_ADDRESS: str(header["address"]), ENV_RUN_ID: str(header["run_id"]),
+                "MASTER_ADDR": str(store_host), "MASTER_PORT": str(store_port),
+                ENV_PARENT_PID: str(os.getpid()), ENV_PDEATHSIG: "1"})
+    if rank is None:
+        env["MESHPLAN_SPARE"] = "1"
+    else:
+        env.update({ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank - first)})
+    proc = subprocess.Popen([sys.executable, "-m", "meshplan.runtime._worker"],
+                            stdin=subprocess.PIPE, env=env, close_fds=True)
+    _tell(proc, str(header["key"]))
+    return proc
+
+
+def _tell(proc: subprocess.Popen, line: str) -> bool:
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(line.encode() + b"\n")
+        proc.stdin.flush()
+        return True
+    except (BrokenPipeError, ValueError):
+        return False                      # it died: its poll says so
+
+
 @register("pod_start")
 def _pod_start(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     """Start ``ranks`` (killing any process still running as one of them) as workers of the
     ranks' channel ``address`` / ``run_id`` (key ``key``, hex) for a mesh of ``world`` ranks,
-    rendezvous at ``store``, with ``env`` (the launch's variables, the worker plugins)."""
+    rendezvous at ``store``, with ``env`` (the launch's variables, the worker plugins); a
+    warm spare of this launch (``pod_spare``) takes the first of them where one is ready."""
     procs = _procs(state)
-    world, first = int(header["world"]), int(header["first"])
-    store_host, store_port = header["store"]
-    base = {k: v for k, v in os.environ.items() if k != ENV_PLUGINS}
-    base.update({str(k): str(v) for k, v in header.get("env", {}).items()})
-    base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                               // max(1, int(header["per"])))))
-    key = str(header["key"]).encode() + b"\n"
+    spare, run = getattr(state.ns, "spare", None), str(header["run_id"])
+    if spare is not None and (spare[1] != run or spare[0].poll() is not None):
+        _kill(spare[0])                   # another launch's: its channel is gone
+        spare = None
+    state.ns.spare = None
     pids = {}
     for rank in (int(r) for r in header["ranks"]):
         old = procs.pop(rank, None)
         if old is not None:
             _kill(old)
-        env = dict(base, **{
-            ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank - first),
-            ENV_WORLD_SIZE: str(world), "WORLD_SIZE": str(world),
-            ENV_ADDRESS: str(header["address"]), ENV_RUN_ID: str(header["run_id"]),
-            "MASTER_ADDR": str(store_host), "MASTER_PORT": str(store_port),
-            ENV_PARENT_PID: str(os.getpid()), ENV_PDEATHSIG: "1"})
-        proc = subprocess.Popen([sys.executable, "-m", "meshplan.runtime._worker"],
-                                stdin=subprocess.PIPE, env=env, close_fds=True)
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(key)
-            proc.stdin.flush()
-        except BrokenPipeError:
-            pass                          # it died at once: its poll says so
-        procs[rank] = proc
-        pids[str(rank)] = proc.pid
+        if spare is not None and _tell(spare[0], f"{rank} {rank - int(header['first'])}"):
+            procs[rank], spare = spare[0], None
+        else:
+            procs[rank] = _spawn(header, rank)
+        pids[str(rank)] = procs[rank].pid
+    if spare is not None:
+        _kill(spare[0])
     return {"pids": pids, "nonce": header.get("nonce")}, []
+
+
+@register("pod_spare")
+def _pod_spare(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Keep a spare of the launch ``header`` describes (as ``pod_start``'s): start one unless
+    one of this launch is alive."""
+    spare, run = getattr(state.ns, "spare", None), str(header["run_id"])
+    if spare is None or spare[1] != run or spare[0].poll() is not None:
+        if spare is not None:
+            _kill(spare[0])
+        state.ns.spare = (_spawn(header, None), run)
+    return {"pid": state.ns.spare[0].pid, "nonce": header.get("nonce")}, []
 
 
 @register("pod_poll")
@@ -133,6 +171,10 @@ def _pod_kill(state: WorkerState, header: dict[str, Any], tensors: list[torch.Te
     had ended (its code; 137 for the kill itself)."""
     procs = _procs(state)
     ranks = [int(r) for r in header.get("ranks", list(procs))]
+    spare = getattr(state.ns, "spare", None)
+    if "ranks" not in header and spare is not None:     # the mesh stops: its spare too
+        _kill(spare[0])
+        state.ns.spare = None
     codes = {}
     for rank in ranks:
         proc = procs.pop(rank, None)

@@ -526,6 +526,16 @@ class _AgentRank:
     terminate = kill
 
 
+class _Spares:
+    """What ``Workers.keep_spare`` holds for the pods' spares: they live in the agents, which
+    hand one to ``pod_start`` themselves (no stdin here to tell it a rank)."""
+
+    stdin = None
+
+    def poll(self) -> int | None:
+        return None
+
+
 class _AgentGroup(_Group):
     """One launch of ranks through the pods' agents: stopping it kills the ranks (through
     the agents) and closes the ranks' channel; the pods stay (``K8sPods.close`` ends them)."""
@@ -597,6 +607,7 @@ class K8sPods:
             agents.gather("pod_start", self.launcher.start_timeout_s)
             group.procs = [_AgentRank(self, group.channel, r, r // per) for r in range(n)]
             group.respawn = lambda rank: self._respawn(group, rank)
+            group.start_spare = lambda: self._spares(group)
             workers = Workers(group, run_id=run_id, master_addr=host,
                               master_port=group.store.port, log_dir=None)
             hellos = workers.gather(P.HELLO, timeout_s=self.launcher.start_timeout_s)
@@ -622,6 +633,14 @@ class K8sPods:
         proc = _AgentRank(self, group.channel, rank, index)
         proc.pid = int(reply["pids"][str(rank)])
         return proc
+
+    def _spares(self, group: _AgentGroup) -> _Spares:
+        """Every pod's agent keeps a warm spare of this launch (``Workers.keep_spare``, once
+        the ranks are set up and after each replacement); a replacement takes it there."""
+        per = self.per
+        for index in range(len(self.agents._group.procs) if self.agents else 0):
+            self.ask(index, "pod_spare", {**group.start, "first": index * per})
+        return _Spares()
 
     def ask(self, index: int, kind: str, header: dict[str, Any], timeout_s: float = 5.0
             ) -> dict[str, Any] | None:

@@ -189,8 +189,8 @@ def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool,
 
     ``spare`` (``MESHPLAN_SPARE=1``, the local launcher's warm spare for fault tolerance):
     import torch and the plugins first, then wait for a second line, the rank this process is
-    to be (``Workers.respawn``), and set it in the environment; EOF instead means the
-    controller is gone or does not need the spare: exit."""
+    to be (``Workers.respawn``; a k8s pod's agent adds its local rank), and set it in the
+    environment; EOF instead means the controller is gone or does not need the spare: exit."""
     if pdeathsig and sys.platform.startswith("linux"):
         import ctypes
 
@@ -212,17 +212,18 @@ def _guard_against_orphaning(parent_pid: int | None, pdeathsig: bool,
             pass
         if not select.select([pipe], [], [], 0)[0]:    # no rank to take yet: time to spare
             _warm_kernels()
-        rank = _read_secret_line(pipe).strip()
-        if not rank.isdigit():
+        # "RANK" or "RANK LOCAL_RANK" (a pod's agent: its ranks' local ranks start at 0)
+        told = _read_secret_line(pipe).decode(errors="replace").split()
+        if not 1 <= len(told) <= 2 or not all(t.isdigit() for t in told):
             os._exit(EXIT_ORPHANED)
+        rank, local = told[0], told[-1]
         if base is not None:               # a rank now: back to its peers' priority
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, base)
             except OSError as exc:
-                logger.warning("a spare taking rank %s stays at nice 19: %s", rank.decode(), exc)
-        os.environ.update({ENV_RANK: rank.decode(), "RANK": rank.decode(),
-                           "LOCAL_RANK": rank.decode()})
-        _rename_spare(rank.decode())
+                logger.warning("a spare taking rank %s stays at nice 19: %s", rank, exc)
+        os.environ.update({ENV_RANK: rank, "RANK": rank, "LOCAL_RANK": local})
+        _rename_spare(rank)
     threading.Thread(target=_exit_on_eof, args=(pipe,), name="meshplan-orphan-guard",
                      daemon=True).start()
     return Secret.from_hex(line.decode())
@@ -245,19 +246,33 @@ def _lower_priority() -> int | None:
     """A spare imports torch and loads kernels (2-3 s of a core) while the ranks train: it does
     so at the lowest priority (nice 19), so that on a host whose cores the ranks fill it takes
     only what they leave; returns the priority to go back to when it becomes a rank, or None
-    (left as it is) where the process could not go back to it (not root, and RLIMIT_NICE does
-    not allow it: a rank at nice 19 would slow its whole mesh)."""
+    (left as it is) where the process could not go back to it (without CAP_SYS_NICE, which
+    root in a container often lacks, and RLIMIT_NICE does not allow it: a rank at nice 19
+    would slow its whole mesh)."""
     import resource
 
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
-        if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and 20 - soft > base:
+        if not _may_raise_priority() and soft != resource.RLIM_INFINITY and 20 - soft > base:
             return None
         os.setpriority(os.PRIO_PROCESS, 0, 19)
         return base
     except (OSError, ValueError):
         return None
+
+
+def _may_raise_priority() -> bool:
+    """Whether this process holds CAP_SYS_NICE (bit 23 of its effective capabilities; where
+    /proc says nothing, whether it is root)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 23 & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.geteuid() == 0
 
 
 def _warm_kernels() -> None:
