@@ -419,9 +419,10 @@ class DistributedStep:
             self._pods.close()
             self._pods = None
         if self._tel is not None:
+            run_id = self._tel.run_id
             self._tel.close()
             self._tel = None
-            ingest(self.telemetry)
+            ingest(self.telemetry, run_id)
 
     def __enter__(self) -> DistributedStep:
         return self
@@ -873,6 +874,8 @@ class DistributedStep:
             ft.restarts += 1
             logger.warning("meshplan: %s: %s; %s from its in-memory snapshots (restart %d of "
                            "at most %d)", self.__name__, str(failure).splitlines()[0],
+                           "starting the mesh again in the pods (the Job makes a pod in "
+                           "place of the lost one)," if moving and self._pods is not None else
                            "moving the mesh to the hosts left, a spare host taking the "
                            "lost one's ranks," if moving else
                            "restoring the mesh" if ft.elastic is None else
@@ -965,17 +968,11 @@ class DistributedStep:
                                "them" if len(moved) != 1 else "it")
         if self._pods is not None and relocate:     # pods lost: the Job makes others
             moved = self._pods.lose()
-            if ft.held is None:
-                per = self._pods.per
-                gone = {r for r in range(n) if r // per in self._pods.waiting}
-                failed |= gone
-                ft.files.lose(sorted(gone))   # their snapshots: the copies on the next pods
+            if ft.held is None:               # their snapshots: the copies on the next pods
+                ft.files.lose([r for r in range(n) if r // self._pods.per in self._pods.waiting])
             if moved:
-                logger.warning("meshplan: %s: pod%s %s lost; %s ranks start again in the "
-                               "pod%s the Job makes in %s place", self.__name__,
-                               "s" * (len(moved) != 1), ", ".join(moved),
-                               "their" if len(moved) != 1 else "its", "s" * (len(moved) != 1),
-                               "their" if len(moved) != 1 else "its")
+                logger.warning("meshplan: %s: lost %s; the mesh starts again once the Job has "
+                               "made a pod in place of each", self.__name__, ", ".join(moved))
         if ft.held is None:                   # the state is still in the mesh's snapshots
             assert ft.files is not None and ft.owners is not None
             found = read_mesh(ft.files, ft.owners,
@@ -1535,15 +1532,16 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     snapshots would take more than half of this host's available memory; off on GPU ranks
     (not measured yet) and under k8s (not measured on a cluster);
     ``$MESHPLAN_FAULT_TOLERANCE`` (``auto``, ``on``, ``off``) changes that default;
-    ``step.fault_tolerance`` and the plan summary say which holds. On (True) it keeps every rank's state in memory after every
-    ``snapshot_every``-th step (a copy per rank, in memory files the controller holds, or on
-    another host a snapshot keeper there, with a copy on the next host's keeper) and the
-    batches since; when a rank exits, is killed, stays stopped for ``hang_s`` or a step outlives
-    ten times the usual step time (never less than ``hang_s``), the controller restarts the
-    mesh, brings every rank back to the newest snapshot and re-runs the steps since: the call
-    returns what it would have, the state is bit for bit the fault-free run's, and a warning
-    line and the telemetry's ``failures`` and ``recoveries`` rows say what happened. After
-    ``max_restarts`` restarts in one run, ``RuntimeFailure``. Every launcher: local, mpi
+    ``step.fault_tolerance`` and the plan summary say which holds. On (True) it keeps every
+    rank's state in memory after every ``snapshot_every``-th step (a copy per rank, in memory
+    files the controller holds, or on another host a snapshot keeper there, with a copy on
+    the next host's keeper) and the batches since; when a rank exits, is killed, stays
+    stopped for ``hang_s`` or a step outlives ten times the usual step time (never less than
+    ``hang_s``), the controller restarts the mesh, brings every rank back to the newest
+    snapshot and re-runs the steps since: the call returns what it would have, the state is
+    bit for bit the fault-free run's, and a warning line and the telemetry's ``failures``
+    and ``recoveries`` rows say what happened. After ``max_restarts`` restarts in one run,
+    ``RuntimeFailure``. Every launcher: local, mpi
     (``hosts=`` too), slurm, and k8s (each pod's agent keeps its ranks' snapshots and starts
     them again; an evicted pod's ranks start in the pod the Job makes in its place; README,
     "Fault tolerance"). ``hang_s``: how

@@ -154,8 +154,10 @@ class WorkerTelemetry:
     def __init__(self, config: TelemetryConfig, run_id: str, rank: int, plan: Plan,
                  device: str) -> None:
         self.config = config
+        # journaled: a rank SIGKILLed (mpiexec ends every rank once one dies) keeps its steps
         self.rec = Recorder(config.segments, run_id, rank, level=config.level,
-                            flush_interval_s=config.flush_interval_s, live_rows=config.live_rows)
+                            flush_interval_s=config.flush_interval_s, live_rows=config.live_rows,
+                            journal=True)
         self.sizes = plan.mesh.sizes
         self.names = plan.mesh.names
         self.coords = rank_coords(rank, self.sizes)
@@ -257,6 +259,7 @@ class WorkerTelemetry:
                 for seq, (name, target, t0, d) in enumerate(self._ops)])
         self.rec.add("memory", (step, self.device, *_memory(self.device, state),
                                 self._live.peak if self._live is not None else None))
+        self.rec.journal_soon()
 
     def failure(self, exc: BaseException, tb: str) -> None:
         self.rec.add("failures", (now_us(), self.step, "error", f"{type(exc).__name__}: {exc}",
@@ -410,13 +413,26 @@ class SegmentShipper:
 _SEGMENT_MARKER = re.compile(r"^\.here-[0-9a-f]{16}$")
 
 
-def ingest(config: TelemetryConfig | None) -> None:
+def ingest(config: TelemetryConfig | None, run_id: str | None = None) -> None:
     """Load the run's segments into the DuckDB store, best effort: a store another process
-    holds open is left for later (``meshplan telemetry ingest``); the segments stay either way."""
+    holds open is left for later (``meshplan telemetry ingest``); the segments stay either way.
+    ``run_id``: its processes have all ended: first turn the journals of those killed before
+    their last flush into segments (``telemetry._recorder.recover_journals``)."""
     if config is None:
         return
     from .._errors import TelemetryError
     from ..telemetry import Store
+    from ..telemetry._recorder import recover_journals
+
+    if run_id is not None:
+        try:
+            got = recover_journals(config.segments / run_id)
+        except OSError as exc:
+            logger.warning("meshplan: could not read the ranks' telemetry journals: %s", exc)
+        else:
+            if got:
+                logger.info("meshplan: %d telemetry rows recovered from the journals of "
+                            "ranks killed before their last flush", got)
 
     try:
         with Store.open(config.db) as store:

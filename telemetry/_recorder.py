@@ -7,8 +7,17 @@ pending every ``flush_interval_s`` as one Parquet segment per table,
 ``<root>/<run_id>/<rank-dir>/<table>-<pid>-<seq>.parquet``, written under a temporary name and
 renamed into place, so a reader never sees half a file and a rank that crashes keeps everything
 flushed before it. ``flush()`` is also called at ``close()``, at interpreter exit and by the
-runtime right after a failure; rows added after the last flush of a process killed by SIGKILL
-are lost (they were only in its memory).
+runtime right after a failure.
+
+A process killed by SIGKILL (or by mpiexec, which SIGKILLs every rank once one dies) runs none
+of that. With ``journal=True`` (the ranks') the rows added since the last flush are also
+appended, at every ``journal_soon()`` (a rank's step end) from a thread of their own, as JSON
+lines to ``.journal-<pid>-<gen>.jsonl`` in the same folder: the kernel keeps what was written
+when the process dies. Each flush starts the next journal and removes the previous once its
+rows are in segments, whose names carry the journal's number
+(``<table>-<pid>-j<gen>-<seq>.parquet``); ``recover_journals`` turns the journals a dead
+process left into segments, skipping the tables whose segments of that journal exist. What
+is lost is only what was added after the last journal write (the step in flight).
 
 The most recent rows (``live_rows`` per table, flushed or not) stay in memory as Arrow tables,
 so ``query(sql)`` answers over this rank's recent events without touching disk: the runtime's
@@ -19,8 +28,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import json
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -130,7 +141,7 @@ class Recorder:
 
     def __init__(self, root: str | os.PathLike, run_id: str, rank: int, *,
                  level: Level | str = DEFAULT_LEVEL, flush_interval_s: float | None = 2.0,
-                 live_rows: int = 100_000) -> None:
+                 live_rows: int = 100_000, journal: bool = False) -> None:
         self.level = Level.parse(level)
         self.run_id, self.rank = run_id, rank
         self.dir = Path(root) / run_id / rank_dir(rank)
@@ -157,6 +168,15 @@ class Recorder:
             self._thread = threading.Thread(target=self._loop, args=(flush_interval_s,),
                                              name=f"meshplan-telemetry-{rank}", daemon=True)
             self._thread.start()
+        # the journal (module docstring): its descriptor, number and path; rows of each
+        # table's pending list already in it; the thread that writes it when woken
+        self._journal: tuple[int, int, Path] | None = None
+        self._journaled = dict.fromkeys(TABLES, 0)
+        self._jwake = threading.Event()
+        if journal:
+            self._journal = self._open_journal(0)
+            threading.Thread(target=self._journal_loop, name=f"meshplan-journal-{rank}",
+                             daemon=True).start()
         self._exit_hook = weakref.WeakMethod(self.close)
         atexit.register(_close_at_exit, self._exit_hook)
 
@@ -180,6 +200,46 @@ class Recorder:
         with self._lock:
             self._pending[table].extend(rows)
 
+    # ---- the journal -------------------------------------------------------------------------
+
+    def _open_journal(self, gen: int) -> tuple[int, int, Path]:
+        path = self.dir / f".journal-{os.getpid()}-{gen:06d}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        return fd, gen, path
+
+    def journal_soon(self) -> None:
+        """Have the journal thread append the rows added since its last write (a rank's
+        step end: off the step's path; a no-op without a journal)."""
+        if self._journal is not None:
+            self._jwake.set()
+
+    def journal(self) -> None:
+        """Append the rows added since the last write to the journal, in one write."""
+        with self._lock:
+            if self._journal is None:
+                return
+            lines = []
+            for table, rows in self._pending.items():
+                done = self._journaled[table]
+                if len(rows) > done:
+                    lines += [json.dumps([table, row], default=str) for row in rows[done:]]
+                    self._journaled[table] = len(rows)
+            if lines:
+                try:
+                    os.write(self._journal[0], ("\n".join(lines) + "\n").encode())
+                except OSError as exc:          # a flush still writes the rows
+                    logger.warning("telemetry: could not write the journal %s: %s",
+                                   self._journal[2], exc)
+
+    def _journal_loop(self) -> None:
+        while not self._closed:
+            self._jwake.wait()
+            self._jwake.clear()
+            try:
+                self.journal()
+            except Exception:  # noqa: BLE001 - telemetry must never take the rank down
+                logger.exception("telemetry: journal write failed")
+
     # ---- flushing ----------------------------------------------------------------------------
 
     def flush(self) -> int:
@@ -189,19 +249,27 @@ class Recorder:
                 pending = {t: rows for t, rows in self._pending.items() if rows}
                 for t in pending:
                     self._pending[t] = []
+                old = self._journal                # these rows' journal: the next one starts
+                if old is not None:
+                    self._journal = self._open_journal(old[1] + 1)
+                    self._journaled = dict.fromkeys(TABLES, 0)
             written = 0
             for table, rows in pending.items():
                 arrow = self._to_arrow(table, rows)
                 try:
-                    self._write(table, arrow)
+                    self._write(table, arrow, None if old is None else old[1])
                 except OSError as exc:      # keep the rows; a later flush tries again
                     logger.warning("telemetry: could not write a %s segment in %s: %s",
                                    table, self.dir, exc)
                     with self._lock:
                         self._pending[table][:0] = rows
+                        self._journaled[table] += len(rows)   # in no journal from now on
                     continue
                 self._remember(table, arrow)
                 written += len(rows)
+            if old is not None:                # its rows are in segments now
+                os.close(old[0])
+                old[2].unlink(missing_ok=True)
             self.flushed_rows += written
             return written
 
@@ -211,9 +279,15 @@ class Recorder:
             return
         self._closed = True
         self._wake.set()
+        self._jwake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         self.flush()
+        with self._lock:
+            journal, self._journal = self._journal, None
+        if journal is not None:                # flushed: nothing is only in it
+            os.close(journal[0])
+            journal[2].unlink(missing_ok=True)
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -226,22 +300,12 @@ class Recorder:
                 logger.exception("telemetry: flush failed")
 
     def _to_arrow(self, table: str, rows: list[tuple]) -> pa.Table:
-        schema = TABLES[table]
-        names = schema.names
-        cols = list(zip(*rows)) if rows else [()] * (len(names) - 1)
-        arrays = [pa.array([self.run_id] * len(rows), type=pa.string())]
-        arrays += [pa.array(col, type=schema.field(n).type) for n, col in zip(names[1:], cols)]
-        return pa.Table.from_arrays(arrays, schema=schema)
+        return _rows_to_arrow(self.run_id, table, rows)
 
-    def _write(self, table: str, arrow: pa.Table) -> None:
-        import pyarrow.parquet as pq
-
-        name = f"{table}-{os.getpid()}-{self._seq:06d}.parquet"
+    def _write(self, table: str, arrow: pa.Table, journal: int | None = None) -> None:
+        tag = "" if journal is None else f"j{journal:06d}-"
+        _write_segment(self.dir, f"{table}-{os.getpid()}-{tag}{self._seq:06d}.parquet", arrow)
         self._seq += 1
-        path = self.dir / name
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(arrow, tmp)
-        os.replace(tmp, path)
 
     def _remember(self, table: str, arrow: pa.Table) -> None:
         if self.live_rows <= 0:
@@ -287,6 +351,68 @@ class Recorder:
             raise TelemetryError(f"live query failed on rank {self.rank}: {exc}") from None
         finally:
             con.close()
+
+
+def _rows_to_arrow(run_id: str, table: str, rows: list) -> pa.Table:
+    schema = TABLES[table]
+    names = schema.names
+    cols = list(zip(*rows)) if rows else [()] * (len(names) - 1)
+    arrays = [pa.array([run_id] * len(rows), type=pa.string())]
+    arrays += [pa.array(col, type=schema.field(n).type) for n, col in zip(names[1:], cols)]
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _write_segment(folder: Path, name: str, arrow: pa.Table) -> None:
+    """A segment written under a temporary name and renamed into place."""
+    import pyarrow.parquet as pq
+
+    tmp = folder / f".{name}.tmp"
+    pq.write_table(arrow, tmp)
+    os.replace(tmp, folder / name)
+
+
+_JOURNAL = re.compile(r"^\.journal-(\d+)-(\d{6})\.jsonl$")
+
+
+def recover_journals(run_dir: str | os.PathLike) -> int:
+    """Turn the journals that processes of the run in ``run_dir`` (``<segments>/<run_id>``)
+    left into segments, and remove them; call it once none of those processes runs. A
+    table whose segment of that journal exists was flushed: its lines are skipped. Returns
+    the rows recovered."""
+    root = Path(run_dir)
+    recovered = 0
+    for path in sorted(root.glob("*/.journal-*.jsonl")):
+        found = _JOURNAL.match(path.name)
+        if found is None:
+            continue
+        pid, gen = found.groups()
+        rows: dict[str, list] = {}
+        try:
+            text = path.read_text(errors="replace")
+        except OSError as exc:
+            logger.warning("telemetry: cannot read the journal %s: %s", path, exc)
+            continue
+        for line in text.splitlines():
+            try:
+                table, row = json.loads(line)
+            except (ValueError, TypeError):       # the last line, cut by the kill
+                continue
+            if table in TABLES:
+                rows.setdefault(table, []).append(row)
+        for table, got in rows.items():
+            if any(path.parent.glob(f"{table}-{pid}-j{gen}-*.parquet")):
+                continue                          # flushed before the process died
+            try:
+                _write_segment(path.parent, f"{table}-{pid}-j{gen}-journal.parquet",
+                               _rows_to_arrow(root.name, table, got))
+            except (OSError, pa.ArrowException) as exc:
+                logger.warning("telemetry: could not recover %d %s rows from %s: %s",
+                               len(got), table, path, exc)
+                break
+            recovered += len(got)
+        else:
+            path.unlink(missing_ok=True)
+    return recovered
 
 
 def _close_at_exit(ref: weakref.WeakMethod) -> None:

@@ -3,7 +3,7 @@
 A GPT-style step on 4 local processes (dp=2 x tp=2, Megatron plan) records into a fresh store;
 the answers are checked against what the controller saw (losses, collective calls per rank) and
 against the plan (bytes per collective must equal the plan's exactly: both count the same
-buffers). Then the failure paths: a killed rank keeps its flushed rows and gets a ``failures``
+buffers). Then the failure paths: a killed rank keeps its journaled rows and gets a ``failures``
 row; a raising rank records its own error with the user's line; a stalled worker is reported
 missing by the live fan-out query and the run goes on.
 """
@@ -128,16 +128,19 @@ def test_the_trace_file_is_chrome_trace_json(gpt_run, tmp_path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_killed_rank_leaves_its_flushed_rows_and_a_failure(tmp_path) -> None:
+def test_a_killed_rank_leaves_its_journaled_rows_and_a_failure(tmp_path) -> None:
+    """A rank SIGKILLed between steps, long before its next flush (the interval is 600 s):
+    the rows of its steps were appended to its journal at each step's end, and the
+    controller turns the journal into segments at shutdown (``recover_journals``)."""
     db = tmp_path / "k.duckdb"
     ex = mlp.build(optimizer="adamw")
-    cfg = TelemetryConfig(db=db, flush_interval_s=0.2)
+    cfg = TelemetryConfig(db=db, flush_interval_s=600)
     step = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="dp", telemetry=cfg,
                                timeout_s=60, fault_tolerance=False)     # the run stops
     with step:
         step(*ex.batch(0))
         step(*ex.batch(1))
-        time.sleep(0.8)                 # the background flush writes steps 0 and 1
+        time.sleep(0.3)                 # the journal thread writes step 1's rows (~ms)
         os.kill(step._workers.pids[1], signal.SIGKILL)
         with pytest.raises(meshplan.RuntimeFailure, match="rank 1"):
             step(*ex.batch(2))

@@ -133,3 +133,46 @@ def test_segments_of_ranks_on_a_disk_the_controller_does_not_see_are_shipped(tmp
             ["hostB"]
     with pytest.raises(ValueError, match="shipped a telemetry segment named '../x.parquet'"):
         shipper.write(1, ["../x.parquet"], [torch.zeros(1, dtype=torch.uint8)])
+
+
+def test_a_killed_process_keeps_its_journaled_rows_and_none_twice(tmp_path) -> None:
+    """``journal=True`` (a rank's recorder): a process SIGKILLed (as mpiexec ends every rank
+    once one dies) before its next flush keeps the rows journaled at its step ends;
+    ``recover_journals`` makes segments of them once, skipping a table whose segment of that
+    journal was written (a flush the kill cut short before it removed its journal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from meshplan.telemetry._recorder import recover_journals
+
+    script = (
+        "import os, signal, sys\n"
+        "from meshplan.telemetry import Recorder\n"
+        "rec = Recorder(sys.argv[1], 'r1', 2, flush_interval_s=None, journal=True)\n"
+        "for step in range(3):\n"
+        "    rec.add('steps', (step, 0, 10, 0.5, 0, 0, 0))\n"
+        "rec.flush()\n"                        # steps 0-2 in a segment, journal 0 removed
+        "for step in range(3, 5):\n"
+        "    rec.add('steps', (step, 0, 10, 0.5, 0, 0, 0))\n"
+        "    rec.journal()\n"                  # a step end
+        "rec.add('steps', (5, 0, 10, 0.5, 0, 0, 0))\n"     # the step in flight: not journaled
+        "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    folder = tmp_path / "r1" / "rank-00002"
+    assert len(list(folder.glob(".journal-*.jsonl"))) == 1
+    assert recover_journals(tmp_path / "r1") == 2
+    assert recover_journals(tmp_path / "r1") == 0                 # removed: not twice
+    steps = sorted(r["step"] for f in folder.glob("steps-*.parquet")
+                   for r in pq.read_table(f).to_pylist())
+    assert steps == [0, 1, 2, 3, 4]
+    # a flush that wrote its steps segment, then died before removing its journal
+    rec = Recorder(tmp_path, "r2", 0, flush_interval_s=None, journal=True)
+    rec.add("steps", (0, 0, 10, None, 0, 0, 0))
+    rec.add("failures", (5, 0, "exit", "x", None, None))
+    rec.journal()
+    (rec.dir / f"steps-{os.getpid()}-j000000-000000.parquet").write_bytes(b"")
+    assert recover_journals(tmp_path / "r2") == 1                  # the failures row only
+    rec.close()
