@@ -154,11 +154,19 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from .telemetry._schema import default_db_path
     from .telemetry._store import Store
 
+    from .telemetry._recorder import recover_journals
+
     _quiet_store_log()
     db = Path(args.db) if args.db else default_db_path()
     with Store.open(db, ingest=False) as store:
         if store.fallback:
             raise TelemetryError(f"cannot ingest: {store.source}; close that process first")
+        # the journals of ranks a killed controller's run left (its processes gone)
+        rescued = sum(recover_journals(run, gone_here=True)
+                      for run in sorted(store.segments.glob("*")) if run.is_dir())
+        if rescued:
+            print(f"recovered {rescued} rows from the journals of ranks that died before "
+                  "their last flush", file=sys.stderr, flush=True)
         r = store.ingest()
     for path, why in r.skipped:
         print(f"skipped unreadable segment {path} ({why})", file=sys.stderr, flush=True)

@@ -12,12 +12,14 @@ runtime right after a failure.
 A process killed by SIGKILL (or by mpiexec, which SIGKILLs every rank once one dies) runs none
 of that. With ``journal=True`` (the ranks') the rows added since the last flush are also
 appended, at every ``journal_soon()`` (a rank's step end) from a thread of their own, as JSON
-lines to ``.journal-<pid>-<gen>.jsonl`` in the same folder: the kernel keeps what was written
-when the process dies. Each flush starts the next journal and removes the previous once its
+lines to ``.journal-<host>-<pid>-<gen>.jsonl`` in the same folder: the kernel keeps what was
+written when the process dies. Each flush starts the next journal and removes the previous once its
 rows are in segments, whose names carry the journal's number
 (``<table>-<pid>-j<gen>-<seq>.parquet``); ``recover_journals`` turns the journals a dead
 process left into segments, skipping the tables whose segments of that journal exist. What
-is lost is only what was added after the last journal write (the step in flight).
+is lost is only what was added after the last journal write (the step in flight). The
+controller calls it for its run at shutdown; ``meshplan telemetry ingest`` for every run, on
+the journals of this host whose process is gone (a controller that was killed).
 
 The most recent rows (``live_rows`` per table, flushed or not) stay in memory as Arrow tables,
 so ``query(sql)`` answers over this rank's recent events without touching disk: the runtime's
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import weakref
@@ -203,7 +206,7 @@ class Recorder:
     # ---- the journal -------------------------------------------------------------------------
 
     def _open_journal(self, gen: int) -> tuple[int, int, Path]:
-        path = self.dir / f".journal-{os.getpid()}-{gen:06d}.jsonl"
+        path = self.dir / f".journal-{socket.gethostname()}-{os.getpid()}-{gen:06d}.jsonl"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         return fd, gen, path
 
@@ -371,21 +374,25 @@ def _write_segment(folder: Path, name: str, arrow: pa.Table) -> None:
     os.replace(tmp, folder / name)
 
 
-_JOURNAL = re.compile(r"^\.journal-(\d+)-(\d{6})\.jsonl$")
+_JOURNAL = re.compile(r"^\.journal-(.+)-(\d+)-(\d{6})\.jsonl$")
 
 
-def recover_journals(run_dir: str | os.PathLike) -> int:
+def recover_journals(run_dir: str | os.PathLike, *, gone_here: bool = False) -> int:
     """Turn the journals that processes of the run in ``run_dir`` (``<segments>/<run_id>``)
-    left into segments, and remove them; call it once none of those processes runs. A
-    table whose segment of that journal exists was flushed: its lines are skipped. Returns
-    the rows recovered."""
+    left into segments, and remove them; call it once none of those processes runs
+    (``gone_here``: only the journals of processes of this host that are gone, for a run
+    whose processes may still be running). A table whose segment of that journal exists
+    was flushed: its lines are skipped. Returns the rows recovered."""
     root = Path(run_dir)
     recovered = 0
+    here = socket.gethostname()
     for path in sorted(root.glob("*/.journal-*.jsonl")):
         found = _JOURNAL.match(path.name)
         if found is None:
             continue
-        pid, gen = found.groups()
+        host, pid, gen = found.groups()
+        if gone_here and (host != here or _alive(int(pid))):
+            continue
         rows: dict[str, list] = {}
         try:
             text = path.read_text(errors="replace")
@@ -413,6 +420,15 @@ def recover_journals(run_dir: str | os.PathLike) -> int:
         else:
             path.unlink(missing_ok=True)
     return recovered
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def _close_at_exit(ref: weakref.WeakMethod) -> None:

@@ -139,7 +139,8 @@ def test_a_killed_process_keeps_its_journaled_rows_and_none_twice(tmp_path) -> N
     """``journal=True`` (a rank's recorder): a process SIGKILLed (as mpiexec ends every rank
     once one dies) before its next flush keeps the rows journaled at its step ends;
     ``recover_journals`` makes segments of them once, skipping a table whose segment of that
-    journal was written (a flush the kill cut short before it removed its journal)."""
+    journal was written (a flush the kill cut short before it removed its journal);
+    ``gone_here`` (``meshplan telemetry ingest``) leaves a live process's journal alone."""
     import os
     import signal
     import subprocess
@@ -163,7 +164,7 @@ def test_a_killed_process_keeps_its_journaled_rows_and_none_twice(tmp_path) -> N
     assert done.returncode == -signal.SIGKILL
     folder = tmp_path / "r1" / "rank-00002"
     assert len(list(folder.glob(".journal-*.jsonl"))) == 1
-    assert recover_journals(tmp_path / "r1") == 2
+    assert recover_journals(tmp_path / "r1", gone_here=True) == 2     # its process is gone
     assert recover_journals(tmp_path / "r1") == 0                 # removed: not twice
     steps = sorted(r["step"] for f in folder.glob("steps-*.parquet")
                    for r in pq.read_table(f).to_pylist())
@@ -174,5 +175,6 @@ def test_a_killed_process_keeps_its_journaled_rows_and_none_twice(tmp_path) -> N
     rec.add("failures", (5, 0, "exit", "x", None, None))
     rec.journal()
     (rec.dir / f"steps-{os.getpid()}-j000000-000000.parquet").write_bytes(b"")
+    assert recover_journals(tmp_path / "r2", gone_here=True) == 0  # this process: alive
     assert recover_journals(tmp_path / "r2") == 1                  # the failures row only
     rec.close()
