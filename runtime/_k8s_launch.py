@@ -443,13 +443,7 @@ class K8sLauncher:
         except BaseException:
             group.stop()
             raise
-        here, now = socket.gethostname(), time.monotonic()
-        for rank, (proc, hello) in enumerate(zip(group.procs, hellos)):
-            proc.pid = int(hello.header["pid"])
-            if hello.header.get("hostname") != here:     # it beats from now on (_worker)
-                group.channel.last_beat.setdefault(rank, now)
-        workers.pids = tuple(p.pid for p in group.procs)
-        workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
+        _met(workers, hellos)
         return workers
 
 
@@ -614,13 +608,7 @@ class K8sPods:
         except BaseException:
             group.stop()
             raise
-        here, now = socket.gethostname(), time.monotonic()
-        for rank, (proc, hello) in enumerate(zip(group.procs, hellos)):
-            proc.pid = int(hello.header["pid"])
-            if hello.header.get("hostname") != here:     # it beats from now on (_worker)
-                group.channel.last_beat.setdefault(rank, now)
-        workers.pids = tuple(p.pid for p in group.procs)
-        workers.hostnames = tuple(str(h.header.get("hostname")) for h in hellos)
+        _met(workers, hellos)
         return workers
 
     def _respawn(self, group: _AgentGroup, rank: int) -> _AgentRank:
@@ -717,15 +705,7 @@ class K8sPods:
                 "(start_timeout_s; the Job makes one for an evicted or preempted pod, not for "
                 "one that failed or was deleted)" + (":\n  " + "\n  ".join(why) if why else "")
                 + f"\n  {str(exc).splitlines()[0]}") from exc
-        here, now = socket.gethostname(), time.monotonic()
-        names = list(agents.hostnames)
-        for index, hello in zip(waiting, hellos):
-            agents._group.procs[index].pid = int(hello.header["pid"])
-            names[index] = str(hello.header.get("hostname"))
-            if names[index] != here:
-                agents.channel.last_beat.setdefault(index, now)
-        agents.hostnames = tuple(names)
-        agents.pids = tuple(p.pid for p in agents._group.procs)
+        _met(agents, hellos, waiting)
         self.waiting.clear()
 
     def kill_ranks(self) -> None:
@@ -741,6 +721,22 @@ class K8sPods:
         if agents is not None:
             agents.shutdown(timeout_s=5.0)
 
+
+
+def _met(workers: Workers, hellos: list[Any], ranks: list[int] | None = None) -> None:
+    """What the hellos of ``ranks`` (default: every one) say: each process's pid and host;
+    one on another host than this one beats from now on (``_worker``)."""
+    group = workers._group
+    ranks = list(range(len(group.procs))) if ranks is None else ranks
+    here, now = socket.gethostname(), time.monotonic()
+    names = list(workers.hostnames) or [""] * len(group.procs)
+    for rank, hello in zip(ranks, hellos):
+        group.procs[rank].pid = int(hello.header["pid"])
+        names[rank] = str(hello.header.get("hostname"))
+        if names[rank] != here:
+            group.channel.last_beat.setdefault(rank, now)
+    workers.pids = tuple(p.pid for p in group.procs)
+    workers.hostnames = tuple(names)
 
 
 def _address_toward(url: str) -> str:

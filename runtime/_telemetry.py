@@ -158,6 +158,14 @@ class WorkerTelemetry:
         self.rec = Recorder(config.segments, run_id, rank, level=config.level,
                             flush_interval_s=config.flush_interval_s, live_rows=config.live_rows,
                             journal=True)
+        # a rank started again (fault tolerance): its killed predecessor's journal becomes
+        # segments here, which ship with this rank's when the controller cannot see them
+        from ..telemetry._recorder import recover_journals
+
+        try:
+            recover_journals(self.rec.dir.parent, gone_here=True, ranks=self.rec.dir.name)
+        except OSError as exc:
+            logger.warning("telemetry: could not read an earlier process's journal: %s", exc)
         self.sizes = plan.mesh.sizes
         self.names = plan.mesh.names
         self.coords = rank_coords(rank, self.sizes)
@@ -377,7 +385,8 @@ class QueryResult:
         return not self.missing and not self.errors
 
 
-_SEGMENT_NAME = re.compile(r"^[a-z_]+-\d+-\d+\.parquet$")      # Recorder._write's names
+# Recorder._write's names (``-j<journal>-`` where it journals), and a journal's recovered
+_SEGMENT_NAME = re.compile(r"^[a-z_]+-\d+-(j\d+-)?(\d+|journal)\.parquet$")
 
 
 class SegmentShipper:

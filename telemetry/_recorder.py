@@ -19,7 +19,9 @@ rows are in segments, whose names carry the journal's number
 process left into segments, skipping the tables whose segments of that journal exist. What
 is lost is only what was added after the last journal write (the step in flight). The
 controller calls it for its run at shutdown; ``meshplan telemetry ingest`` for every run, on
-the journals of this host whose process is gone (a controller that was killed).
+the journals of this host whose process is gone (a controller that was killed); and a rank
+started again (fault tolerance) on its own folder, for its predecessor's journal there, so
+that a rank on a disk the controller does not see ships the rows with its segments.
 
 The most recent rows (``live_rows`` per table, flushed or not) stay in memory as Arrow tables,
 so ``query(sql)`` answers over this rank's recent events without touching disk: the runtime's
@@ -377,16 +379,18 @@ def _write_segment(folder: Path, name: str, arrow: pa.Table) -> None:
 _JOURNAL = re.compile(r"^\.journal-(.+)-(\d+)-(\d{6})\.jsonl$")
 
 
-def recover_journals(run_dir: str | os.PathLike, *, gone_here: bool = False) -> int:
+def recover_journals(run_dir: str | os.PathLike, *, gone_here: bool = False,
+                     ranks: str = "*") -> int:
     """Turn the journals that processes of the run in ``run_dir`` (``<segments>/<run_id>``)
     left into segments, and remove them; call it once none of those processes runs
     (``gone_here``: only the journals of processes of this host that are gone, for a run
-    whose processes may still be running). A table whose segment of that journal exists
-    was flushed: its lines are skipped. Returns the rows recovered."""
+    whose processes may still be running). ``ranks``: the rank folders to look in (a
+    glob). A table whose segment of that journal exists was flushed: its lines are
+    skipped. Returns the rows recovered."""
     root = Path(run_dir)
     recovered = 0
     here = socket.gethostname()
-    for path in sorted(root.glob("*/.journal-*.jsonl")):
+    for path in sorted(root.glob(f"{ranks}/.journal-*.jsonl")):
         found = _JOURNAL.match(path.name)
         if found is None:
             continue

@@ -119,9 +119,9 @@ def test_segments_of_ranks_on_a_disk_the_controller_does_not_see_are_shipped(tmp
     config = TelemetryConfig(db=tmp_path / "ctl" / "t.duckdb")
     here = Recorder(config.segments, "run1", 0, flush_interval_s=None)
     (here.dir / ".here-00112233445566ff").touch()
-    far = Recorder(tmp_path / "other-host", "run1", 1, flush_interval_s=None)
+    far = Recorder(tmp_path / "other-host", "run1", 1, flush_interval_s=None, journal=True)
     far.add("ranks", ("hostB", 1, "dp=1", "cpu", 0))
-    far.flush()
+    far.flush()                       # a journaling rank's names: <table>-<pid>-j<n>-<seq>
     shipper = SegmentShipper(config, "run1", [".here-00112233445566ff", ".here-aabbccddeeff0011"])
     assert shipper.ranks == [1]
     assert not (here.dir / ".here-00112233445566ff").exists()
@@ -178,3 +178,26 @@ def test_a_killed_process_keeps_its_journaled_rows_and_none_twice(tmp_path) -> N
     assert recover_journals(tmp_path / "r2", gone_here=True) == 0  # this process: alive
     assert recover_journals(tmp_path / "r2") == 1                  # the failures row only
     rec.close()
+
+
+def test_a_rank_started_again_recovers_its_predecessors_journal(tmp_path) -> None:
+    """Fault tolerance starts a killed rank again in the same folder: the new process turns
+    the journal its predecessor left there into segments (which then ship with its own when
+    the controller does not see this disk), and leaves other ranks' folders alone."""
+    import signal
+    import subprocess
+    import sys
+
+    from meshplan.telemetry._recorder import recover_journals
+
+    script = ("import os, signal, sys\nfrom meshplan.telemetry import Recorder\n"
+              "for rank in (0, 1):\n"
+              "    rec = Recorder(sys.argv[1], 'r1', rank, flush_interval_s=None, journal=True)\n"
+              "    rec.add('steps', (7, 0, 10, 0.5, 0, 0, 0))\n"
+              "    rec.journal()\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    assert recover_journals(tmp_path / "r1", gone_here=True, ranks="rank-00001") == 1
+    assert list((tmp_path / "r1" / "rank-00001").glob("steps-*-journal.parquet"))
+    assert list((tmp_path / "r1" / "rank-00000").glob(".journal-*"))     # not its folder
