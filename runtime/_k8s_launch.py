@@ -649,7 +649,9 @@ class K8sPods:
                     rank, message = agents.channel.recv(left)
                 except TimeoutError:
                     break
-                if rank == index and message.header.get("nonce") == nonce:
+                if message.kind == P.HELLO:          # a pod's successor, up meanwhile
+                    agents.stash_hello(rank, message)
+                elif rank == index and message.header.get("nonce") == nonce:
                     return message.header if message.kind == kind else None
             return None
 

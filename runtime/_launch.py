@@ -275,6 +275,10 @@ class Workers:
         self.log_dir = log_dir
         self.hostnames: tuple[str, ...] = ()
         self._late: dict[int, list[str]] = {}   # per rank: kinds of replies given up on
+        # a new process's hello that came while the controller waited for something else (a
+        # k8s pod made again: its agent connects when it is up, whatever is under way); the
+        # next gather of hellos takes it
+        self._hellos: dict[int, Message] = {}
         self._stopped_since: dict[int, float] = {}
         self.stopped_s = STOPPED_S     # how long an awaited rank may stay stopped (state T)
         # a failure raises without stopping the workers: the caller replaces the failed ranks
@@ -334,6 +338,9 @@ class Workers:
         got: dict[int, Message] = {}
         if ranks is not None:       # the others count as answered: nothing is asked of them
             got = {r: Message(kind_expected, {}, []) for r in range(self.n) if r not in ranks}
+        if kind_expected == P.HELLO:
+            for rank in [r for r in self._hellos if r not in got]:
+                got[rank] = self._hellos.pop(rank)
         while len(got) < self.n:
             wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             try:
@@ -519,7 +526,16 @@ class Workers:
             self._finalizer()
         raise failure
 
+    def stash_hello(self, rank: int, message: Message) -> None:
+        """Keep a hello that came while something else was awaited, for the next gather of
+        hellos (``_hellos``)."""
+        if 0 <= rank < self.n:
+            self._hellos[rank] = message
+
     def _take(self, rank: int, message: Message, kind: str, got: dict[int, Message]) -> None:
+        if message.kind == P.HELLO and kind != P.HELLO:
+            self.stash_hello(rank, message)
+            return
         intact = message.kind == P.ERROR and message.header.get("intact") is True \
             and message.header.get("kind") == kind
         if intact and rank not in got and 0 <= rank < self.n:

@@ -339,10 +339,14 @@ def test_an_evicted_pod_is_made_again_and_the_run_goes_on_bit_for_bit(cluster,
     before step 2; the Job makes a pod of the same index in its place. The controller reads
     the state from the snapshots (pod 1's rank from its copy on pod 0's agent), waits for
     the new pod's agent, starts the mesh again in the pods and re-runs the kept steps:
-    ``torch.equal`` to the fault-free run, and nothing left behind."""
+    ``torch.equal`` to the fault-free run, and nothing left behind. The loop waits before
+    step 2 while the new pod's agent starts and says hello (a user's loop busy between
+    steps): that hello, which comes before anything asks for it, is kept for the recovery
+    (before, an agent's question dropped it and the restarted ranks' setup failed)."""
     def evict(i: int) -> None:
         if i == 2:
             cluster.evict(next(n for n in cluster.live()["pods"] if "-1-" in n))
+            time.sleep(6.0)          # the new pod's agent starts and says hello (~3 s here)
 
     got = _ft_run(cluster, monkeypatch, before=evict, fault_tolerance=True)
     assert got[2] == (1, [0, 1])
