@@ -38,6 +38,7 @@ from ._channel import (
     ENV_RUN_ID,
     ENV_WORLD_SIZE,
 )
+from ._launch import _close_pipes
 from ._worker import WorkerState, register
 
 __all__: list[str] = []     # handlers only; its name is in _k8s.AGENT_PLUGINS
@@ -71,11 +72,7 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(_KILL_WAIT_S)
     except subprocess.TimeoutExpired:
         pass
-    if proc.stdin is not None:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
+    _close_pipes([proc])
 
 
 def _spawn(header: dict[str, Any], rank: int | None) -> subprocess.Popen:
