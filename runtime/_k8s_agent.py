@@ -78,12 +78,11 @@ def _kill(proc: subprocess.Popen) -> None:
 def _spawn(header: dict[str, Any], rank: int | None) -> subprocess.Popen:
     """A worker of the launch ``header`` describes (``pod_start``): rank ``rank``, or with
     None a spare that waits to be told its rank."""
-    world, first = int(header["world"]), int(header["first"])
+    world, per = int(header["world"]), max(1, int(header["per"]))
     store_host, store_port = header["store"]
     env = {k: v for k, v in os.environ.items() if k != ENV_PLUGINS}
     env.update({str(k): str(v) for k, v in header.get("env", {}).items()})
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                              // max(1, int(header["per"])))))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per)))
     env.update({ENV_WORLD_SIZE: str(world), "WORLD_SIZE": str(world),
                 ENV_ADDRESS: str(header["address"]), ENV_RUN_ID: str(header["run_id"]),
                 "MASTER_ADDR": str(store_host), "MASTER_PORT": str(store_port),
@@ -91,7 +90,7 @@ def _spawn(header: dict[str, Any], rank: int | None) -> subprocess.Popen:
     if rank is None:
         env["MESHPLAN_SPARE"] = "1"
     else:
-        env.update({ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank - first)})
+        env.update({ENV_RANK: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank % per)})
     proc = subprocess.Popen([sys.executable, "-m", "meshplan.runtime._worker"],
                             stdin=subprocess.PIPE, env=env, close_fds=True)
     _tell(proc, str(header["key"]))
@@ -125,7 +124,7 @@ def _pod_start(state: WorkerState, header: dict[str, Any], tensors: list[torch.T
         old = procs.pop(rank, None)
         if old is not None:
             _kill(old)
-        if spare is not None and _tell(spare[0], f"{rank} {rank - int(header['first'])}"):
+        if spare is not None and _tell(spare[0], f"{rank} {rank % int(header['per'])}"):
             procs[rank], spare = spare[0], None
         else:
             procs[rank] = _spawn(header, rank)

@@ -596,8 +596,8 @@ class K8sPods:
         group.channel.sees_drops = True     # the agents tell a closed connection from an exit
         try:
             for i in range(len(agents._group.procs)):
-                agents.send(i, "pod_start", {**start, "first": i * per,
-                                             "ranks": list(range(i * per, min(n, i * per + per)))})
+                agents.send(i, "pod_start", {
+                    **start, "ranks": list(range(i * per, min(n, i * per + per)))})
             agents.gather("pod_start", self.launcher.start_timeout_s)
             group.procs = [_AgentRank(self, group.channel, r, r // per) for r in range(n)]
             group.respawn = lambda rank: self._respawn(group, rank)
@@ -612,9 +612,8 @@ class K8sPods:
         return workers
 
     def _respawn(self, group: _AgentGroup, rank: int) -> _AgentRank:
-        index, per = rank // self.per, self.per
-        reply = self.ask(index, "pod_start", {**group.start, "first": index * per,
-                                              "ranks": [rank]}, timeout_s=30.0)
+        index = rank // self.per
+        reply = self.ask(index, "pod_start", {**group.start, "ranks": [rank]}, timeout_s=30.0)
         if reply is None:
             raise RuntimeFailure(f"launcher='k8s': the agent of pod {index} did not start "
                                  f"rank {rank} again ({self.pod_ended(index) or 'no answer'})")
@@ -625,9 +624,8 @@ class K8sPods:
     def _spares(self, group: _AgentGroup) -> _Spares:
         """Every pod's agent keeps a warm spare of this launch (``Workers.keep_spare``, once
         the ranks are set up and after each replacement); a replacement takes it there."""
-        per = self.per
         for index in range(len(self.agents._group.procs) if self.agents else 0):
-            self.ask(index, "pod_spare", {**group.start, "first": index * per})
+            self.ask(index, "pod_spare", group.start)
         return _Spares()
 
     def ask(self, index: int, kind: str, header: dict[str, Any], timeout_s: float = 5.0
