@@ -975,8 +975,16 @@ class DistributedStep:
                                "made a pod in place of each", self.__name__, ", ".join(moved))
         if ft.held is None:                   # the state is still in the mesh's snapshots
             assert ft.files is not None and ft.owners is not None
-            found = read_mesh(ft.files, ft.owners,
-                              lambda held: ft.restore_point(held, in_flight))
+            try:
+                found = read_mesh(ft.files, ft.owners,
+                                  lambda held: ft.restore_point(held, in_flight))
+            except RuntimeFailure as exc:
+                if self._pods is None:
+                    raise
+                self._stop_workers()         # say how the pods went, and the Job's end
+                raise RuntimeFailure(f"{self.__name__}: {exc} ({self._pods.why_lost()}); "
+                                     "the run cannot go on from memory: load the last "
+                                     "checkpoint") from exc
             if found is None:
                 self._stop_workers()
                 raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a "

@@ -7,7 +7,9 @@ What a run on a cluster is made of, by default (``kind="Job"``):
   gets ``JOB_COMPLETION_INDEX``; rank = index x ranks per pod + local rank), ``restartPolicy:
   Never``, ``backoffLimit: 0`` and a ``podFailurePolicy`` that fails the Job on a container's
   non-zero exit (the controller decides what a failure means) but ignores disruptions (an
-  evicted or preempted pod is made again by the Job controller and does not count),
+  evicted or preempted pod is made again by the Job controller and does not count) and,
+  under fault tolerance, a pod deleted outright or killed (exit 143 or 137: made again, the
+  controller counting it against ``max_restarts``),
   ``activeDeadlineSeconds`` when asked, ``ttlSecondsAfterFinished`` so a finished Job goes by
   itself. One container, ``worker``, runs ``python -m meshplan.runtime._k8s_pod``, which
   starts the pod's ranks (``_k8s_pod.py``). ``/dev/shm`` is a memory ``emptyDir`` (the
@@ -60,6 +62,8 @@ ENV_RANKS_PER_POD = "MESHPLAN_RANKS_PER_POD"
 ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
 ENV_K8S = "MESHPLAN_K8S"
 ENV_AGENT = "MESHPLAN_POD_AGENT"        # fault tolerance: the pod runs its agent
+TERMINATED = 143                        # a pod's exit when it was sent SIGTERM (deleted)
+KILLED = 137                            # SIGKILL: the grace ran out, or the OOM killer
 # the agent's worker plugins: the snapshot keeper and the agent (``_k8s_agent.py``)
 AGENT_PLUGINS = "meshplan.runtime._keepers,meshplan.runtime._k8s_agent"
 
@@ -290,6 +294,12 @@ def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
         "podFailurePolicy": {"rules": [
             # evicted, preempted, node drained: the Job controller makes the pod again
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            # under fault tolerance, a pod deleted outright (kubectl delete pod: SIGTERM, no
+            # DisruptionTarget) or killed (the OOM killer, the grace spent): made again too,
+            # the controller counts it against max_restarts
+            *([{"action": "Ignore", "onExitCodes": {
+                "containerName": "worker", "operator": "In", "values": [KILLED, TERMINATED]}}]
+              if agent else []),
             # a rank that exits non-zero: the controller's to handle, not a retry
             {"action": "FailJob", "onExitCodes": {"containerName": "worker",
                                                   "operator": "NotIn", "values": [0]}}]},

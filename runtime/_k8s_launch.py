@@ -57,6 +57,7 @@ from ._k8s import (
     MANAGED_BY,
     OWNER_LABEL,
     RUN_LABEL,
+    TERMINATED,
     K8sOptions,
     manifests,
     owner,
@@ -115,8 +116,12 @@ class _Pods:
     """The run's pods as the watch last saw them, by completion index, and a thread that keeps
     them so (list, then watch; re-list on 410)."""
 
-    def __init__(self, core: Any, namespace: str, run_id: str, pods: int) -> None:
+    def __init__(self, core: Any, namespace: str, run_id: str, pods: int,
+                 batch: Any = None, job: str | None = None) -> None:
         self.core, self.namespace, self.n = core, namespace, pods
+        self.batch, self.job = batch, job        # the Job, read when a pod is missing
+        self._job_why: str | None = None
+        self._job_read = 0.0
         self.selector = f"{RUN_LABEL}={run_id.lower()}"
         self.by_index: dict[int, dict[str, Any]] = {}
         self.gone: dict[int, int] = {}            # index -> exit code it ended with
@@ -181,14 +186,47 @@ class _Pods:
             phase = "Deleted" if kind == "DELETED" else (pod.status.phase or "Pending")
             self.by_index[index] = {"name": pod.metadata.name, "phase": phase,
                                     "why": _why_waiting(pod), "pod": pod}
-            if phase in ("Failed", "Succeeded", "Deleted") and index not in self.gone:
-                self.gone[index] = _exit_code(pod, phase)
+            going = pod.metadata.deletion_timestamp is not None   # Terminating: SIGTERM next
+            if (going or phase in ("Failed", "Succeeded", "Deleted")) and index not in self.gone:
+                self.gone[index] = TERMINATED if going and phase in ("Pending", "Running") \
+                    else _exit_code(pod, phase)
                 self.ended[index] = _why_ended(pod, phase)
                 self.gone_name[index] = pod.metadata.name
 
     def exit_code(self, index: int) -> int | None:
+        """The code pod ``index`` ended with, None while it runs or is still to come. A pod
+        that is not there (written off by ``forget``, or never made) once the Job has failed
+        will not come: it counts as ended, with the Job's failure as its reason."""
         with self.lock:
-            return self.gone.get(index)
+            code = self.gone.get(index)
+            missing = code is None and self.by_index.get(index, {}).get("phase") in (
+                None, "Pending")
+        if not missing or self.job_failed() is None:
+            return code
+        with self.lock:
+            if index not in self.gone:
+                self.gone[index] = 1
+                self.ended[index] = (f"{self._job_why}; no pod of index {index} will run")
+            return self.gone[index]
+
+    def job_failed(self, fresh: bool = False) -> str | None:
+        """Why the Job failed (its ``Failed`` condition: a pod's exit that the
+        ``podFailurePolicy`` fails it on, the backoff limit, the active deadline), or None
+        while it has not. Read from the API at most once a second, unless ``fresh``."""
+        now = time.monotonic()
+        if self._job_why is None and self.job is not None and (
+                fresh or now - self._job_read >= 1.0):
+            self._job_read = now
+            try:
+                job = self.batch.read_namespaced_job(self.job, self.namespace,
+                                                     _request_timeout=5)
+            except Exception:  # noqa: BLE001 - deleted or unreachable: the pods tell the rest
+                return None
+            for c in (job.status.conditions or []) if job.status else []:
+                if c.type == "Failed" and c.status == "True":
+                    self._job_why = (f"Job {self.namespace}/{self.job} failed ({c.reason}"
+                                     + (f": {c.message}" if c.message else "") + ")")
+        return self._job_why
 
     def forget(self, index: int) -> str | None:
         """Pod ``index`` ended and the Job makes another in its place (it may have already):
@@ -247,13 +285,15 @@ def _why_ended(pod: Any, phase: str) -> str:
         if cond.type == "DisruptionTarget" and cond.status == "True":
             return (f"pod {name} was disrupted ({cond.reason or 'DisruptionTarget'}: evicted, "
                     "preempted or its node drained); its ranks went with it")
+    if pod.metadata.deletion_timestamp is not None or phase == "Deleted":
+        return (f"pod {name} was deleted (kubectl delete pod, or its Job was, or the Job "
+                "failed); its ranks went with it")
     for cs in (status.container_statuses or []) if status else []:
         term = cs.state.terminated if cs.state else None
         if term is not None:
             said = f": {term.message.strip()}" if term.message else ""
-            return f"pod {name} {phase.lower()}: its container ended ({term.reason}{said})"
-    if phase == "Deleted":
-        return f"pod {name} was deleted (kubectl delete, or its Job was)"
+            return (f"pod {name} {phase.lower()}: its container ended ({term.reason}, exit "
+                    f"{term.exit_code}{said})")
     return f"pod {name} {phase.lower()}"
 
 
@@ -410,7 +450,7 @@ class K8sLauncher:
                 made = batch.create_namespaced_job(ns, job)
             except ApiException as exc:
                 raise _api_error(exc, "creating the Job", ns) from exc
-            group.pods = _Pods(core, ns, run_id, pods_n)
+            group.pods = _Pods(core, ns, run_id, pods_n, batch, made.metadata.name)
             owned = [{"apiVersion": "batch/v1", "kind": "Job", "name": made.metadata.name,
                       "uid": made.metadata.uid, "controller": False,
                       "blockOwnerDeletion": True}]
@@ -565,6 +605,7 @@ class K8sPods:
         self.world: int | None = None
         self._lock = threading.Lock()
         self.waiting: set[int] = set()        # pods lost, their successors not yet here
+        self.lost_why: list[str] = []         # how each pod written off ended
 
     @property
     def per(self) -> int:
@@ -681,12 +722,23 @@ class K8sPods:
         group = agents._group
         names = []
         for index in self.lost():
+            why = self.pod_ended(index)
+            if why is not None:
+                self.lost_why.append(why)
             names.append(group.pods.forget(index) or f"pod {index}")
             group.procs[index] = _PodRank(group.pods, index, group, group.procs[index].ranks)
             agents.channel.forget(index)
             agents.channel.last_beat.pop(index, None)
             self.waiting.add(index)
         return names
+
+    def why_lost(self) -> str:
+        """How the pods written off ended, and the Job's failure when it failed (then no
+        pod takes their place): for an error that says the run cannot go on."""
+        pods = None if self.agents is None else self.agents._group.pods
+        failed = None if pods is None else pods.job_failed(fresh=True)
+        return "; ".join(self.lost_why + ([f"{failed}: no pod takes their place"]
+                                          if failed else []))
 
     def replace(self) -> None:
         """Wait (``start_timeout_s``) until every pod written off (``lose``) has a successor
@@ -698,15 +750,23 @@ class K8sPods:
             hellos = agents.gather(P.HELLO, self.launcher.start_timeout_s, ranks=waiting)
         except WorkerFailure as exc:
             pods = agents._group.pods
+            failed = None if pods is None else pods.job_failed()
+            if failed is not None:
+                raise RuntimeFailure(
+                    f"launcher='k8s': {failed}, so no pod takes the place of lost pod"
+                    f"{'s' * (len(waiting) > 1)} {', '.join(map(str, waiting))} and the run "
+                    "cannot go on (the Job fails on a pod's exit other than a disruption, a "
+                    "deletion or a kill: kubectl describe job, and the pods' logs)") from exc
             why = [] if pods is None else pods.not_started()
             raise RuntimeFailure(
                 f"launcher='k8s': no pod took the place of lost pod{'s' * (len(waiting) > 1)} "
                 f"{', '.join(map(str, waiting))} within {self.launcher.start_timeout_s:g} s "
-                "(start_timeout_s; the Job makes one for an evicted or preempted pod, not for "
-                "one that failed or was deleted)" + (":\n  " + "\n  ".join(why) if why else "")
+                "(start_timeout_s; the Job makes one for an evicted, preempted, deleted or "
+                "killed pod)" + (":\n  " + "\n  ".join(why) if why else "")
                 + f"\n  {str(exc).splitlines()[0]}") from exc
         _met(agents, hellos, waiting)
         self.waiting.clear()
+        self.lost_why.clear()
 
     def kill_ranks(self) -> None:
         """Kill every rank in every pod that still runs (a mesh stopping)."""

@@ -11,7 +11,9 @@ they send heartbeats, as ranks on another host than the controller do.
 
 Exit: the first rank to exit non-zero ends the others and the pod, with its code (the Job's
 ``podFailurePolicy`` fails the Job on it; the controller has already seen the rank go); a
-SIGTERM (the pod deleted) is passed to every rank; 0 when every rank ended with 0.
+SIGTERM (the pod deleted, evicted, or its node drained) is passed to every rank and the pod
+ends with 143 (``TERMINATED``) whatever the ranks did with it (under fault tolerance the Job
+makes a pod in its place: ``_k8s.manifests``); 0 when every rank ended with 0.
 
 With fault tolerance (``$MESHPLAN_POD_AGENT`` = 1) it starts one process instead, the pod's
 agent (``_k8s_agent.py``: rank = the pod's index in a "mesh" of pods), which holds the pod's
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from ._k8s import AGENT_PLUGINS, ENV_AGENT, ENV_RANKS_PER_POD, ENV_SECRET_FILE
+from ._k8s import AGENT_PLUGINS, ENV_AGENT, ENV_RANKS_PER_POD, ENV_SECRET_FILE, TERMINATED
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -54,8 +56,10 @@ def main() -> int:
                      "ranks")
     procs: list[subprocess.Popen] = []
     agent = env.get(ENV_AGENT) == "1"
+    terminated = []
 
     def stop(signum: int, _frame: object) -> None:
+        terminated.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -92,7 +96,7 @@ def main() -> int:
                     if other.poll() is None:
                         other.terminate()
         time.sleep(0.05)
-    return code
+    return TERMINATED if terminated else code
 
 
 if __name__ == "__main__":

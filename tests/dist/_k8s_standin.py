@@ -16,6 +16,11 @@ a folder of their own and the variables that point into their mount path point t
 waits in ``ContainerCreating`` until its Secret exists), ``JOB_COMPLETION_INDEX`` is set, the
 output is the pod's log; phases go Pending -> Running -> Succeeded / Failed with the exit
 code in ``containerStatuses``. Deleting a pod sends SIGTERM, then SIGKILL after its grace.
+Its Job controller applies the Job's ``podFailurePolicy`` when a pod fails (``Ignore``:
+the index made again; ``FailJob``, or ``backoffLimit`` spent: the Job gets its ``Failed``
+condition and its running pods are deleted) and completes the Job when every index succeeded.
+A Job's running pod that is deleted goes as through the real job-tracking finalizer:
+Terminating until its process ends, then Failed / Succeeded, then gone.
 A test can ask for pods that never schedule (``unschedulable``), an image that cannot be
 pulled (``bad_images``) or evict a running pod (``evict``).
 
@@ -94,6 +99,28 @@ def _now() -> str:
 def _status(code: int, reason: str, message: str) -> dict:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
+
+
+def _rule_matches(rule: dict, pod: dict) -> bool:
+    """Whether a ``podFailurePolicy`` rule matches a failed pod: one of its
+    ``onPodConditions`` (type, status default True) is on the pod, or ``onExitCodes`` (the
+    named container's or any container's non-zero exit ``In`` / ``NotIn`` the values)."""
+    conds = pod["status"].get("conditions", [])
+    for want in rule.get("onPodConditions", []):
+        if any(c["type"] == want["type"] and c["status"] == want.get("status", "True")
+               for c in conds):
+            return True
+    codes = rule.get("onExitCodes")
+    if codes is None:
+        return False
+    for cs in pod["status"].get("containerStatuses", []):
+        term = cs.get("state", {}).get("terminated")
+        if term is None or term["exitCode"] == 0 or codes.get("containerName") not in (
+                None, cs["name"]):
+            continue
+        if (term["exitCode"] in codes["values"]) == (codes["operator"] == "In"):
+            return True
+    return False
 
 
 def _matches(labels: dict, selector: str | None) -> bool:
@@ -241,9 +268,22 @@ class StandIn:
     def delete(self, plural: str, ns: str, name: str, propagate: bool = True
                ) -> tuple[int, dict]:
         with self.lock:
-            obj = self.objects[plural].pop((ns, name), None)
+            obj = self.objects[plural].get((ns, name))
             if obj is None:
                 return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+            proc = self.procs.get((ns, name)) if plural == "pods" else None
+            if proc is not None and proc.poll() is None and self._job_of(obj) is not None:
+                # a live Job's running pod goes gracefully, as the job-tracking finalizer
+                # makes it: Terminating (deletionTimestamp) until its container ends, then
+                # Failed / Succeeded for the Job controller to see, then gone (the kubelet)
+                if "deletionTimestamp" not in obj["metadata"]:
+                    obj["metadata"]["deletionTimestamp"] = _now()
+                    self._event(plural, "MODIFIED", obj)
+                    proc.terminate()
+                    threading.Thread(target=_kill_after, args=(proc, 10.0),
+                                     daemon=True).start()
+                return 200, copy.deepcopy(obj)
+            del self.objects[plural][(ns, name)]
             self._event(plural, "DELETED", obj)
             uid = obj["metadata"]["uid"]
             if propagate:
@@ -275,23 +315,78 @@ class StandIn:
             self.lock.notify_all()
 
     def evict(self, name: str, ns: str = "default") -> None:
-        """As a node drain does: the pod gets DisruptionTarget and is deleted; its Job's
-        controller makes a pod of the same completion index in its place (the Job's
-        ``podFailurePolicy`` ignores disruptions), as a real Indexed Job does."""
+        """As a node drain does: the pod gets DisruptionTarget and is deleted; once it has
+        ended, its Job's controller applies the ``podFailurePolicy`` (``_job_sees``: the
+        meshplan Job's ignores disruptions, so a pod of the same index takes its place)."""
         with self.lock:
             pod = self.objects["pods"].get((ns, name))
-            job = None
             if pod is not None:
-                pod["status"]["conditions"].append(
-                    {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"})
+                pod["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True",
+                                                    "reason": "EvictionByEvictionAPI"})
                 self._event("pods", "MODIFIED", pod)
-                owner = pod["metadata"]["labels"].get("batch.kubernetes.io/job-name")
-                job = self.objects["jobs"].get((ns, owner))
         self.delete("pods", ns, name)
-        if job is not None and pod is not None:
-            index = int(pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"])
-            with self.lock:
+
+    # ---- the Job controller -----------------------------------------------------------
+
+    def _job_of(self, pod: dict) -> dict | None:
+        """The live Job that owns ``pod``, if any."""
+        owner = pod["metadata"].get("labels", {}).get("batch.kubernetes.io/job-name")
+        job = self.objects["jobs"].get((pod["metadata"]["namespace"], owner))
+        uid = pod["metadata"].get("labels", {}).get("batch.kubernetes.io/controller-uid")
+        return job if job is not None and job["metadata"]["uid"] == uid else None
+
+    def _job_sees(self, pod: dict) -> None:
+        """Pod ``pod`` of a Job ended (Succeeded / Failed): what the Job controller does.
+        A success completes its index (every index: the Job is Complete). A failure goes
+        through the Job's ``podFailurePolicy`` rules in order (``onPodConditions``,
+        ``onExitCodes`` with ``In`` / ``NotIn``): ``Ignore`` makes a pod of the same index
+        again and counts nothing, ``FailJob`` fails the Job, ``Count`` (and no rule matched)
+        counts against ``backoffLimit`` (default 6): past it the Job fails, else the index is
+        made again. A failed Job gets its ``Failed`` condition and its running pods are
+        deleted. Called with the lock held."""
+        job = self._job_of(pod)
+        if job is None or any(c["type"] in ("Failed", "Complete") and c["status"] == "True"
+                              for c in job["status"].get("conditions", [])):
+            return
+        spec, status = job["spec"], job["status"]
+        index = int(pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"])
+        if pod["status"]["phase"] == "Succeeded":
+            done = set(status.get("completedIndexes", [])) | {index}
+            status["completedIndexes"] = sorted(done)
+            status["succeeded"] = len(done)
+            if len(done) >= int(spec.get("completions", 1)):
+                status["conditions"] = [{"type": "Complete", "status": "True",
+                                         "lastTransitionTime": _now()}]
+            self._event("jobs", "MODIFIED", job)
+            return
+        action, why = "Count", ""
+        for i, rule in enumerate(spec.get("podFailurePolicy", {}).get("rules", [])):
+            if _rule_matches(rule, pod):
+                action = rule["action"]
+                why = (f"Pod {pod['metadata']['namespace']}/{pod['metadata']['name']} has "
+                       f"condition or exit code matching {action} rule at index {i}")
+                break
+        if action == "Ignore":
+            self._make_pods(job, [index])
+            return
+        if action == "Count":
+            status["failed"] = status.get("failed", 0) + 1
+            if status["failed"] <= int(spec.get("backoffLimit", 6)):
+                self._event("jobs", "MODIFIED", job)
                 self._make_pods(job, [index])
+                return
+            reason, why = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+        else:
+            reason = "PodFailurePolicy"
+        status["failed"] = status.get("failed", 0) + (action != "Count")
+        status["conditions"] = [{"type": "Failed", "status": "True", "reason": reason,
+                                 "message": why, "lastTransitionTime": _now()}]
+        self._event("jobs", "MODIFIED", job)
+        uid = job["metadata"]["uid"]
+        for (ons, oname), other in list(self.objects["pods"].items()):
+            if other["metadata"]["labels"].get("batch.kubernetes.io/controller-uid") == uid \
+                    and other["status"]["phase"] in ("Pending", "Running"):
+                self.delete("pods", ons, oname)
 
     # ---- the kubelet ------------------------------------------------------------------
 
@@ -319,6 +414,10 @@ class StandIn:
                                                  "reason": "Completed" if code == 0 else "Error",
                                                  "finishedAt": _now()}}}]
                     self._event("pods", "MODIFIED", pod)
+                    self._job_sees(pod)
+                    if "deletionTimestamp" in pod["metadata"]:   # Terminating: now gone
+                        del self.objects["pods"][(ns, name)]
+                        self._event("pods", "DELETED", pod)
             time.sleep(0.05)
 
     def _try_start(self, pod: dict) -> None:

@@ -333,10 +333,13 @@ def _same(got, want) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_an_evicted_pod_is_made_again_and_the_run_goes_on_bit_for_bit(cluster,
-                                                                      monkeypatch) -> None:
-    """A node drain evicts pod 1 (its agent, its rank and the snapshots it held go with it)
-    before step 2; the Job makes a pod of the same index in its place. The controller reads
+@pytest.mark.parametrize("how", ["evict", "delete"])
+def test_an_evicted_pod_is_made_again_and_the_run_goes_on_bit_for_bit(cluster, monkeypatch,
+                                                                      how) -> None:
+    """A node drain evicts pod 1, or ``kubectl delete pod`` deletes it (no DisruptionTarget:
+    the pod ends with 143, which the Job's ``podFailurePolicy`` ignores under fault
+    tolerance; its agent, its rank and the snapshots it held go with it) before step 2; the
+    Job makes a pod of the same index in its place. The controller reads
     the state from the snapshots (pod 1's rank from its copy on pod 0's agent), waits for
     the new pod's agent, starts the mesh again in the pods and re-runs the kept steps:
     ``torch.equal`` to the fault-free run, and nothing left behind. The loop waits before
@@ -345,9 +348,41 @@ def test_an_evicted_pod_is_made_again_and_the_run_goes_on_bit_for_bit(cluster,
     (before, an agent's question dropped it and the restarted ranks' setup failed)."""
     def evict(i: int) -> None:
         if i == 2:
-            cluster.evict(next(n for n in cluster.live()["pods"] if "-1-" in n))
+            pod = next(n for n in cluster.live()["pods"] if "-1-" in n)
+            cluster.evict(pod) if how == "evict" else cluster.delete("pods", "default", pod)
             time.sleep(6.0)          # the new pod's agent starts and says hello (~3 s here)
 
     got = _ft_run(cluster, monkeypatch, before=evict, fault_tolerance=True)
     assert got[2] == (1, [0, 1])
     _same(got, _reference(cluster, monkeypatch))
+
+
+@pytest.mark.timeout(120)
+def test_a_pod_the_job_fails_on_ends_the_run_at_once(cluster, monkeypatch) -> None:
+    """Pod 1's entry (its container's main process) dies of SIGSEGV (exit 139: neither a
+    disruption, a deletion nor a kill) under fault tolerance: the Job's ``podFailurePolicy``
+    fails the Job (``FailJob``), whose controller deletes pod 0 too, so no pod will take pod
+    1's place. The next call raises at once (not after ``start_timeout_s``, 300 s) naming
+    the Job's failure and the rule, and nothing is left."""
+    import signal
+
+    ex = gpt.build(optimizer="adamw")
+    step = meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s",
+                               k8s={"image": "img:1", "pods": 2,
+                                    "controller_host": "127.0.0.1"},
+                               telemetry=False, timeout_s=12, hang_s=1.5,
+                               fault_tolerance=True)
+    with step:
+        step(*ex.batch(0))
+        pod = next(n for n in cluster.live()["pods"] if "-1-" in n)
+        cluster.procs[("default", pod)].send_signal(signal.SIGSEGV)
+        started = time.monotonic()
+        with pytest.raises(meshplan.RuntimeFailure) as err:
+            for i in range(1, 3):
+                step(*ex.batch(i))
+        took = time.monotonic() - started
+    text = str(err.value)
+    assert "failed (PodFailurePolicy" in text and "FailJob rule" in text, text
+    assert "no pod takes" in text, text
+    assert f"pod {pod} failed: its container ended (Error, exit 139)" in text, text
+    assert took < 60, f"the failure took {took:.0f} s to raise"

@@ -37,10 +37,10 @@ VERSIONS = ("1.35.0", "1.36.0", "1.37.0")
 RUN = "0123456789abcdef"
 
 
-def _make(world: int = 4, **options):
+def _make(world: int = 4, agent: bool = False, **options):
     opts = K8sOptions.parse({"image": "registry.example/train:1", **options})
     return opts, manifests(opts, world=world, run_id=RUN, address="tcp://10.0.0.5:5555",
-                           store=("10.0.0.5", 29500), controller_host="ctl")
+                           store=("10.0.0.5", 29500), controller_host="ctl", agent=agent)
 
 
 def _validate(obj: dict) -> None:
@@ -60,6 +60,7 @@ def _env(container: dict) -> dict[str, str]:
      "active_deadline_s": 3600, "service_account": "trainer", "image_pull_secrets": ["regcred"],
      "labels": {"team": "a"}, "annotations": {"note": "x"}, "env": {"NCCL_DEBUG": "WARN"}},
     {"pods": 1, "ranks_per_pod": 4, "one_per_node": False, "ttl_s": None},
+    {"pods": 2, "agent": True},
 ])
 def test_every_manifest_validates_strictly_against_three_kubernetes_minors(options) -> None:
     opts, (job, service) = _make(**options)
@@ -86,6 +87,12 @@ def test_an_indexed_job_with_a_headless_service_and_the_ranks_laid_out() -> None
     assert job["metadata"]["labels"][QUEUE_LABEL] == "team-a"
     rules = spec["podFailurePolicy"]["rules"]
     assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    assert [r["action"] for r in rules] == ["Ignore", "FailJob"]
+    # under fault tolerance (the pods run agents) a deleted or killed pod is made again too
+    agent_rules = _make(world=8, pods=2, agent=True)[1][0]["spec"]["podFailurePolicy"]["rules"]
+    assert [r["action"] for r in agent_rules] == ["Ignore", "Ignore", "FailJob"]
+    assert agent_rules[1]["onExitCodes"] == {"containerName": "worker", "operator": "In",
+                                             "values": [137, 143]}
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never" and pod["subdomain"] == service["metadata"]["name"]
     (container,) = pod["containers"]
