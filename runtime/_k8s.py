@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import RuntimeFailure
+from ._k8s_relay import ENV_RELAY_PORT, RELAY_PORT
 
 __all__ = ["K8sOptions", "KINDS", "manifests", "resource_name", "secret_manifest", "to_yaml"]
 
@@ -62,6 +63,7 @@ ENV_RANKS_PER_POD = "MESHPLAN_RANKS_PER_POD"
 ENV_SECRET_FILE = "MESHPLAN_SECRET_FILE"
 ENV_K8S = "MESHPLAN_K8S"
 ENV_AGENT = "MESHPLAN_POD_AGENT"        # fault tolerance: the pod runs its agent
+REACHES = ("direct", "port-forward")
 TERMINATED = 143                        # a pod's exit when it was sent SIGTERM (deleted)
 KILLED = 137                            # SIGKILL: the grace ran out, or the OOM killer
 # the agent's worker plugins: the snapshot keeper and the agent (``_k8s_agent.py``)
@@ -97,6 +99,12 @@ class K8sOptions:
     python: the interpreter in the image (``"python"``).
     controller_host: the address the controller listens on and the pods connect to; None:
         this machine's address on its route to the API server (in a pod: the pod's IP).
+    reach: how the ranks reach the controller. ``"direct"``: they connect to it (it runs in
+        the cluster, or on a network the pods route to). ``"port-forward"``: it runs outside
+        (a laptop): each pod runs a relay on ``127.0.0.1:relay_port`` and the controller
+        reaches it through the API server's port-forward (``_k8s_relay.py``); it needs the
+        ``pods/portforward`` permission (create) besides the others.
+    relay_port: the relay's port in each pod (29400).
     """
 
     image: str
@@ -122,6 +130,8 @@ class K8sOptions:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     python: str = "python"
     controller_host: str | None = None
+    reach: str = "direct"
+    relay_port: int = RELAY_PORT
 
     @classmethod
     def parse(cls, value: Any) -> K8sOptions:
@@ -188,6 +198,14 @@ class K8sOptions:
                 isinstance(t, Mapping) for t in self.tolerations):
             raise bad("tolerations", "pass a list of tolerations as the API spells them, "
                       "e.g. [{'key': 'gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}]")
+        if self.reach not in REACHES:
+            raise bad("reach", f"pass one of {', '.join(map(repr, REACHES))}")
+        if isinstance(self.relay_port, bool) or not isinstance(self.relay_port, int) or not (
+                1024 <= self.relay_port < 65536):
+            raise bad("relay_port", "pass a port number from 1024 to 65535")
+        if self.controller_host is not None and self.reach == "port-forward":
+            raise bad("controller_host", "with reach='port-forward' the pods do not connect "
+                      "to the controller's address (the relay does it for them): leave it out")
         if self.controller_host is not None and not (
                 isinstance(self.controller_host, str) and self.controller_host.strip()):
             raise bad("controller_host", "pass this machine's address the pods can reach "
@@ -287,7 +305,9 @@ def manifests(opts: K8sOptions, *, world: int, run_id: str, address: str,
                              address=address, store=store, controller_host=controller_host,
                              pod_labels=meta_labels,
                              extra_env={**(extra_env or {}), **({ENV_AGENT: "1"} if agent
-                                                                else {})})
+                                                                else {}),
+                                        **({ENV_RELAY_PORT: str(opts.relay_port)}
+                                           if opts.reach == "port-forward" else {})})
     job_spec: dict[str, Any] = {
         "completionMode": "Indexed", "completions": pods, "parallelism": pods,
         "backoffLimit": 0,

@@ -64,6 +64,7 @@ from ._k8s import (
     resource_name,
     secret_manifest,
 )
+from ._k8s_relay import Tunnels
 from ._launch import RendezvousStore, WorkerFailure, Workers, _Group
 
 __all__ = ["K8sLauncher", "K8sPods", "delete_all_mine", "logs_of_mine", "status_of_mine"]
@@ -358,6 +359,7 @@ class _K8sGroup(_Group):
         super().__init__(channel, store)
         self.batch, self.namespace, self.name = batch, namespace, name
         self.pods: _Pods | None = None
+        self.tunnels: Tunnels | None = None     # reach="port-forward": the pods' relays
         self._deleted = False
         self.waiting: list[str] = []        # the pods not running when it was stopped
 
@@ -398,6 +400,8 @@ class _K8sGroup(_Group):
                 break
         if self.pods is not None:
             self.pods.stop()
+        if self.tunnels is not None:
+            self.tunnels.close()
         self.close_ends()
 
 
@@ -437,7 +441,9 @@ class K8sLauncher:
         except Exception as exc:  # noqa: BLE001 - urllib3's connection errors
             raise _api_error(exc, "reaching the API server", ns) from exc
         secret, run_id = Secret.new(), secrets.token_hex(8)
-        host = opts.controller_host or _address_toward(url)
+        outside = opts.reach == "port-forward"
+        # outside the cluster nothing connects here but the tunnels: listen on loopback
+        host = "127.0.0.1" if outside else opts.controller_host or _address_toward(url)
         group = _K8sGroup(ControllerChannel(secret, run_id, host, transport="tcp"),
                           RendezvousStore(host), batch, ns, resource_name(run_id))
         extra = {k: v for k, v in (env or {}).items()}
@@ -451,6 +457,11 @@ class K8sLauncher:
             except ApiException as exc:
                 raise _api_error(exc, "creating the Job", ns) from exc
             group.pods = _Pods(core, ns, run_id, pods_n, batch, made.metadata.name)
+            if outside:                # each pod's relay, through a port-forward
+                group.tunnels = Tunnels(group.pods, _port_forwarder(ns), secret.hex().encode(),
+                                        opts.relay_port, self.start_timeout_s)
+                group.tunnels.expose("channel", _endpoint(group.channel.address))
+                group.tunnels.expose("store", (host, group.store.port))
             owned = [{"apiVersion": "batch/v1", "kind": "Job", "name": made.metadata.name,
                       "uid": made.metadata.uid, "controller": False,
                       "blockOwnerDeletion": True}]
@@ -635,10 +646,15 @@ class K8sPods:
                             RendezvousStore(host), self, start)
         start.update(address=group.channel.address, store=[host, group.store.port])
         group.channel.sees_drops = True     # the agents tell a closed connection from an exit
+        tunnels = agents._group.tunnels
+        if tunnels is not None:             # outside the cluster: through each pod's relay
+            tunnels.expose(f"channel-{run_id}", _endpoint(group.channel.address))
+            tunnels.expose(f"store-{run_id}", (host, group.store.port))
         try:
             for i in range(len(agents._group.procs)):
                 agents.send(i, "pod_start", {
-                    **start, "ranks": list(range(i * per, min(n, i * per + per)))})
+                    **self._start_for(group, i),
+                    "ranks": list(range(i * per, min(n, i * per + per)))})
             agents.gather("pod_start", self.launcher.start_timeout_s)
             group.procs = [_AgentRank(self, group.channel, r, r // per) for r in range(n)]
             group.respawn = lambda rank: self._respawn(group, rank)
@@ -652,9 +668,21 @@ class K8sPods:
         _met(workers, hellos)
         return workers
 
+    def _start_for(self, group: _AgentGroup, index: int) -> dict[str, Any]:
+        """The launch's ``pod_start`` header for pod ``index``: outside the cluster, the
+        channel's and store's addresses are the ports its relay exposes them on."""
+        tunnels = self.agents._group.tunnels if self.agents is not None else None
+        if tunnels is None:
+            return dict(group.start)
+        run = group.start["run_id"]
+        return {**group.start,
+                "address": f"tcp://127.0.0.1:{tunnels.port(index, f'channel-{run}')}",
+                "store": ["127.0.0.1", tunnels.port(index, f"store-{run}")]}
+
     def _respawn(self, group: _AgentGroup, rank: int) -> _AgentRank:
         index = rank // self.per
-        reply = self.ask(index, "pod_start", {**group.start, "ranks": [rank]}, timeout_s=30.0)
+        reply = self.ask(index, "pod_start", {**self._start_for(group, index), "ranks": [rank]},
+                         timeout_s=30.0)
         if reply is None:
             raise RuntimeFailure(f"launcher='k8s': the agent of pod {index} did not start "
                                  f"rank {rank} again ({self.pod_ended(index) or 'no answer'})")
@@ -666,7 +694,7 @@ class K8sPods:
         """Every pod's agent keeps a warm spare of this launch (``Workers.keep_spare``, once
         the ranks are set up and after each replacement); a replacement takes it there."""
         for index in range(len(self.agents._group.procs) if self.agents else 0):
-            self.ask(index, "pod_spare", group.start)
+            self.ask(index, "pod_spare", self._start_for(group, index))
         return _Spares()
 
     def ask(self, index: int, kind: str, header: dict[str, Any], timeout_s: float = 5.0
@@ -797,6 +825,31 @@ def _met(workers: Workers, hellos: list[Any], ranks: list[int] | None = None) ->
             group.channel.last_beat.setdefault(rank, now)
     workers.pids = tuple(p.pid for p in group.procs)
     workers.hostnames = tuple(names)
+
+
+def _port_forwarder(namespace: str) -> Any:
+    """``open(pod, port)``: a port-forward to ``port`` of ``pod`` through the API server, a
+    socket-like object. On an API client of its own, one at a time: the client's
+    ``portforward`` swaps its ``call_api`` while it connects, which would send any other call
+    on that client (the pod watch) through a websocket."""
+    from kubernetes import client
+    from kubernetes.stream import portforward
+
+    core = client.CoreV1Api(client.ApiClient())
+    lock = threading.Lock()
+
+    def open_(pod: str, port: int) -> Any:
+        with lock:
+            forward = portforward(core.connect_get_namespaced_pod_portforward, pod, namespace,
+                                  ports=str(port))
+        return forward.socket(port)
+    return open_
+
+
+def _endpoint(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return host.strip("[]"), int(port)
 
 
 def _address_toward(url: str) -> str:

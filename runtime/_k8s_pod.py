@@ -15,6 +15,11 @@ SIGTERM (the pod deleted, evicted, or its node drained) is passed to every rank 
 ends with 143 (``TERMINATED``) whatever the ranks did with it (under fault tolerance the Job
 makes a pod in its place: ``_k8s.manifests``); 0 when every rank ended with 0.
 
+With ``$MESHPLAN_RELAY_PORT`` (``k8s={"reach": "port-forward"}``: the controller is outside
+the cluster) it first runs the pod's relay (``_k8s_relay.py``) and waits until the
+controller, through a port-forward, has exposed its channel and store there; the ranks connect
+to those pod-local ports.
+
 With fault tolerance (``$MESHPLAN_POD_AGENT`` = 1) it starts one process instead, the pod's
 agent (``_k8s_agent.py``: rank = the pod's index in a "mesh" of pods), which holds the pod's
 snapshots and starts its ranks when the controller says so; the pod ends with the agent.
@@ -29,6 +34,9 @@ import sys
 import time
 
 from ._k8s import AGENT_PLUGINS, ENV_AGENT, ENV_RANKS_PER_POD, ENV_SECRET_FILE, TERMINATED
+from ._k8s_relay import ENV_PORT_SHIFT, ENV_RELAY_PORT, Relay
+
+RELAY_WAIT_S = 600.0       # for the controller to come through the relay
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -56,6 +64,16 @@ def main() -> int:
                      "ranks")
     procs: list[subprocess.Popen] = []
     agent = env.get(ENV_AGENT) == "1"
+    relay = None
+    if env.get(ENV_RELAY_PORT):        # the controller is outside: it comes through a relay
+        try:
+            port = int(env[ENV_RELAY_PORT]) + int(env.get(ENV_PORT_SHIFT) or 0)
+            relay = Relay(key, port)
+            ports = relay.exposed(["channel", "store"], RELAY_WAIT_S)
+        except (OSError, ValueError, TimeoutError) as exc:
+            return _fail(f"the relay for the controller outside the cluster: {exc}")
+        env = dict(env, MESHPLAN_CONTROLLER=f"tcp://127.0.0.1:{ports['channel']}",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["store"]))
     terminated = []
 
     def stop(signum: int, _frame: object) -> None:

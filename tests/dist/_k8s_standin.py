@@ -3,7 +3,9 @@ without a cluster (none can run here).
 
 It speaks the API's wire format for what the launcher uses, over plain HTTP on 127.0.0.1:
 create / get / list / delete of Secrets, Services, Pods and batch/v1 Jobs in namespaces,
-label selectors (``k=v``, ``k!=v``, ``k``), watches (``?watch=true``: a stream of JSON lines
+label selectors (``k=v``, ``k!=v``, ``k``), port-forwards to a pod (``pods/NAME/portforward``
+over a websocket, the ``v4.channel.k8s.io`` channels the Python client speaks), watches
+(``?watch=true``: a stream of JSON lines
 ``{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}`` after ``resourceVersion``,
 ``410 Gone`` as an ERROR event when that version is older than the server keeps, bookmarks
 when asked, ``timeoutSeconds``), pod logs (``follow``), ``DELETE`` with ``propagationPolicy``
@@ -32,7 +34,9 @@ every host sees); it prints its kubeconfig's path, and stops when its stdin clos
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
 import itertools
 import json
 import os
@@ -88,6 +92,9 @@ def _discovery(path: str, url: str) -> dict | None:
         if plural == "pods":
             resources.append({"name": "pods/log", "singularName": "", "kind": "Pod",
                               "namespaced": True, "verbs": ["get"]})
+            resources.append({"name": "pods/portforward", "singularName": "",
+                              "kind": "PodPortForwardOptions", "namespaced": True,
+                              "verbs": ["create", "get"]})
     return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv,
             "resources": resources}
 
@@ -99,6 +106,91 @@ def _now() -> str:
 def _status(code: int, reason: str, message: str) -> dict:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
+
+
+def _ws_send(sock, lock: threading.Lock, opcode: int, payload: bytes) -> None:
+    """One websocket frame from the server (unmasked)."""
+    n = len(payload)
+    head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else
+                                      b"\x7e" + n.to_bytes(2, "big") if n < 1 << 16 else
+                                      b"\x7f" + n.to_bytes(8, "big"))
+    with lock:
+        sock.sendall(head + payload)
+
+
+def _ws_recv(rfile) -> tuple[int, bytes] | None:
+    """One websocket frame from the client (masked): (opcode, payload), None at EOF."""
+    head = rfile.read(2)
+    if len(head) < 2:
+        return None
+    n = head[1] & 0x7F
+    if n == 126:
+        n = int.from_bytes(rfile.read(2), "big")
+    elif n == 127:
+        n = int.from_bytes(rfile.read(8), "big")
+    mask = rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
+    data = rfile.read(n)
+    if len(data) < n:
+        return None
+    keys = (mask * (n // 4 + 1))[:n]
+    return head[0] & 0x0F, (int.from_bytes(data, "big") ^ int.from_bytes(keys, "big")
+                            ).to_bytes(n, "big")
+
+
+def _forward(rfile, sock, address: str, ports: list[int], asked: list[int]) -> None:
+    """The port-forward streams of one websocket (``Handler._portforward``): ``asked`` the
+    ports the client named, ``ports`` where they are here."""
+    import socket as socket_
+
+    lock = threading.Lock()
+    conns: list = []
+    for i, (port, named) in enumerate(zip(ports, asked)):
+        number = named.to_bytes(2, "little")
+        _ws_send(sock, lock, 2, bytes([2 * i]) + number)
+        _ws_send(sock, lock, 2, bytes([2 * i + 1]) + number)
+        try:
+            conns.append(socket_.create_connection((address, port), timeout=5))
+            conns[-1].settimeout(None)
+        except OSError as exc:
+            _ws_send(sock, lock, 2, bytes([2 * i + 1]) + (
+                f"error forwarding port {port} to pod: dial tcp {address}:{port}: "
+                f"{exc.strerror or exc}").encode())
+            _ws_send(sock, lock, 8, b"")
+            for c in conns:
+                c.close()
+            return
+
+    def pump(i: int, conn) -> None:      # the pod's bytes to the client
+        try:
+            while data := conn.recv(1 << 16):
+                _ws_send(sock, lock, 2, bytes([2 * i]) + data)
+        except OSError:
+            pass
+        try:
+            _ws_send(sock, lock, 8, b"")         # the connection ended: so does the stream
+        except OSError:
+            pass
+
+    for i, conn in enumerate(conns):
+        threading.Thread(target=pump, args=(i, conn), daemon=True).start()
+    try:
+        while (frame := _ws_recv(rfile)) is not None:
+            opcode, data = frame
+            if opcode == 8:
+                break
+            if opcode == 9:
+                _ws_send(sock, lock, 10, data)
+            elif opcode == 2 and data and data[0] % 2 == 0 and data[0] // 2 < len(conns):
+                conns[data[0] // 2].sendall(data[1:])
+    except OSError:
+        pass
+    finally:
+        for conn in conns:
+            try:
+                conn.shutdown(socket_.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
 
 
 def _rule_matches(rule: dict, pod: dict) -> bool:
@@ -142,9 +234,11 @@ class StandIn:
     """The server, its objects and its kubelet. ``with StandIn() as k: k.kubeconfig``."""
 
     def __init__(self, namespaces=("default",), *, host: str = "127.0.0.1",
-                 place=None, root: str | None = None) -> None:
+                 place=None, root: str | None = None, pod_address=None) -> None:
         """``place(index, argv) -> argv``: how pod ``index``'s command starts (default: here);
-        ``root``: the folder to keep pods' files in (default: a temporary one)."""
+        ``root``: the folder to keep pods' files in (default: a temporary one);
+        ``pod_address(index)``: where a port-forward to pod ``index`` connects (default:
+        127.0.0.1, the pods' processes run here)."""
         self.namespaces = set(namespaces)
         self.objects: dict[str, dict[tuple[str, str], dict]] = {p: {} for p in _KINDS}
         self.events: list[tuple[int, str, str, dict]] = []   # (rv, plural, type, object)
@@ -159,6 +253,8 @@ class StandIn:
         self.watch_epoch = 0                  # end_watches() ends every open watch
         self.root = tempfile.mkdtemp(prefix="k8s-standin-", dir=root)
         self.place = place
+        self.pod_address = pod_address or (lambda index: "127.0.0.1")
+        self.port_shift = 1 if pod_address is None else 0
         self.requests: list[tuple[str, str]] = []
         self._closing = False
         self.server = ThreadingHTTPServer((host, 0), self._handler())
@@ -480,6 +576,10 @@ class StandIn:
             env["JOB_COMPLETION_INDEX"] = meta["annotations"][
                 "batch.kubernetes.io/job-completion-index"]
             env["HOSTNAME"] = spec.get("hostname", name)
+            # the pods share this host's network: a port-forward to pod i's port P reaches
+            # P + i x port_shift here, where meshplan's relay is told to listen
+            env["MESHPLAN_RELAY_PORT_SHIFT"] = str(int(env["JOB_COMPLETION_INDEX"])
+                                                   * self.port_shift)
             cmd = list(container["command"]) + list(container.get("args", []))
             if cmd[0] in ("python", "python3"):
                 cmd[0] = sys.executable
@@ -568,6 +668,8 @@ class StandIn:
                 self._send(*standin.delete(plural, ns, name, propagate))
 
             def do_GET(self) -> None:
+                if self.headers.get("Upgrade", "").lower() == "websocket":
+                    return self._portforward()
                 r = self._route()
                 if r is None:
                     return
@@ -591,6 +693,48 @@ class StandIn:
                 api, kind = _KINDS[plural]
                 self._send(200, {"kind": f"{kind}List", "apiVersion": api,
                                  "metadata": {"resourceVersion": str(rv)}, "items": items})
+
+            def _portforward(self) -> None:
+                """``pods/NAME/portforward?ports=P`` over a websocket (subprotocol
+                ``v4.channel.k8s.io``), as the kubelet's streaming server does behind the
+                API server: per port a data channel (2i) and an error channel (2i + 1), each
+                opened with a frame of the port number (2 bytes, little-endian), then the
+                bytes of one TCP connection to that port in the pod's network (the pod's
+                address, ``pod_address``); a refused connection is said on the error
+                channel. The websocket ends with the connection, and the connection with
+                the websocket."""
+                url = urlparse(self.path)
+                standin.requests.append(("PORTFORWARD", url.path))
+                m = re.match(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/portforward$",
+                             url.path)
+                q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                if m is None or "ports" not in q:
+                    return self._send(400, _status(400, "BadRequest", "no ports to forward"))
+                ns, name = m.group(1), m.group(2)
+                with standin.lock:
+                    pod = standin.objects["pods"].get((ns, name))
+                    running = pod is not None and pod["status"]["phase"] == "Running"
+                if not running:
+                    return self._send(404 if pod is None else 400, _status(
+                        404 if pod is None else 400, "NotFound" if pod is None else
+                        "BadRequest", f'pod "{name}" not found' if pod is None else
+                        f'pod "{name}" is not running'))
+                ports = [int(x) for x in q["ports"].split(",")]
+                accept = base64.b64encode(hashlib.sha1(
+                    self.headers["Sec-WebSocket-Key"].encode()
+                    + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()).decode()
+                self.send_response(101)
+                self.send_header("Upgrade", "websocket")
+                self.send_header("Connection", "Upgrade")
+                self.send_header("Sec-WebSocket-Accept", accept)
+                self.send_header("Sec-WebSocket-Protocol", "v4.channel.k8s.io")
+                self.end_headers()
+                self.wfile.flush()
+                self.close_connection = True
+                index = int(pod["metadata"]["labels"].get(
+                    "batch.kubernetes.io/job-completion-index", "0"))
+                _forward(self.rfile, self.connection, standin.pod_address(index),
+                         [p + index * standin.port_shift for p in ports], ports)
 
             def _stream_start(self) -> None:
                 """A streamed answer, in chunks as the API server sends them (a client

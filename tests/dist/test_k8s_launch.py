@@ -59,6 +59,47 @@ def test_gpt_on_two_pods_of_two_ranks_equals_one_process(cluster, capfd) -> None
     assert any(m == "POST" and p.endswith("/namespaces/ml/jobs") for m, p in cluster.requests)
 
 
+@pytest.mark.timeout(180)
+def test_a_controller_outside_the_cluster_reaches_the_pods_through_port_forwards(
+        cluster) -> None:
+    """``reach="port-forward"`` (a controller on a laptop the pods cannot connect to): the
+    controller listens on loopback only, each pod runs a relay, and every connection of every
+    rank (its control channel, its rendezvous store) comes through a port-forward the
+    controller opened (the stand-in's ``pods/portforward`` websocket); the GPT on 2 pods x 2
+    ranks equals one process (``test_gpt_on_two_pods...``'s tolerance)."""
+    ex, ref = gpt.build(seed=0), gpt.build(seed=0)
+    step = meshplan.distribute(ex.step, mesh={"dp": 2, "tp": 2}, launcher="k8s",
+                               k8s={"image": "img:1", "pods": 2, "reach": "port-forward",
+                                    "relay_port": _free_port()},
+                               telemetry=False, timeout_s=120)
+    got, want = [], []
+    with step:
+        for i in range(2):
+            got.append(float(step(*ex.batch(i)).detach()))
+            want.append(float(ref.step(*ref.batch(i)).detach()))
+        assert step._workers.channel.address.startswith("tcp://127.0.0.1:")
+    assert got == pytest.approx(want, rel=1e-5)
+    forwards = [p for m, p in cluster.requests if m == "PORTFORWARD"]
+    # per pod its control stream, per rank at least its channel's and its store's streams
+    assert len(forwards) >= 2 + 2 * 4, forwards
+
+
+def _free_port() -> int:
+    """A base port with the next one free too (the stand-in puts pod i's relay at +i)."""
+    import socket
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            if port + 1 < 65536:
+                return port
+    raise RuntimeError("no two free ports")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("trouble, said", [
     ("unschedulable", "Pending (Unschedulable: 0/3 nodes are available"),
@@ -266,17 +307,17 @@ _FAULT_STEPS = 4
 _REFERENCE: dict[str, tuple] = {}        # the fault-free run, made once for the module
 
 
-def _ft_run(cluster, monkeypatch, faults=(), before=None, **options):
+def _ft_run(cluster, monkeypatch, faults=(), before=None, k8s=None, **options):
     """``_FAULT_STEPS`` steps of the GPT (AdamW, clipping) on 2 pods of one rank each (dp=2),
     then its state_dict(); the losses, the state, and what the recovery did. ``before(i)``
-    runs before step ``i``."""
+    runs before step ``i``; ``k8s``: options instead of the controller's address."""
     import json
 
     monkeypatch.setenv("MESHPLAN_TEST_FAULTS", json.dumps(list(faults)))
     ex = gpt.build(optimizer="adamw", clip=1.0)
     step = meshplan.distribute(ex.step, mesh={"dp": 2}, launcher="k8s", topology="h100",
                                k8s={"image": "img:1", "pods": 2,
-                                    "controller_host": "127.0.0.1"},
+                                    **(k8s or {"controller_host": "127.0.0.1"})},
                                telemetry=False, timeout_s=12, hang_s=1.5, **options)
     losses = []
     with step:
@@ -312,6 +353,24 @@ def test_a_failed_rank_in_a_pod_is_started_again_there_bit_for_bit(
                                           "marker": str(marker)}], fault_tolerance=True)
     assert marker.exists(), "the fault never fired"
     assert got[2] == (1, replaced)
+    _same(got, _reference(cluster, monkeypatch))
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_rank_is_started_again_through_the_relay_bit_for_bit(
+        cluster, monkeypatch, faults_plugin, tmp_path) -> None:
+    """The same as above with the controller outside the cluster (``reach="port-forward"``):
+    the pods' agents and ranks reach it through their relays; rank 1, killed mid-backward, is
+    started again by its agent on the new launch's channel, exposed by the relay, and the run
+    stays ``torch.equal`` to the fault-free one."""
+    marker = tmp_path / "fired"
+    got = _ft_run(cluster, monkeypatch, [{"rank": 1, "step": 2, "at": "backward",
+                                          "how": "kill", "marker": str(marker)}],
+                  k8s={"reach": "port-forward", "relay_port": _free_port()},
+                  fault_tolerance=True)
+    assert marker.exists(), "the fault never fired"
+    assert got[2] == (1, [1])
+    assert any(m == "PORTFORWARD" for m, _ in cluster.requests)
     _same(got, _reference(cluster, monkeypatch))
 
 

@@ -213,3 +213,42 @@ def test_to_yaml_is_one_stream_kubectl_reads() -> None:
     opts, objs = _make()
     docs = [d for d in yaml.safe_load_all(to_yaml(objs)) if d]
     assert docs == objs
+
+
+def test_the_relay_carries_a_ranks_connection_and_only_for_the_key() -> None:
+    """``_k8s_relay``: over plain TCP in place of port-forwards, the controller's tunnel
+    exposes an endpoint of its own in the "pod"; a connection to the exposed port reaches
+    it (bytes both ways, then the end); a tunnel with another key gets nothing exposed."""
+    import socket
+    import threading
+
+    from meshplan.runtime._k8s_relay import Relay, Tunnel
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        conn, _ = server.accept()
+        while data := conn.recv(1024):
+            conn.sendall(data[::-1])
+        conn.close()
+    threading.Thread(target=echo, daemon=True).start()
+    relay = Relay(b"k" * 64, 0)
+    port = relay.listener.getsockname()[1]
+    try:
+        def forward():
+            return socket.create_connection(("127.0.0.1", port))
+        with pytest.raises(RuntimeFailure, match="refused the controller's key"):
+            Tunnel(forward, b"x" * 64).connect(5)
+        tunnel = Tunnel(forward, b"k" * 64)
+        tunnel.connect(5)
+        local = tunnel.expose("channel", server.getsockname())
+        assert relay.exposed(["channel"], 1) == {"channel": local}
+        with socket.create_connection(("127.0.0.1", local), timeout=5) as rank:
+            rank.sendall(b"hello")
+            assert rank.recv(5) == b"olleh"
+            rank.shutdown(socket.SHUT_WR)
+            assert rank.recv(5) == b""           # the endpoint's end reaches the rank
+        tunnel.close()
+    finally:
+        relay.close()
+        server.close()
