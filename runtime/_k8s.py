@@ -238,7 +238,7 @@ class K8sOptions:
         return pods, per
 
 
-_INTS = ("pods", "ranks_per_pod", "gpus_per_pod", "active_deadline_s", "ttl_s")
+_INTS = ("pods", "ranks_per_pod", "gpus_per_pod", "active_deadline_s", "ttl_s", "relay_port")
 
 
 def _from_text(text: str) -> dict[str, Any]:

@@ -136,6 +136,9 @@ def test_a_jobset_carries_the_same_pod_template() -> None:
     ({"rdma": {"hca": 1}}, "resource name"),
     ({"env": {"MESHPLAN_RANK": "0"}}, "meshplan's own variable"),
     ({"gpu": 1}, "no option 'gpu'"),
+    ({"reach": "tunnel"}, "'direct', 'port-forward'"),
+    ({"relay_port": 80}, "a port number from 1024"),
+    ({"reach": "port-forward", "controller_host": "10.0.0.1"}, "leave it out"),
 ])
 def test_bad_options_get_one_error_naming_the_key(options, message) -> None:
     with pytest.raises(RuntimeFailure, match=message):
