@@ -3,7 +3,7 @@ cost when nothing fails, and the same kills under torchrun.
 
     python benchmarks/faults.py [--ranks 4] [--kills 20] [--steps 30] [--rounds 2]
                                 [--gap 0] [--torchrun-kills 4] [--elastic 0] [--quick]
-                                [--k8s PODS [--evictions N]]
+                                [--k8s PODS [--evictions N]] [--churn KILLS [--every S]]
 
 The GPT of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048, seq 64,
 global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, data parallel:
@@ -37,7 +37,10 @@ global batch 16, AdamW, clipping at 1.0) on ``--ranks`` local CPU processes, dat
 
 Churn follows from the recovery's cost: a run that loses ``c`` seconds per kill (kill to the
 next committed step, less one step) at one kill per ``T`` seconds of training keeps
-``T / (T + c)`` of its throughput; the table prints it for a few rates.
+``T / (T + c)`` of its throughput; the table prints it for a few rates. ``--churn KILLS
+[--every S]`` measures it: one run with KILLS SIGKILLs at random moments (one per S seconds on
+average, landing in steps and in recoveries alike), its throughput against the same steps
+without a kill, and whether both end in the same state.
 """
 
 from __future__ import annotations
@@ -135,6 +138,55 @@ def recovery(ranks: int, kills: int, seed: int = 0, gap_s: float = 0.0,
         logging.getLogger("meshplan").removeHandler(seen)
     return {"detect": detect, "back": back, "replaced": replaced, "restarts": restarts,
             "step_s": typical}
+
+
+def churn(ranks: int, kills: int, every_s: float, seed: int = 0) -> dict[str, object]:
+    """The issue's churn: one run with ``fault_tolerance=True`` in which a thread SIGKILLs a
+    random worker ``kills`` times, at random moments (gaps uniform in 0.5-1.5 x ``every_s``,
+    whether a step or a recovery is under way), and the same number of steps of the same run
+    with no kill; throughput (steps per second of the loop) of each, and whether the two end
+    in the same state (``torch.equal``: a lost or doubled step would show)."""
+    rng = random.Random(seed)
+
+    def run(with_kills: bool, steps: int | None) -> tuple[int, float, dict, int]:
+        ex = _example()
+        done = threading.Event()
+        fired: list[float] = []
+        with meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
+                                 fault_tolerance=True, max_restarts=4 * kills + 4) as step:
+            i, _ = _warm_up(step, ex)
+
+            def killer() -> None:
+                while len(fired) < kills and not done.wait(rng.uniform(0.5, 1.5) * every_s):
+                    try:
+                        os.kill(rng.choice(step._workers.pids), signal.SIGKILL)
+                        fired.append(time.monotonic())
+                    except (ProcessLookupError, AttributeError, IndexError):
+                        pass                 # between meshes: the next gap tries again
+            thread = threading.Thread(target=killer, daemon=True)
+            start = time.monotonic()
+            if with_kills:
+                thread.start()
+            n = 0
+            while (len(fired) < kills or n == 0) if steps is None else n < steps:
+                step(*ex.batch(i))
+                i, n = i + 1, n + 1
+            if with_kills:                   # the last kill's recovery is in the time
+                step(*ex.batch(i))
+                i, n = i + 1, n + 1
+            wall = time.monotonic() - start
+            done.set()
+            if with_kills:
+                thread.join()
+            return n, wall, step.state_dict(), step.restarts
+
+    n, wall, state, restarts = run(True, None)
+    print(f"  churn: {n} steps in {wall:.1f} s with {kills} kills ({restarts} restarts)",
+          flush=True)
+    _, clean, want, _ = run(False, n)
+    print(f"  churn: the same {n} steps in {clean:.1f} s without a kill", flush=True)
+    same = all(torch.equal(state["model"][k], v) for k, v in want["model"].items())
+    return {"steps": n, "with": wall, "without": clean, "restarts": restarts, "same": same}
 
 
 def shrinking(ranks: int, kills: int, seed: int = 0) -> dict[str, object]:
@@ -374,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--elastic", type=int, default=0,
                     help="also measure this many shrinks under elastic=True (0: skip)")
     ap.add_argument("--quick", action="store_true", help="2 ranks, 3 kills, 1 torchrun kill")
+    ap.add_argument("--churn", type=int, default=0, metavar="KILLS",
+                    help="churn: KILLS kills during one run, throughput against no kill")
+    ap.add_argument("--every", type=float, default=10.0,
+                    help="churn: seconds between kills on average")
     ap.add_argument("--k8s", type=int, default=0, metavar="PODS",
                     help="the kills under launcher='k8s' on PODS pods of the tests' stand-in "
                     "API server (no overhead, no torchrun)")
@@ -408,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
         rates = [60, 600, 3600]
         print("churn: throughput kept at one kill per " + ", ".join(
             f"{r} s: {r / (r + lost):.1%}" for r in rates) + f" (each kill costs {lost:.2f} s)")
+    if a.churn:
+        ch = churn(a.ranks, a.churn, a.every)
+        print(f"churn measured: {a.churn} kills, one per {a.every:g} s on average, over "
+              f"{ch['steps']} steps: {ch['without'] / ch['with']:.1%} of the fault-free "
+              f"throughput ({ch['with']:.1f} s against {ch['without']:.1f} s); final state "
+              f"{'torch.equal to' if ch['same'] else 'DIFFERENT from'} the fault-free run's",
+              flush=True)
     if a.elastic:
         sh = shrinking(a.ranks, a.elastic)
         print(f"meshplan elastic: {len(sh['back'])} shrinks ("
