@@ -224,7 +224,8 @@ class _Pods:
             except Exception:  # noqa: BLE001 - deleted or unreachable: the pods tell the rest
                 return None
             for c in (job.status.conditions or []) if job.status else []:
-                if c.type == "Failed" and c.status == "True":
+                # (since 1.31 FailureTarget comes first, Failed once every pod has ended)
+                if c.type in ("Failed", "FailureTarget") and c.status == "True":
                     self._job_why = (f"Job {self.namespace}/{self.job} failed ({c.reason}"
                                      + (f": {c.message}" if c.message else "") + ")")
         return self._job_why
@@ -829,19 +830,16 @@ def _met(workers: Workers, hellos: list[Any], ranks: list[int] | None = None) ->
 
 def _port_forwarder(namespace: str) -> Any:
     """``open(pod, port)``: a port-forward to ``port`` of ``pod`` through the API server, a
-    socket-like object. On an API client of its own, one at a time: the client's
-    ``portforward`` swaps its ``call_api`` while it connects, which would send any other call
-    on that client (the pod watch) through a websocket."""
+    socket-like object. Each on an API client of its own: the client's ``portforward`` swaps
+    its ``call_api`` while it connects, which would send any other call on a shared client
+    (the pod watch, another port-forward) through a websocket, or leave it swapped."""
     from kubernetes import client
     from kubernetes.stream import portforward
 
-    core = client.CoreV1Api(client.ApiClient())
-    lock = threading.Lock()
-
     def open_(pod: str, port: int) -> Any:
-        with lock:
-            forward = portforward(core.connect_get_namespaced_pod_portforward, pod, namespace,
-                                  ports=str(port))
+        core = client.CoreV1Api(client.ApiClient())
+        forward = portforward(core.connect_get_namespaced_pod_portforward, pod, namespace,
+                              ports=str(port))
         return forward.socket(port)
     return open_
 

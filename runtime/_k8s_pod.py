@@ -64,16 +64,6 @@ def main() -> int:
                      "ranks")
     procs: list[subprocess.Popen] = []
     agent = env.get(ENV_AGENT) == "1"
-    relay = None
-    if env.get(ENV_RELAY_PORT):        # the controller is outside: it comes through a relay
-        try:
-            port = int(env[ENV_RELAY_PORT]) + int(env.get(ENV_PORT_SHIFT) or 0)
-            relay = Relay(key, port)
-            ports = relay.exposed(["channel", "store"], RELAY_WAIT_S)
-        except (OSError, ValueError, TimeoutError) as exc:
-            return _fail(f"the relay for the controller outside the cluster: {exc}")
-        env = dict(env, MESHPLAN_CONTROLLER=f"tcp://127.0.0.1:{ports['channel']}",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["store"]))
     terminated = []
 
     def stop(signum: int, _frame: object) -> None:
@@ -81,7 +71,26 @@ def main() -> int:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, stop)      # (PID 1 in a container: no default action)
+    relay = None
+    if env.get(ENV_RELAY_PORT):        # the controller is outside: it comes through a relay
+        try:
+            port = int(env[ENV_RELAY_PORT]) + int(env.get(ENV_PORT_SHIFT) or 0)
+            relay = Relay(key, port)
+            deadline = time.monotonic() + RELAY_WAIT_S
+            while not terminated:
+                try:
+                    ports = relay.exposed(["channel", "store"], 0.5)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+            if terminated:
+                return TERMINATED
+        except (OSError, ValueError, TimeoutError) as exc:
+            return _fail(f"the relay for the controller outside the cluster: {exc}")
+        env = dict(env, MESHPLAN_CONTROLLER=f"tcp://127.0.0.1:{ports['channel']}",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["store"]))
     for local in range(1 if agent else per):
         rank = first + local
         child = dict(env, MESHPLAN_RANK=str(rank), RANK=str(rank), LOCAL_RANK=str(local),

@@ -15,6 +15,12 @@ its ranks open into connections the controller opens:
   names the connection (``attach``) and connects the new stream to its own endpoint; both
   sides then copy bytes until either end closes.
 
+The controller pings its control stream every ``PING_S`` (API servers, kubelets and load
+balancers cut idle streams) and makes a cut one again while the pod runs; the relay closes
+the connections waiting on a cut control stream, and any the controller has not attached
+within ``PENDING_S``, so a rank sees its connection end instead of waiting on it. A refused
+port-forward (401 / 403 / 404) fails at once, naming the permission.
+
 Every stream opens with the relay's challenge (a random nonce) and the controller's answer,
 HMAC-SHA256 of it under the run's key (the Secret the pods mount), so nothing else in the pod or
 the cluster can attach to a rank's connection or expose a port. What crosses the relay is the
@@ -50,10 +56,27 @@ RELAY_PORT = 29400
 _TAG = b"meshplan-relay v1 "
 _LINE_MAX = 1 << 16
 _CHUNK = 1 << 16
+PING_S = 30.0            # the control stream's keep-alive (API servers and kubelets cut idle
+                         # streams: streaming-connection-idle-timeout, load balancers)
+PENDING_S = 30.0         # a rank's connection the controller did not attach by then is closed
+HANDSHAKE_S = 10.0
 
 
 def _mac(key: bytes, nonce: str) -> str:
     return hmac.new(key, _TAG + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def _end(sock: Any) -> None:
+    """Shut down and close: ``close`` alone neither wakes a thread blocked in ``recv`` on it
+    nor tells the peer."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 class _Lines:
@@ -90,16 +113,8 @@ def _splice(a: Any, b: Any, first: bytes = b"") -> None:
                 dst.sendall(data)
         except OSError:
             pass
-        for s in (dst, src):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for s in (dst, src):
-            try:
-                s.close()
-            except OSError:
-                pass
+        _end(dst)
+        _end(src)
 
     threading.Thread(target=pump, args=(a, b, first), daemon=True,
                      name="meshplan-relay-pump").start()
@@ -125,7 +140,7 @@ class Relay:
 
     def close(self) -> None:
         self._closed = True
-        self.listener.close()
+        _end(self.listener)
 
     def exposed(self, names: list[str], timeout_s: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout_s
@@ -150,43 +165,50 @@ class Relay:
         """One of the controller's streams: prove the key, then either the control stream
         or a rank's connection to attach."""
         lines = _Lines(conn)
+        control = False
         try:
             nonce = secrets.token_hex(16)
             lines.send({"nonce": nonce})
-            conn.settimeout(10.0)
+            conn.settimeout(HANDSHAKE_S)
             hello = lines.recv()
             conn.settimeout(None)
-            if hello is None or not hmac.compare_digest(str(hello.get("mac", "")),
-                                                        _mac(self.key, nonce)):
-                conn.close()                  # not the controller
+            mac = hello.get("mac") if isinstance(hello, dict) else None
+            if not isinstance(mac, str) or not hmac.compare_digest(
+                    mac.encode(), _mac(self.key, nonce).encode()):
+                _end(conn)                    # not the controller
                 return
             if hello.get("op") == "attach":
                 with self._cond:
                     rank_conn = self._pending.pop(int(hello["conn"]), None)
                 if rank_conn is None:
-                    conn.close()
+                    _end(conn)
                     return
                 _splice(conn, rank_conn, lines.buf)
                 return
             if hello.get("op") != "control":
-                conn.close()
+                _end(conn)
                 return
             lines.send({"op": "ok"})
             with self._cond:
                 old, self._control = self._control, lines
+            control = True
             if old is not None:               # the controller came again (a new tunnel)
-                try:
-                    old.sock.close()
-                except OSError:
-                    pass
+                _end(old.sock)
             while (msg := lines.recv()) is not None:
-                if msg.get("op") == "expose":
+                if isinstance(msg, dict) and msg.get("op") == "expose":
                     self._expose(str(msg["name"]))
-        except (OSError, ValueError, KeyError):
-            try:
-                conn.close()
-            except OSError:
-                pass
+        except Exception:  # noqa: BLE001 - a broken or hostile stream: it ends, nothing else
+            pass
+        _end(conn)
+        if control:                           # its pending connections cannot be attached
+            with self._cond:
+                if self._control is lines:
+                    self._control = None
+                    pending, self._pending = list(self._pending.values()), {}
+                else:
+                    pending = []
+            for c in pending:
+                _end(c)
 
     def _expose(self, name: str) -> None:
         with self._cond:
@@ -220,7 +242,17 @@ class Relay:
             except OSError:
                 with self._cond:
                     self._pending.pop(cid, None)
-                conn.close()
+                _end(conn)
+                continue
+            threading.Timer(PENDING_S, self._expire, args=(cid,)).start()
+
+    def _expire(self, cid: int) -> None:
+        """A rank's connection the controller never attached: closed (the rank sees it end
+        and says so, instead of waiting on it for ever)."""
+        with self._cond:
+            conn = self._pending.pop(cid, None)
+        if conn is not None:
+            _end(conn)
 
 
 class Tunnel:
@@ -240,11 +272,21 @@ class Tunnel:
     def _stream(self, op: str, **fields: Any) -> _Lines:
         sock = self._open()
         lines = _Lines(sock)
-        challenge = lines.recv()
-        if challenge is None or "nonce" not in challenge:
-            sock.close()
-            raise OSError("the relay did not answer")
-        lines.send({"mac": _mac(self.key, str(challenge["nonce"])), "op": op, **fields})
+        try:
+            sock.settimeout(HANDSHAKE_S)
+            challenge = lines.recv()
+            if not isinstance(challenge, dict) or "nonce" not in challenge:
+                raise OSError("the relay did not answer")
+            lines.send({"mac": _mac(self.key, str(challenge["nonce"])), "op": op, **fields})
+            if op == "control":
+                said = lines.recv()
+                if said != {"op": "ok"}:
+                    raise PermissionError("the pod's relay refused the controller's key "
+                                          "(another run's relay on relay_port?)")
+            sock.settimeout(None)
+        except BaseException:
+            _end(sock)
+            raise
         return lines
 
     def connect(self, timeout_s: float) -> None:
@@ -252,24 +294,23 @@ class Tunnel:
         while True:
             try:
                 control = self._stream("control")
+                break
+            except PermissionError as exc:
+                raise RuntimeFailure(str(exc)) from exc
             except Exception as exc:  # noqa: BLE001 - the pod's relay not up yet: again
-                if time.monotonic() > deadline or self.closed:
-                    raise RuntimeFailure(f"the pod's relay did not answer within "
-                                         f"{timeout_s:g} s ({exc})") from exc
+                refused = _refused(exc)
+                if refused or time.monotonic() > deadline or self.closed:
+                    raise RuntimeFailure(
+                        f"the API server refused the port-forward ({refused}): the user "
+                        "needs 'create' on pods/portforward in the namespace" if refused
+                        else f"the pod's relay did not answer within {timeout_s:g} s "
+                        f"({exc})") from exc
                 time.sleep(0.2)
-                continue
-            try:
-                said = control.recv()
-            except (OSError, ValueError):
-                said = None
-            if said != {"op": "ok"}:
-                control.sock.close()
-                raise RuntimeFailure("the pod's relay refused the controller's key (another "
-                                     "run's relay on relay_port?)")
-            self._control = control
-            break
-        threading.Thread(target=self._read, args=(self._control,), daemon=True,
+        self._control = control
+        threading.Thread(target=self._read, args=(control,), daemon=True,
                          name="meshplan-tunnel").start()
+        threading.Thread(target=self._ping, args=(control,), daemon=True,
+                         name="meshplan-tunnel-ping").start()
 
     def expose(self, name: str, target: tuple[str, int], timeout_s: float = 30.0) -> int:
         with self._cond:
@@ -291,16 +332,23 @@ class Tunnel:
     def close(self) -> None:
         self.closed = True
         if self._control is not None:
-            try:
-                self._control.sock.close()
-            except OSError:
-                pass
+            _end(self._control.sock)
         with self._cond:
             self._cond.notify_all()
+
+    def _ping(self, control: _Lines) -> None:
+        while not self.closed:
+            time.sleep(PING_S)
+            try:
+                control.send({"op": "ping"})
+            except OSError:
+                return
 
     def _read(self, control: _Lines) -> None:
         try:
             while (msg := control.recv()) is not None:
+                if not isinstance(msg, dict):
+                    break
                 if msg.get("op") == "exposed":
                     with self._cond:
                         self.ports[str(msg["name"])] = int(msg["port"])
@@ -309,8 +357,9 @@ class Tunnel:
                     threading.Thread(target=self._attach, args=(str(msg["name"]),
                                                                 int(msg["conn"])),
                                      daemon=True).start()
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass
+        _end(control.sock)
         with self._cond:
             self.closed = True
             self._cond.notify_all()
@@ -320,13 +369,29 @@ class Tunnel:
         try:
             if target is None:
                 raise OSError(f"nothing exposed as {name!r}")
-            stream = self._stream("attach", conn=cid)
-            local = socket.create_connection(target, timeout=10)
+            local = socket.create_connection(target, timeout=10)   # first: nothing to undo
             local.settimeout(None)
+        except OSError as exc:           # the relay closes the rank's connection (PENDING_S)
+            logger.debug("meshplan: a rank's connection through the relay: %s", exc)
+            return
+        try:
+            stream = self._stream("attach", conn=cid)
         except Exception as exc:  # noqa: BLE001 - the rank sees its connection end
             logger.debug("meshplan: a rank's connection through the relay failed (%s)", exc)
+            _end(local)
             return
         _splice(stream.sock, local, stream.buf)
+
+
+def _refused(exc: BaseException) -> str | None:
+    """The API server's refusal of a port-forward (the client raises ``ApiException`` with
+    status 0 and the websocket handshake's status in its reason), or None."""
+    text = str(exc)
+    for code, what in (("401", "401 Unauthorized"), ("403", "403 Forbidden"),
+                       ("404", "404 Not Found")):
+        if f"status {code}" in text.lower() or f"handshake status {code}" in text.lower():
+            return what
+    return None
 
 
 class Tunnels:
@@ -342,6 +407,7 @@ class Tunnels:
         self.relay_port, self.connect_timeout_s = port, connect_timeout_s
         self.targets: dict[str, tuple[str, int]] = {}
         self.by_index: dict[int, tuple[str, Tunnel]] = {}     # index -> (pod, its tunnel)
+        self.failed: dict[int, str] = {}      # index -> why its tunnel could not be made
         self._cond = threading.Condition()
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="meshplan-tunnels").start()
@@ -355,7 +421,7 @@ class Tunnels:
             if t._control is not None and not t.closed:
                 try:
                     t.expose(name, target)
-                except RuntimeFailure:
+                except (RuntimeFailure, OSError):
                     pass                     # the pod is going: its successor exposes it
 
     def port(self, index: int, name: str, timeout_s: float = 60.0) -> int:
@@ -367,9 +433,11 @@ class Tunnels:
                 if held is not None and name in held[1].ports:
                     return held[1].ports[name]
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeFailure(f"launcher='k8s': pod {index}'s relay has not "
-                                         f"exposed {name!r} within {timeout_s:g} s")
+                if left <= 0 or index in self.failed:
+                    raise RuntimeFailure(
+                        f"launcher='k8s': pod {index}'s relay has not exposed {name!r}"
+                        + (f": {self.failed[index]}" if index in self.failed else
+                           f" within {timeout_s:g} s"))
                 self._cond.wait(min(left, 0.2))
 
     def close(self) -> None:
@@ -388,23 +456,28 @@ class Tunnels:
             for index, name in running.items():
                 with self._cond:
                     held = self.by_index.get(index)
-                    if held is not None and held[0] == name:
+                    # a tunnel of this pod that ended (its control stream cut) is made again
+                    if held is not None and held[0] == name and not (
+                            held[1].closed and held[1]._control is not None):
                         continue
                     if held is not None:
                         held[1].close()       # the lost pod's
                     tunnel = Tunnel(lambda name=name: self._open(name, self.relay_port),
                                     self.key)
                     self.by_index[index] = (name, tunnel)
-                threading.Thread(target=self._start, args=(tunnel,), daemon=True).start()
+                    self.failed.pop(index, None)
+                threading.Thread(target=self._start, args=(index, tunnel), daemon=True).start()
 
-    def _start(self, tunnel: Tunnel) -> None:
+    def _start(self, index: int, tunnel: Tunnel) -> None:
         try:
             tunnel.connect(self.connect_timeout_s)
             with self._cond:
                 targets = dict(self.targets)
             for name, target in targets.items():
                 tunnel.expose(name, target)
-        except RuntimeFailure as exc:
-            logger.warning("meshplan: a pod's relay: %s", exc)
+        except (RuntimeFailure, OSError) as exc:
+            logger.warning("meshplan: pod %d's relay: %s", index, exc)
+            with self._cond:
+                self.failed[index] = str(exc)
         with self._cond:
             self._cond.notify_all()

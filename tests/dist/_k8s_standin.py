@@ -368,16 +368,24 @@ class StandIn:
             if obj is None:
                 return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
             proc = self.procs.get((ns, name)) if plural == "pods" else None
-            if proc is not None and proc.poll() is None and self._job_of(obj) is not None:
-                # a live Job's running pod goes gracefully, as the job-tracking finalizer
-                # makes it: Terminating (deletionTimestamp) until its container ends, then
-                # Failed / Succeeded for the Job controller to see, then gone (the kubelet)
+            if plural == "pods" and obj["status"]["phase"] in ("Pending", "Running") \
+                    and self._job_of(obj) is not None:
+                # a live Job's pod goes gracefully, as the job-tracking finalizer makes it:
+                # Terminating (deletionTimestamp) until its container ends, then Failed /
+                # Succeeded for the Job controller to see, then gone (the kubelet's loop)
                 if "deletionTimestamp" not in obj["metadata"]:
                     obj["metadata"]["deletionTimestamp"] = _now()
                     self._event(plural, "MODIFIED", obj)
-                    proc.terminate()
-                    threading.Thread(target=_kill_after, args=(proc, 10.0),
-                                     daemon=True).start()
+                    if proc is None:          # never started: it fails as it is
+                        obj["status"]["phase"] = "Failed"
+                        self._event(plural, "MODIFIED", obj)
+                        self._job_sees(obj)
+                        del self.objects[plural][(ns, name)]
+                        self._event(plural, "DELETED", obj)
+                    elif proc.poll() is None:
+                        proc.terminate()
+                        threading.Thread(target=_kill_after, args=(proc, 10.0),
+                                         daemon=True).start()
                 return 200, copy.deepcopy(obj)
             del self.objects[plural][(ns, name)]
             self._event(plural, "DELETED", obj)

@@ -230,10 +230,14 @@ def test_the_relay_carries_a_ranks_connection_and_only_for_the_key() -> None:
     server = socket.create_server(("127.0.0.1", 0))
 
     def echo() -> None:
-        conn, _ = server.accept()
-        while data := conn.recv(1024):
-            conn.sendall(data[::-1])
-        conn.close()
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            while data := conn.recv(1024):
+                conn.sendall(data[::-1])
+            conn.close()
     threading.Thread(target=echo, daemon=True).start()
     relay = Relay(b"k" * 64, 0)
     port = relay.listener.getsockname()[1]
@@ -251,7 +255,19 @@ def test_the_relay_carries_a_ranks_connection_and_only_for_the_key() -> None:
             assert rank.recv(5) == b"olleh"
             rank.shutdown(socket.SHUT_WR)
             assert rank.recv(5) == b""           # the endpoint's end reaches the rank
+        # the control stream cut (an idle timeout on the way): a rank that connects now is
+        # told at once (its connection ends) rather than left waiting; a new tunnel (as
+        # Tunnels makes for a running pod) finds the same port exposed, and it works again
         tunnel.close()
+        deadline = time.monotonic() + 5
+        while relay._control is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", local), timeout=5) as rank:
+            assert rank.recv(5) == b""
+        again = Tunnel(forward, b"k" * 64)
+        again.connect(5)
+        assert again.expose("channel", server.getsockname()) == local
+        again.close()
     finally:
         relay.close()
         server.close()
