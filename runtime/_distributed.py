@@ -890,6 +890,7 @@ class DistributedStep:
                     self._stop_workers()
                     raise
                 failure = again
+        ft.restarted()
         return failure, restored, started
 
     def _stop_workers(self, lost: bool = False) -> None:

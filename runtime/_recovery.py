@@ -83,6 +83,7 @@ class Recovery:
         self._snaps: list[int] = []
         self._since: dict[int, Remembered] = {}    # steps after the older one, by number
         self._durations: deque[float] = deque(maxlen=20)
+        self._fresh = False          # the next step is the first after a recovery
 
     def close(self) -> None:
         if self.files is not None:
@@ -115,7 +116,10 @@ class Recovery:
         """Every rank ran ``step``; when it snapshotted, the batches up to the snapshot
         before go."""
         if dur_s is not None:
-            self._durations.append(dur_s)
+            if self._fresh:
+                self._fresh = False
+            else:
+                self._durations.append(dur_s)
         if self._since.get(step) is not None and self._since[step].header.get("snapshot"):
             self._snaps = [*self._snaps, step][-2:]
             oldest = self._snaps[0]
@@ -143,11 +147,19 @@ class Recovery:
         usable = [s for s in common if s < in_flight]
         return max(usable) if usable else None
 
+    def restarted(self) -> None:
+        """A recovery started ranks anew: their first step (new communicators, kernels
+        loaded, memory first touched) is not held to the steady steps' deadline, nor
+        measured among them (a relaunched mesh's first step counted as hung, and restarted
+        again, under load)."""
+        self._fresh = True
+
     def deadline(self, timeout_s: float) -> float:
         """How long a step may take before the ranks that have not answered count as hung:
         ``_DEADLINE_FACTOR`` times the median of the recent steps once a few were measured,
-        never under ``hang_s`` nor over ``timeout_s``."""
-        if len(self._durations) < _DEADLINE_STEPS:
+        never under ``hang_s`` nor over ``timeout_s``; ``timeout_s`` for the first step after
+        a recovery (``restarted``)."""
+        if len(self._durations) < _DEADLINE_STEPS or self._fresh:
             return timeout_s
         return min(timeout_s, max(self.hang_s,
                                   _DEADLINE_FACTOR * statistics.median(self._durations)))

@@ -104,6 +104,12 @@ def test_the_step_deadline_follows_the_measured_steps() -> None:
     for _ in range(3):
         r.committed(0, 0.01)
     assert r.deadline(300.0) == 2.0            # never under hang_s
+    # the first step after a recovery (ranks started anew) is held to timeout_s only, and
+    # its time is not measured among the steady steps'
+    r.restarted()
+    assert r.deadline(300.0) == 300.0
+    r.committed(1, 9.0)
+    assert r.deadline(300.0) == 2.0
 
 
 def test_a_rank_reads_the_pieces_another_rank_snapshots(files) -> None:
