@@ -263,7 +263,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                telemetry=_telemetry(args), checkpoint=args.checkpoint,
                                precision=args.precision or opts["precision"],
                                fault_tolerance=_FT_FLAG[args.fault_tolerance]
-                               if args.fault_tolerance else opts["fault_tolerance"])
+                               if args.fault_tolerance else opts["fault_tolerance"],
+                               microbatches=opts["microbatches"])
     table = None if args.json else _LossTable(name, plan)
     done = 0
     with step:
@@ -431,9 +432,9 @@ def _decorator_options(fn: Any) -> dict[str, Any]:
         return {"topology": fn.topology, "strategy": fn.strategy,
                 "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s,
                 "precision": fn.precision, "recompute": fn.recompute,
-                "fault_tolerance": fn._ft_asked}
+                "fault_tolerance": fn._ft_asked, "microbatches": fn.microbatches}
     return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0,
-            "precision": None, "recompute": "auto", "fault_tolerance": None}
+            "precision": None, "recompute": "auto", "fault_tolerance": None, "microbatches": 1}
 
 
 # ---- output ----------------------------------------------------------------------------------

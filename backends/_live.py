@@ -84,6 +84,12 @@ class _Counted(dict):
             return value
         return dict.pop(self, key, *default)
 
+    def release(self) -> None:
+        """Forget every value (a program's run ended: what it returns, its caller holds)."""
+        for value in dict.values(self):
+            self.counter.remove(self._tensors(value))
+        dict.clear(self)
+
 
 class LiveEnv(_Counted):
     """``run``'s ``env`` (node -> tuple of values), counting what it holds."""

@@ -114,6 +114,8 @@ class Program:
     placeholders: dict[tuple[str, int], tuple[tuple[int, ...], str]] = field(
         default_factory=dict)
     commit: int | None = None             # first instruction that may change donated state
+    # the layout each result is read in (None: as made); default: whole, on every rank
+    result_layouts: tuple[Layout | None, ...] | None = None
 
     @property
     def commit_index(self) -> int:
@@ -148,6 +150,37 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
     (``_early.py``; FSDP2 does both with gradients and gathered parameters). ``free_early=
     False``: changes at their first reader, originals and copies kept until the value's
     last reader (for comparison)."""
+    raw = lower_raw(plan, rank, device=device)
+    program = finish(plan, raw, raw.instrs, raw.state_out, raw.results,
+                     bucket_bytes=bucket_bytes, kernels=kernels,
+                     check_available=check_available, free_early=free_early)
+    swallowed = sorted({n.name for n in plan.graph.nodes if is_random(n)} - set(program.random))
+    if swallowed:
+        raise LoweringError(f"rank {rank}: random nodes {', '.join(swallowed)} were replaced by a "
+                            "kernel, which would draw unseeded; a kernel pattern must not match "
+                            "random ops (or lower with kernels=False)")
+    return program
+
+
+@dataclass(frozen=True)
+class RawProgram:
+    """A rank's instructions straight from the plan (``lower_raw``): one ``Reshard`` per layout
+    change at its first reader, one ``Compute`` per op, a ``Free`` after each node's last
+    reader; no buckets, kernels or early frees yet (``finish`` adds them)."""
+
+    rank: int
+    coords: tuple[int, ...]
+    sizes: tuple[int, ...]
+    instrs: tuple[Instruction, ...]
+    inputs: dict[str, Layout]
+    state_out: dict[str, tuple[Ref, Layout]]
+    results: tuple[Ref, ...]
+    device: str
+    out_layout: dict[str, tuple[Layout | None, ...]]      # node -> its outputs' layouts
+
+
+def lower_raw(plan: Plan, rank: int, *, device: str = "cpu") -> RawProgram:
+    """The instructions of ``rank`` before the passes ``finish`` runs (see ``lower``)."""
     graph, sizes = plan.graph, plan.mesh.sizes
     world = math.prod(sizes)
     if not 0 <= rank < world:
@@ -202,27 +235,42 @@ def lower(plan: Plan, rank: int, *, bucket_bytes: int | None = None,
         else:
             need(o.ref, rep, "<result>")
             results.append(o.ref)
+    return RawProgram(rank, coords, sizes, tuple(instrs), inputs, state_out, tuple(results),
+                      device, out_layout)
+
+
+def finish(plan: Plan, raw: RawProgram, instrs: Sequence[Instruction],
+           state_out: dict[str, tuple[Ref, Layout]], results: Sequence[Ref], *,
+           bucket_bytes: int | None = None, kernels: bool = True, check_available: bool = True,
+           free_early: bool = True, result_layouts: tuple[Layout | None, ...] | None = None,
+           input_nodes: dict[str, str] | None = None) -> Program:
+    """The program that runs ``instrs`` (``raw``'s, or a part of them) and ends with
+    ``state_out`` and ``results`` (read in ``result_layouts``; default whole): buckets,
+    kernels and early frees as ``lower`` describes, the commit point and the placeholders.
+    ``input_nodes``: the inputs it reads (default: every input of the graph)."""
+    graph, sizes, device = plan.graph, raw.sizes, raw.device
+    rep = tuple(Replicate() for _ in sizes)
+    layouts = result_layouts if result_layouts is not None else tuple(rep for _ in results)
     if bucket_bytes is None:
         bucket_bytes = plan.bucket_bytes if plan.bucket_bytes is not None else DEFAULT_BUCKET_BYTES
-    instrs = bucket(instrs, graph, sizes, bucket_bytes)
+    instrs = bucket(list(instrs), graph, sizes, bucket_bytes)
     if kernels:
-        instrs = substitute(instrs, graph, out_layout, sizes, device,
+        instrs = substitute(instrs, graph, raw.out_layout, sizes, device,
                             tail_reads=[*(r for r, _ in state_out.values()), *results],
                             check_available=check_available)
-    tail = [*((r, layout) for r, layout in state_out.values()), *((r, rep) for r in results)]
+    # a result read as made keeps its original (the producer's layout)
+    tail = [*((r, layout) for r, layout in state_out.values()),
+            *((r, layout if layout is not None else raw.out_layout[r.node][r.index])
+              for r, layout in zip(results, layouts))]
     if free_early:
         instrs = free_copies(reduce_early(instrs, graph, sizes, tail_reads=tail), tail)
     commit = next((i for i, ins in enumerate(instrs)
                    if isinstance(ins, KernelCall) and ins.mutates), None)
-    program = Program(rank, coords, sizes, tuple(instrs), inputs,
-                      {n.name: n.target for n in graph.inputs}, state_out, tuple(results), device,
-                      _placeholders(instrs, graph, sizes), commit)
-    swallowed = sorted({n.name for n in graph.nodes if is_random(n)} - set(program.random))
-    if swallowed:
-        raise LoweringError(f"rank {rank}: random nodes {', '.join(swallowed)} were replaced by a "
-                            "kernel, which would draw unseeded; a kernel pattern must not match "
-                            "random ops (or lower with kernels=False)")
-    return program
+    return Program(raw.rank, raw.coords, sizes, tuple(instrs), raw.inputs,
+                   input_nodes if input_nodes is not None
+                   else {n.name: n.target for n in graph.inputs}, state_out, tuple(results),
+                   device, _placeholders(instrs, graph, sizes), commit,
+                   None if result_layouts is None else tuple(layouts))
 
 
 def _placeholders(instrs: Sequence[Instruction], graph: Graph, sizes: tuple[int, ...]
@@ -368,15 +416,18 @@ class RunObserver(Protocol):
 
 def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         data: Mapping[str, Tensor], observer: RunObserver | None = None, *,
-        donate: bool = False,
-        rng: StepRNG | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
+        donate: bool = False, rng: StepRNG | None = None,
+        preset: Mapping[tuple[str, int, Layout | None], Tensor] | None = None,
+        ) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
     Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
     each redistribution's collectives and, if it asks, each op's (and kernel call's) time
     (``perf_counter``). ``donate=True``: the caller gives up ``state``'s tensors, and kernels
     that update state in place (the optimizer's) may overwrite them instead of copying.
     ``rng``: the run's seed and this step's number, which seed the program's random ops
-    (``_rng.py``); required when it has any (``program.random``)."""
+    (``_rng.py``); required when it has any (``program.random``). ``preset``: values the
+    program reads but does not make, by ``(node, output index, layout)`` (layout None: the
+    value as made; else its copy in that layout): a part of a step (``_microbatch.py``)."""
     if rng is None and program.random:
         raise LoweringError(
             f"rank {program.rank}: the program has random ops ({', '.join(program.random[:3])}"
@@ -395,6 +446,14 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
             env[name] = (graph_inputs[target],)
         except KeyError:
             raise LoweringError(f"rank {program.rank}: no value for input {target!r}") from None
+    for (name, index, layout), v in (preset or {}).items():
+        if layout is None:                   # the value as made: output ``index`` of ``name``
+            have = list(env.get(name, ()))
+            have += [None] * (index + 1 - len(have))
+            have[index] = v
+            env[name] = tuple(have)
+        else:                                # its copy in ``layout``
+            copies.setdefault(name, {})[(index, layout)] = v
 
     def read(ref: Ref, layout: Layout | None) -> Any:
         v = env[ref.node][ref.index]            # None where a Drop released the original
@@ -481,8 +540,13 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                 _settle(env)
             exc.meshplan_intact = True                   # type: ignore[attr-defined]
             raise
-    results = [read(r, tuple(Replicate() for _ in program.sizes)) for r in program.results]
+    rep = tuple(Replicate() for _ in program.sizes)
+    results = [read(r, rep) for r in program.results] if program.result_layouts is None else \
+        [read(r, layout) for r, layout in zip(program.results, program.result_layouts)]
     new_state = {name: read(ref, layout) for name, (ref, layout) in program.state_out.items()}
+    if counter is not None:      # counted from nothing by the next program run in this step
+        env.release()            # (a step in parts, ``_microbatch.py``)
+        copies.release()
     return results, new_state
 
 
@@ -671,5 +735,6 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
     return {k: local_part(v, layouts[k], sizes, coords) for k, v in values.items()}
 
 
-__all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "Reshard", "RunObserver", "Step",
-           "StepAborted", "StepRNG", "lower", "plan_steps", "reshard", "run", "split_inputs"]
+__all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "RawProgram", "Reshard",
+           "RunObserver", "Step", "StepAborted", "StepRNG", "finish", "lower", "lower_raw",
+           "plan_steps", "reshard", "run", "split_inputs"]

@@ -41,6 +41,7 @@ before setup).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import resource
@@ -72,6 +73,7 @@ _TCP = {"MESHPLAN_SHM": "0"}
 MESHPLAN_EXTRA = {"dp-tcp": ("dp", _TCP), "fsdp-tcp": ("fsdp", _TCP), "auto-tcp": ("auto", _TCP)}
 BASELINES = ("ddp", "fsdp2")
 TIMEOUT_S = 180.0           # per variant; a rank that takes longer is stopped and reported
+MICROBATCHES = 1            # --microbatches: every variant runs each rank's batch in parts
 
 _PLUGIN = "meshplan.benchmarks.step_time"     # this file, as a meshplan worker plugin
 _TIMER = "bench_step"                          # the kind of the record the plugin adds
@@ -135,15 +137,28 @@ def _error_line(exc: BaseException) -> str:
 
 # ---- baselines: eager, DDP, FSDP2 in spawned processes -------------------------------------
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor) -> Tensor:
-    """The GPT example's step (examples/gpt.py) around a wrapped model."""
-    logits = model(x)
-    loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-    loss.backward()
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: Tensor, y: Tensor,
+                m: int = 1) -> Tensor:
+    """The GPT example's step (examples/gpt.py) around a wrapped model; ``m`` > 1: gradient
+    accumulation as its users write it, the batch in ``m`` parts, each part's mean loss over
+    ``m``, the gradients synchronised on the last part only (DDP's ``no_sync()``, FSDP2's
+    ``set_requires_gradient_sync``)."""
+    total = torch.zeros(())
+    for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m))):
+        last = j == m - 1
+        if hasattr(model, "set_requires_gradient_sync"):             # FSDP2
+            model.set_requires_gradient_sync(last)
+        quiet = model.no_sync() if hasattr(model, "no_sync") and not last else \
+            contextlib.nullcontext()
+        with quiet:
+            logits = model(xj)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), yj.view(-1)) / m
+            loss.backward()
+        total += loss.detach()
     nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return total
 
 
 def _baseline_model(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -162,7 +177,7 @@ def _baseline_model(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _baseline_rank(rank: int, kind: str, n: int, port: int, threads: int, skip: int,
-                   steps: int, out: Any) -> None:
+                   steps: int, out: Any, m: int = 1) -> None:
     """One rank of a baseline (spawned); puts its times and RSS on ``out``."""
     import torch.distributed as dist
     faulthandler.dump_traceback_later(TIMEOUT_S - 5)     # say where a hung rank is stuck
@@ -178,7 +193,7 @@ def _baseline_rank(rank: int, kind: str, n: int, port: int, threads: int, skip: 
         if n > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        loss = _train_step(model, opt, x, y)
+        loss = _train_step(model, opt, x, y, m)
         if i >= skip:
             times.append(time.perf_counter() - t0)
     if n > 1:
@@ -202,7 +217,8 @@ def _ddp_buckets(model: nn.Module) -> str:
 def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").SimpleQueue()
-    args = (kind, n, _free_port(), 1 if kind == "eager" else _threads(n), skip, steps, q)
+    args = (kind, n, _free_port(), 1 if kind == "eager" else _threads(n), skip, steps, q,
+            MICROBATCHES)
     try:
         ctx = mp.spawn(_baseline_rank, args=args, nprocs=n, join=False)
         deadline = time.monotonic() + TIMEOUT_S
@@ -299,7 +315,8 @@ def run_meshplan(variant: str, n: int, warmup: int, steps: int) -> Result:
     batches = _batches(2 + warmup + steps)
     step = meshplan.distribute(ex.step, mesh={"dp": n}, strategy=strategy, topology="cpu",
                                example_inputs=batches[0], timeout_s=TIMEOUT_S,
-                               fault_tolerance=False)      # DDP keeps no snapshots either
+                               fault_tolerance=False,      # DDP keeps no snapshots either
+                               microbatches=MICROBATCHES)
     name = f"meshplan {variant}"
     try:
         with _meshplan_env(_threads(n), env), step:
@@ -492,6 +509,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 ranks, 4 timed steps, 1 warm-up")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every variant this many times, interleaved (1)")
+    ap.add_argument("--microbatches", type=int, default=1,
+                    help="each rank's batch in this many parts, gradients accumulated: "
+                         "no_sync() for DDP, set_requires_gradient_sync for FSDP2, "
+                         "distribute(microbatches=) for meshplan (1)")
     ap.add_argument("--only", default=",".join(VARIANTS),
                     help=f"comma-separated variants to run ({','.join(VARIANTS)})")
     args = ap.parse_args()
@@ -501,11 +522,14 @@ def main() -> None:
                          f"choose among {', '.join(VARIANTS)}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be at least 1")
+    global MICROBATCHES
+    MICROBATCHES = args.microbatches
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     steps = args.steps or (4 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     print(f"GPT {CONFIG}, AdamW, clip {CLIP}; {len(os.sched_getaffinity(0))} cores; "
           f"torch {torch.__version__}; median of {steps} steps after {warmup} warm-up"
+          + (f"; {MICROBATCHES} micro-batches per rank" if MICROBATCHES > 1 else "")
           + (f", {args.rounds} rounds" if args.rounds > 1 else ""), file=sys.stderr)
     results = run(ranks, warmup, steps, args.rounds, only)
     print(plain(results))

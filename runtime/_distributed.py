@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from .._errors import MeshplanError, RuntimeFailure
+from .._errors import MeshplanError, PlanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
+from ..backends._microbatch import check_microbatches, split_microbatched
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
@@ -79,7 +80,7 @@ class DistributedStep:
                  device: str | None = None, fault_tolerance: bool | None = None,
                  max_restarts: int = 3, snapshot_every: int = 1,
                  hang_s: float = STOPPED_S, elastic: bool | int = False,
-                 k8s: Any = None) -> None:
+                 k8s: Any = None, microbatches: int | None = None) -> None:
         if launcher not in LAUNCHERS:
             raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
                                  f"{', '.join(map(repr, LAUNCHERS))}")
@@ -125,6 +126,18 @@ class DistributedStep:
         self.fn = fn
         self.mesh = dict(mesh)
         refuse_pp(self.mesh, "distribute")       # planned, not yet run: say so before tracing
+        try:
+            self.microbatches = 1 if microbatches is None else check_microbatches(microbatches)
+        except PlanError as e:
+            raise RuntimeFailure(f"distribute({e})") from None
+        if self.microbatches > 1 and calibrate:
+            raise RuntimeFailure(
+                f"distribute(microbatches={self.microbatches}, calibrate={calibrate!r}): the "
+                "calibration fits the cost model to whole-batch op times, and in micro-batches "
+                "the ops run on parts; calibrate a run without microbatches= (or with "
+                "`meshplan calibrate --from-telemetry` on one), then pass its topology")
+        # each plan's micro-batch plan (backends/_microbatch.py), by the plan's id
+        self._mb_plans: dict[int, tuple[Plan, Plan]] = {}
         self.topology = topology or (gpu_topology() if self.device == "cuda" else "cpu")
         self.strategy = strategy
         check_precision(precision)
@@ -450,6 +463,13 @@ class DistributedStep:
             self._plan = self._plan_on(self._traced.graph)
         self._plan.solver["device"] = self._device_note
         self._plan.solver["fault_tolerance"] = self._ft_note
+        if self.microbatches > 1:       # refused here, by name, before any rank starts
+            self._program_plan(self._plan)
+            m = self.microbatches
+            self._plan.solver["microbatches"] = (
+                f"{m}: each rank runs its batch in {m} parts one after another, their "
+                "gradients summed, the optimizer once; the estimates above are for the "
+                "whole batch at once")
 
     def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
         from ._checkpoint import check_matches, read_info, read_whole
@@ -494,6 +514,29 @@ class DistributedStep:
         logger.info("meshplan: %s on every host (%d of %d bytes sent)", path,
                     result.bytes_sent, result.bytes)
         return [os.path.join(r.dest, os.path.basename(path)) for r in result.ranks]
+
+    def _program_plan(self, plan: Plan) -> Plan | None:
+        """The plan the ranks lower: ``plan`` itself, or with ``microbatches=`` its
+        micro-batch plan (``backends/_microbatch.py``), made once per plan."""
+        if self.microbatches == 1:
+            return None
+        got = self._mb_plans.get(id(plan))
+        if got is None or got[0] is not plan:
+            from ..backends._microbatch import check_microbatched, microbatch_plan
+
+            mb = microbatch_plan(plan, self.microbatches)
+            check_microbatched(mb)          # what the ranks would refuse, said here
+            got = self._mb_plans[id(plan)] = (plan, mb)
+        return got[1]
+
+    def _plans_for_ranks(self, plan: Plan) -> list[dict[str, str]]:
+        """``_plan_for_ranks`` of ``plan``, with its micro-batch plan under ``mb_`` keys."""
+        out = self._plan_for_ranks(plan.to_json())
+        mb = self._program_plan(plan)
+        if mb is None:
+            return out
+        extra = self._plan_for_ranks(mb.to_json())
+        return [{**a, **{f"mb_{k}": v for k, v in b.items()}} for a, b in zip(out, extra)]
 
     def _plan_for_ranks(self, text: str) -> list[dict[str, str]]:
         """What each rank's setup carries of the plan: the JSON itself under the local launcher
@@ -634,7 +677,7 @@ class DistributedStep:
                 self._ft.generation = 0
                 self._ft.started(self._step_no)
         with self._recording_failures():
-            plans = self._plan_for_ranks(plan.to_json())
+            plans = self._plans_for_ranks(plan)
             replies = self._send_state("setup", state, lambda rank, names: {
                 **header, **plans[rank], "state": names, "checkpoint": ckpt[rank],
                 "snapshot": self._snapshot_header(rank, restore),
@@ -1147,7 +1190,7 @@ class DistributedStep:
         try:
             workers.respawn(failed, self.timeout_s)
             ft.generation += 1
-            header, plans = self._setup_header(), self._plan_for_ranks(self.plan.to_json())
+            header, plans = self._setup_header(), self._plans_for_ranks(self.plan)
             for rank in failed:
                 workers.send(rank, "setup", {
                     **header, **plans[rank], "state": [], "checkpoint": {}, "comm": False,
@@ -1199,7 +1242,7 @@ class DistributedStep:
         """Send the ranks (all, or ``ranks``) the program of another call signature."""
         workers = self._workers
         assert workers is not None
-        plans = self._plan_for_ranks(variant.plan.to_json())
+        plans = self._plans_for_ranks(variant.plan)
         for rank in range(workers.n) if ranks is None else ranks:
             workers.send(rank, "add_program", {**plans[rank], "variant": variant.id,
                                                "data": list(variant.inputs)})
@@ -1282,8 +1325,10 @@ class DistributedStep:
         """Send every rank its pieces of ``batch`` for one step of ``variant``."""
         workers, names = self._workers, list(variant.inputs)
         assert workers is not None
+        mb = self._program_plan(variant.plan)
         for rank in range(workers.n):
-            pieces = split_inputs(variant.plan, rank, batch)
+            pieces = (split_inputs(variant.plan, rank, batch) if mb is None
+                      else split_microbatched(mb, rank, batch))
             workers.send(rank, "step", dict(header), [pieces[n] for n in names])
 
     def _said_recovered(self, failure: WorkerFailure, restored: int, started: float,
@@ -1495,7 +1540,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                device: str | None = None, fault_tolerance: bool | None = None,
                max_restarts: int = 3, snapshot_every: int = 1,
                hang_s: float = STOPPED_S, elastic: bool | int = False,
-               k8s: Any = None) -> Any:
+               k8s: Any = None, microbatches: int | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -1572,6 +1617,12 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ``$KUBECONFIG``; ``k8s``: its options (``runtime._k8s.K8sOptions``), e.g. ``{"image":
     "registry/train:1", "pods": 4, "gpus_per_pod": 8, "namespace": "ml"}``; the pods must
     reach this machine (README, "Kubernetes").
+    ``microbatches``: run each rank's batch in that many parts, one after another, their
+    gradients summed, the optimizer once (gradient accumulation; README, "Micro-batches"):
+    the activations of one part at a time, and results equal to the whole batch at once (the
+    mean loss's count is the whole batch's). It must divide each rank's batch; a step whose
+    ops need the whole batch at once (a batch norm's statistics) is refused by name. None
+    or 1: the whole batch at once.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -1582,7 +1633,7 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                calibrate=calibrate, hosts=hosts, slurm=slurm, device=device,
                                fault_tolerance=fault_tolerance, max_restarts=max_restarts,
                                snapshot_every=snapshot_every, hang_s=hang_s,
-                               elastic=elastic, k8s=k8s)
+                               elastic=elastic, k8s=k8s, microbatches=microbatches)
 
     return wrap(fn) if fn is not None else wrap
 

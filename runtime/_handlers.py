@@ -25,6 +25,7 @@ from ..backends import (
     run,
 )
 from .._errors import RuntimeFailure
+from ..backends._microbatch import MicrobatchProgram, lower_microbatched, run_microbatched
 from ..ir import STATE_ROLES
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
@@ -50,7 +51,7 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     if snap:                              # distribute(fault_tolerance=True): _snapshot.py
         _open_snapshot(state, snap)
     ns.kernels = bool(header.get("kernels", True))
-    ns.program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
+    ns.program = _program(state, plan, header)
     ns.programs = {0: (ns.program, list(header["data"]))}
     # a replacement rank (distribute(fault_tolerance=True)) builds it with the others: rejoin
     if getattr(ns, "comm", None) is None and header.get("comm", True):
@@ -64,6 +65,17 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     if snap:
         reply["snapshots"] = ns.snapshot.steps()
     return reply, []
+
+
+def _program(state: WorkerState, plan: Plan, header: dict[str, Any]) -> Any:
+    """This rank's program of ``plan``; with ``distribute(microbatches=)``, of its micro-batch
+    plan (``mb_plan`` / ``mb_plan_path``), in parts (``backends/_microbatch.py``)."""
+    ns = state.ns
+    if "mb_plan_path" in header or "mb_plan" in header:
+        mb = (Plan.load(header["mb_plan_path"]) if "mb_plan_path" in header else
+              Plan.from_json(header["mb_plan"], where="the micro-batch plan the controller sent"))
+        return lower_microbatched(mb, state.rank, device=str(ns.device), kernels=ns.kernels)
+    return lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
 
 
 def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
@@ -230,8 +242,8 @@ def _add_program(state: WorkerState, header: dict[str, Any], tensors: list[torch
         plan = Plan.load(header["plan_path"])
     else:
         plan = Plan.from_json(header["plan"], where="the plan the controller sent")
-    program = lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
-    ns.programs[int(header["variant"])] = (program, list(header["data"]))
+    ns.programs[int(header["variant"])] = (_program(state, plan, header),
+                                           list(header["data"]))
     return {"rank": state.rank}, []
 
 
@@ -259,8 +271,9 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     try:
         # the worker owns its state (fresh tensors from the channel): in-place kernels may
         # update it instead of copying
-        results, new_state = run(program, ns.comm, ns.state, data, observer=tel,
-                                 donate=True, rng=rng)
+        runner = run_microbatched if isinstance(program, MicrobatchProgram) else run
+        results, new_state = runner(program, ns.comm, ns.state, data, observer=tel,
+                                    donate=True, rng=rng)
     except Exception as exc:
         if tel is not None and not isinstance(exc, StepAborted):   # the failing rank records it
             tel.failure(exc, traceback.format_exc())

@@ -1,0 +1,643 @@
+"""Micro-batches: a step's batch run in ``m`` parts on every rank, its gradients accumulated,
+the optimizer once (``distribute(microbatches=m)``; issue 24's first runtime piece).
+
+The plan of the step (any mesh, any strategy) gains one more axis, ``microbatch`` of size
+``m``, outermost: ``microbatch_plan`` plans the step on that axis alone as data parallelism
+(the ``dp`` family: the batch split on dim 0, the state replicated, all-reduces only) and joins
+each value's layout on it to the plan's. A value is then split over the micro-batches where it
+depends on the batch, and ``Partial`` where it sums over it (a weight's gradient, the loss).
+Outermost, so that micro-batch ``j`` is the ``j``-th contiguous part of the whole batch, which
+the other axes then split as the plan splits the whole: a gather over ``dp`` of a batch-split
+value gives every ``dp`` rank micro-batch ``j`` whole, as the plan's gather gives it the batch.
+
+The ranks of that plan are ``(rank, micro-batch)``. ``lower_microbatched`` lowers rank ``c``'s
+programs for every micro-batch ``j`` and cuts each into two parts:
+
+- the **micro-batch part**: everything that differs from one micro-batch to the next (what
+  reads the batch), with what it needs of the rest (a parameter's cast, its gather under
+  FSDP). Its results are the partial values the plan all-reduces over ``microbatch``;
+- the **step part**: everything after those reductions that does not read the batch (the
+  gradients' reductions over the other axes, clipping, the optimizer, the loss), run once.
+
+Each all-reduce over ``microbatch`` is an accumulation: the micro-batch parts run one after
+another (the activations of one at a time), their partials are summed (in fp32 for 16-bit
+values), and the step part reads the sums. The collectives over the other axes run as the plan
+has them; those of the step part once per step, so data parallelism's gradient all-reduce is
+paid once, not once per micro-batch.
+
+A value the batch's other micro-batches must finish first couples them: ``nll_loss``'s
+``total_weight`` (the count of the whole batch's targets, which the backward of its mean
+divides by) is one, and is worked out before the micro-batches from the targets alone (the
+ops that make them, then the count), so the loss's backward is the whole batch's exactly, as
+one process computes it. Any other such value (a batch norm's statistics over the whole
+batch, an op that gathers the batch) is refused by name: running the parts in turn cannot
+make it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._errors import LoweringError, PlanError
+from ..ir import NodeKind, Ref, Role, TensorMeta
+from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
+from ..planner._mesh import Mesh
+from ..planner._placement import divides, local_shape
+from ..planner._plan import NodePlacement
+from ._layout import rank_coords
+from ._lower import (Compute, Free, Program, RawProgram, Reshard, StepRNG, _Op, finish,
+                     lower_raw, plan_steps, reshard, run)
+from ._rng import op_seed
+
+MB_AXIS = "microbatch"
+_LOCAL_KINDS = ("slice", "partial")            # steps on the micro-batch axis that move nothing
+_TOTAL_WEIGHT = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
+_LIKE = frozenset({"aten.ones_like.default", "aten.zeros_like.default",
+                   "aten.empty_like.default", "aten.full_like.default"})
+
+
+def check_microbatches(m: Any) -> int:
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise PlanError(f"microbatches={m!r}: give a positive int, the number of parts each "
+                        "rank's batch is run in (1: the whole batch at once)")
+    return m
+
+
+def microbatch_plan(plan: Plan, m: int) -> Plan:
+    """``plan`` with an outermost mesh axis ``microbatch`` of size ``m`` (module docstring):
+    every layout gains its placement on that axis from the ``dp`` family's plan of the step on
+    it. PlanError, naming the input, where a rank's batch does not split into ``m``."""
+    from ..planner._planning import plan_graph
+
+    check_microbatches(m)
+    if MB_AXIS in plan.mesh.names:
+        raise PlanError(f"mesh {plan.mesh} has an axis named {MB_AXIS!r}, the name micro-"
+                        "batches use; rename it")
+    data = [n for n in plan.graph.inputs
+            if isinstance(n.outputs[0], TensorMeta) and n.outputs[0].role is Role.DATA]
+    mesh = Mesh(((MB_AXIS, m), *plan.mesh.axes), plan.mesh.topology)
+    for n in data:
+        meta, layout = n.outputs[0], plan.input_layouts[n.target]
+        ranks = 1
+        for p, size in zip(layout, plan.mesh.sizes):
+            ranks *= size if isinstance(p, Shard) and p.dim == 0 else 1
+        if meta.shape and meta.shape[0] % (ranks * m):
+            raise PlanError(
+                f"microbatches={m}: input {n.target!r} of shape {list(meta.shape)} gives each "
+                f"rank {meta.shape[0] // ranks} rows (dim 0 over {ranks} ranks of {plan.mesh}), "
+                f"which do not split into {m} micro-batches; use a batch of a multiple of "
+                f"{ranks * m} rows, or microbatches= a divisor of {meta.shape[0] // ranks}")
+    try:
+        on_axis = plan_graph(plan.graph, {MB_AXIS: m}, topology=plan.mesh.topology,
+                             strategy="dp", memory_limit_bytes=1 << 62, recompute="none",
+                             axis_order="given")
+    except PlanError as e:
+        raise PlanError(f"microbatches={m}: the step does not split into micro-batches: "
+                        f"{e}") from None
+    if [n.name for n in on_axis.graph.nodes] != [n.name for n in plan.graph.nodes]:
+        raise PlanError(f"internal: planning the micro-batch axis changed the graph of "
+                        f"{plan.graph.info.name!r}")
+    by_node = _settle_step_part(plan.graph, {p.node: p for p in on_axis.placements})
+
+    def join(a: Layout | None, b: Layout | None) -> Layout | None:
+        return None if a is None or b is None else (*b, *a)
+
+    placements = []
+    for p in plan.placements:
+        q = by_node[p.node]
+        placements.append(NodePlacement(p.node, p.target,
+                                        tuple(join(a, b) for a, b in zip(p.inputs, q.inputs)),
+                                        tuple(join(a, b) for a, b in zip(p.outputs, q.outputs)),
+                                        p.compute_s))
+    out = dataclasses.replace(plan, mesh=mesh, placements=tuple(placements),
+                              redistributions=())
+    for n in data:
+        layout = out.input_layouts[n.target]
+        if n.outputs[0].shape and not divides(n.outputs[0].shape, layout, mesh.sizes):
+            raise PlanError(f"microbatches={m}: input {n.target!r} of shape "
+                            f"{list(n.outputs[0].shape)} does not split as {layout} on "
+                            f"{mesh}; use a batch the mesh and the micro-batches divide")
+    return out
+
+
+def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str, NodePlacement]:
+    """The micro-batch axis's placements with every op that reads nothing of one micro-batch
+    (only values replicated on the axis, or sums over it) replicated on it too. The solver may
+    slice such a value over the axis for free (a gradient's norm computed in pieces); run once
+    per step, it must be whole."""
+    rep = (Replicate(),)
+    out = dict(placed)
+    for n in graph.nodes:
+        p = out.get(n.name)
+        if p is None or n.kind is NodeKind.INPUT:
+            continue
+        if n.target in _LIKE and p.inputs and p.inputs[0] is not None:
+            # reads only its input's shape: as made, a sum's partial whole (the backward's
+            # seed, ones_like(loss), needs no sum of the loss over the micro-batches)
+            ref = next(iter(n.refs()))
+            made = out[ref.node].outputs[ref.index] if ref.node in out else None
+            if made is not None:
+                like = made if isinstance(made[0], Shard) else rep
+                out[n.name] = replace(p, inputs=(made, *p.inputs[1:]),
+                                      outputs=tuple(None if q is None else like
+                                                    for q in p.outputs))
+                continue
+        per_mb = False
+        for ref, q in zip(n.refs(), p.inputs):
+            made = out[ref.node].outputs[ref.index] if ref.node in out else None
+            if made is None or q is None:
+                continue
+            if not isinstance(made[0], Replicate) and not (
+                    isinstance(made[0], Partial) and isinstance(q[0], Replicate)):
+                per_mb = True             # a piece of one micro-batch, or its partial
+        if not per_mb:
+            out[n.name] = replace(p, inputs=tuple(None if q is None else rep for q in p.inputs),
+                                  outputs=tuple(None if q is None else rep for q in p.outputs))
+    return out
+
+
+def check_microbatched(plan: Plan) -> None:
+    """Raise the PlanError ``lower_microbatched`` would raise on the ranks, here (rank 0's
+    first micro-batch is cut as every rank's is)."""
+    _cut(plan, lower_raw(plan, 0), 0)
+
+
+# ---- lowering -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Hoist:
+    """A coupling value made before the micro-batches (``nll_loss``'s ``total_weight``)."""
+
+    node: Any                              # the nll_loss_forward Node
+    reads: tuple[Layout | None, ...]       # how it reads its inputs
+    ancestors: tuple[tuple[Any, ...], ...]   # per micro-batch: the instructions that make them
+    steps: tuple                           # the reduction over the other axes, after the sum
+    dst: Layout                            # the layout the readers take it in
+
+
+@dataclass(frozen=True)
+class MicrobatchProgram:
+    """Rank ``rank``'s step in ``m`` micro-batches (module docstring): ``parts[j]`` makes the
+    partial values ``partials`` of micro-batch ``j`` (its batch's pieces cut on ``split``);
+    ``step`` reads their sums and makes the step's results and new state."""
+
+    rank: int
+    m: int
+    parts: tuple[Program, ...]
+    step: Program
+    partials: tuple[tuple[Ref, ReduceOp], ...]
+    split: dict[str, int]                  # data input -> the dim its micro-batches cut
+    hoisted: tuple[_Hoist, ...]
+    device: str
+    # (node, index, layout or None, local shape, dtype): values whose shape alone ops read
+    part_stand_ins: tuple[tuple[Any, ...], ...] = ()
+    step_stand_ins: tuple[tuple[Any, ...], ...] = ()
+
+    @property
+    def random(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r for p in (*self.parts, self.step) for r in p.random))
+
+
+def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: bool = True,
+                       bucket_bytes: int | None = None,
+                       free_early: bool = True) -> MicrobatchProgram:
+    """Rank ``rank`` (of the plan without the micro-batch axis) of ``microbatch_plan``'s
+    ``plan``, cut into its micro-batch part and its step part (module docstring)."""
+    sizes = plan.mesh.sizes
+    if plan.mesh.names[0] != MB_AXIS:
+        raise LoweringError(f"lower_microbatched needs microbatch_plan's plan (its first axis "
+                            f"{MB_AXIS!r}), got mesh {plan.mesh}")
+    m, ax = sizes[0], 0
+    world = math.prod(sizes[1:])
+    raws = [lower_raw(plan, j * world + rank, device=device) for j in range(m)]
+    n_ins = {len(r.instrs) for r in raws}
+    if len(n_ins) != 1:
+        raise LoweringError("internal: micro-batch programs differ in length")
+    cut = _cut(plan, raws[0], ax)
+    graph = plan.graph
+    mb_data = {n.target: p.dim for n in graph.inputs
+               if isinstance(p := plan.input_layouts[n.target][ax], Shard)}
+    real = lambda raw: replace(raw, rank=rank, instrs=tuple(    # noqa: E731
+        _real_groups(i, world) for i in raw.instrs))
+    raws = [real(r) for r in raws]
+    partials = cut.partials
+
+    def stand_ins(chosen: Sequence[int]) -> tuple[tuple[Any, ...], ...]:
+        """Tensors of the right shapes for what ops that read a shape only read there."""
+        out = {}
+        for i in chosen:
+            for ref, layout in cut.shapes.get(i, ()):
+                meta, made = graph.meta(ref), raws[0].out_layout[ref.node][ref.index]
+                for lay in {made, layout if layout is not None else made}:
+                    out[(ref.node, ref.index, None if lay == made else lay)] = (
+                        local_shape(meta.shape, lay, sizes), meta.dtype)
+        return tuple((*k, *v) for k, v in out.items())
+
+    parts = []
+    for j, raw in enumerate(raws):
+        instrs = [raw.instrs[i] for i in cut.per_mb]
+        instrs = _with_frees(instrs, keep={r.node for r, _ in partials})
+        parts.append(finish(plan, raw, instrs, {}, [r for r, _ in partials],
+                            result_layouts=tuple(None for _ in partials),
+                            input_nodes=_inputs_read(graph, instrs), kernels=kernels,
+                            bucket_bytes=bucket_bytes, free_early=free_early))
+    raw = raws[0]
+    coords = raw.coords
+    instrs = []
+    for i in cut.per_step:
+        ins = raw.instrs[i]
+        if i in cut.hoisted:               # made before the micro-batches: preset
+            continue
+        if i in cut.reductions:
+            src = (Replicate(), *ins.src[1:])
+            if src != ins.dst:
+                steps, exact = plan_steps(src, ins.dst, sizes, coords)
+                instrs.append(_real_groups(Reshard(ins.ref, src, ins.dst, steps, exact,
+                                                   ins.consumer), world))
+            continue
+        instrs.append(ins)
+    keep = {r.node for r, _ in raw.state_out.values()} | {r.node for r in raw.results}
+    instrs = _with_frees(instrs, keep=keep)
+    step = finish(plan, raw, instrs, raw.state_out, raw.results,
+                  input_nodes=_inputs_read(graph, instrs), kernels=kernels,
+                  bucket_bytes=bucket_bytes, free_early=free_early)
+    hoisted = []
+    for i in cut.hoisted:
+        r = raws[0].instrs[i]
+        maker = cut.hoist_makers[i]
+        node_ins = raws[0].instrs[maker]
+        src = (Replicate(), *r.src[1:])
+        steps, _ = plan_steps(src, r.dst, sizes, coords)
+        hoisted.append(_Hoist(node_ins.node, node_ins.reads,
+                              tuple(tuple(rw.instrs[k] for k in cut.hoist_ancestors[i])
+                                    for rw in raws),
+                              tuple(_real_step(s, world) for s in steps), r.dst))
+    return MicrobatchProgram(rank, m, tuple(parts), step, partials, mb_data, tuple(hoisted),
+                             device, stand_ins(cut.per_mb), stand_ins(cut.per_step))
+
+
+def _real_step(s: Any, world: int) -> Any:
+    return replace(s, group=tuple(g % world for g in s.group))
+
+
+def _real_groups(ins: Any, world: int) -> Any:
+    """The instruction with its collectives' groups in real ranks (rank ``c`` of the plan
+    without the micro-batch axis, of ``world`` ranks, is rank ``j * world + c`` of the plan
+    with it, for micro-batch ``j``)."""
+    if isinstance(ins, Reshard):
+        return replace(ins, steps=tuple(_real_step(s, world) for s in ins.steps))
+    return ins
+
+
+def _inputs_read(graph: Any, instrs: Sequence[Any]) -> dict[str, str]:
+    names = {n.name: n.target for n in graph.inputs}
+    read: set[str] = set()
+    for ins in instrs:
+        if isinstance(ins, Compute):
+            read.update(r.node for r in ins.node.refs())
+        elif isinstance(ins, Reshard):
+            read.add(ins.ref.node)
+    return {n: t for n, t in names.items() if n in read}
+
+
+def _with_frees(instrs: Sequence[Any], keep: set[str]) -> list[Any]:
+    """``instrs`` (``Free``s dropped) with a ``Free`` after each node's last reader, or after
+    the node where nothing reads it; ``keep``: read after the end."""
+    body = [i for i in instrs if not isinstance(i, Free)]
+    last: dict[str, int] = {}
+    for k, ins in enumerate(body):
+        if isinstance(ins, Compute):
+            last.setdefault(ins.node.name, k)
+            for r in ins.node.refs():
+                last[r.node] = k
+        elif isinstance(ins, Reshard):
+            last[ins.ref.node] = k
+    at: dict[int, list[str]] = {}
+    for name, k in last.items():
+        if name not in keep:
+            at.setdefault(k, []).append(name)
+    out: list[Any] = []
+    for k, ins in enumerate(body):
+        out.append(ins)
+        if k in at:
+            out.append(Free(tuple(at[k])))
+    return out
+
+
+@dataclass
+class _Cut:
+    per_mb: list[int]
+    per_step: list[int]
+    reductions: set[int]
+    partials: tuple[tuple[Ref, ReduceOp], ...]
+    hoisted: list[int]
+    hoist_makers: dict[int, int]
+    hoist_ancestors: dict[int, list[int]]
+    shapes: dict[int, list[tuple[Ref, Layout | None]]]     # reads of a shape only
+
+
+def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
+    """Which instructions run per micro-batch, which once per step (module docstring)."""
+    graph = plan.graph
+    instrs = raw.instrs
+    varies: dict[tuple, bool] = {}        # value key -> differs per micro-batch
+    after: dict[tuple, bool] = {}         # value key -> made from a sum over micro-batches
+    maker: dict[tuple, int] = {}          # value key -> the instruction that made it
+    for n in graph.inputs:
+        layout = plan.input_layouts[n.target]
+        varies[("v", n.name, 0)] = isinstance(layout[ax], Shard)
+        after[("v", n.name, 0)] = False
+    reductions: dict[int, ReduceOp] = {}
+    hoisted: set[int] = set()
+    reads: dict[int, list[tuple]] = {}
+    shapes: dict[int, list[tuple[Ref, Layout | None]]] = {}
+
+    def key_of(ref: Ref, layout: Layout | None, copies: set[tuple]) -> tuple:
+        c = ("c", ref.node, ref.index, layout)
+        return c if layout is not None and c in copies else ("v", ref.node, ref.index)
+
+    def where(i: int) -> str:
+        ins = instrs[i]
+        node = graph.node(ins.consumer) if isinstance(ins, Reshard) and \
+            not ins.consumer.startswith("<") else getattr(ins, "node", None)
+        if node is None:
+            return f"{ins.consumer}"
+        return f"{node.target} ({node.name})" + (f" at {node.source}" if node.source else "")
+
+    while True:                            # again once a coupling is hoisted
+        copies: set[tuple] = set()
+        coupled: list[tuple[int, int | None]] = []
+        new = False
+        for i, ins in enumerate(instrs):
+            if isinstance(ins, Compute):
+                keys = [key_of(r, layout, copies) for r, layout in zip(ins.node.refs(),
+                                                                       ins.reads)]
+                if ins.node.target in _LIKE:    # its input's shape only: a stand-in serves
+                    reads[i] = [(k, None) for k in keys]
+                    shapes[i] = [(r, layout) for r, layout in zip(ins.node.refs(), ins.reads)]
+                    keys = []
+                else:
+                    reads[i] = [(k, maker.get(k)) for k in keys]   # the maker when read
+                v = any(varies.get(k, False) for k in keys)
+                if ins.stream is not None:       # a random op drawing per micro-batch
+                    v = v or any(layout is not None and isinstance(layout[ax], Shard)
+                                 for layout in plan.placement(ins.node.name).outputs)
+                a = any(after.get(k, False) for k in keys)
+                if v and a:             # a value of the whole batch read per micro-batch
+                    coupled.extend((i, maker.get(k)) for k in keys if after.get(k, False))
+                for k in range(max(1, len(ins.node.outputs))):
+                    key = ("v", ins.node.name, k)
+                    varies[key], after[key], maker[key] = v, a, i
+            elif isinstance(ins, Reshard):
+                src = ("v", ins.ref.node, ins.ref.index)
+                reads[i] = [(src, maker.get(src))]
+                kinds = {s.kind for s in ins.steps if s.axis == ax}
+                bad = kinds - {"all_reduce", *_LOCAL_KINDS}
+                if bad:
+                    raise PlanError(
+                        f"micro-batches: {where(i)} reads {ins.ref} whole over the batch "
+                        f"({', '.join(sorted(bad))} over the micro-batches), which running "
+                        "the micro-batches one after another cannot make. The step does not "
+                        "split over its batch from there on: an op after it needs the whole "
+                        "batch (a batch norm's statistics; mse_loss or l1_loss with "
+                        "reduction='mean', whose backward divides by the count it sees: "
+                        "reduction='sum' divided by the batch size splits). Use "
+                        "microbatches=1")
+                key = ("c", ins.ref.node, ins.ref.index, ins.dst)
+                copies.add(key)
+                maker[key] = i
+                if "all_reduce" in kinds:
+                    reductions[i] = ins.src[ax].op
+                    varies[key], after[key] = False, i not in hoisted
+                else:
+                    varies[key] = varies.get(src, False) or bool(kinds)
+                    after[key] = after.get(src, False)
+        new = False
+        bad = []
+        for reader, red in coupled:
+            if red in hoisted:
+                continue
+            if red in reductions:
+                r = instrs[red]
+                node = graph.node(r.ref.node)
+                if node.target in _TOTAL_WEIGHT and r.ref.index == 1 and \
+                        reductions[red] is ReduceOp.SUM:
+                    hoisted.add(red)
+                    new = True
+                    continue
+                bad.append((reader, f"{r.ref} summed over the whole batch ({node.target})"))
+            else:
+                bad.append((reader, f"{where(red)}'s value, made from a sum over the whole "
+                                    "batch"))
+        if bad and not new:             # (a hoist clears what it made: look again first)
+            reader, what = bad[0]
+            raise PlanError(
+                f"micro-batches: {where(reader)} reads {what}, so every micro-batch would "
+                "have to run up to it before any goes on; running them one after another "
+                "cannot (a batch norm's statistics over the batch are one such value); use "
+                "microbatches=1")
+        if not new:
+            break
+    state_keys = [("c", r.node, r.index, layout) for r, layout in raw.state_out.values()]
+    rep = tuple(Replicate() for _ in raw.sizes)
+    result_keys = [("c", r.node, r.index, rep) for r in raw.results]
+    ends = []
+    for k in [*state_keys, *result_keys]:
+        k = k if k in maker else ("v", k[1], k[2])
+        if varies.get(k, False):
+            raise PlanError(f"micro-batches: the step's new state or result {k[1]} differs "
+                            "from one micro-batch to the next and is not summed over them; "
+                            "use microbatches=1")
+        ends.append(k)
+
+    def closure(roots: Sequence[int], stop: set[int]) -> set[int]:
+        seen: set[int] = set()
+        todo = list(roots)
+        while todo:
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if i in stop:
+                continue
+            for _, j in reads.get(i, ()):
+                if j is not None:
+                    todo.append(j)
+        return seen
+
+    red_set = set(reductions)
+    per_value = [i for i in reads if i not in red_set and _at(i, instrs, varies)]
+    partial_makers = [reads[i][0][1] for i in reductions if i not in hoisted
+                      and reads[i][0][1] is not None]
+    mb = closure([*per_value, *partial_makers], red_set) - red_set
+    late = sorted(i for i in mb if _at(i, instrs, after))
+    if late:
+        raise PlanError(f"micro-batches: {where(late[0])} runs per micro-batch but reads a sum "
+                        "over the whole batch; use microbatches=1")
+    step_roots = [i for i in reads if i not in mb and i not in red_set and _at(i, instrs, after)]
+    step_roots += [maker[k] for k in ends if k in maker]
+    step_roots += [i for i in reductions if i not in hoisted]
+    step = closure(step_roots, red_set)
+    crossing = sorted(i for i in step if i not in red_set and _at(i, instrs, varies))
+    if crossing:
+        raise PlanError(f"micro-batches: {where(crossing[0])} runs once per step but reads a "
+                        "value of one micro-batch; use microbatches=1")
+    seen_partials: dict[Ref, ReduceOp] = {}
+    for i in sorted(reductions):
+        if i not in hoisted:
+            seen_partials.setdefault(instrs[i].ref, reductions[i])
+    hoist_makers, hoist_ancestors = {}, {}
+    for i in sorted(hoisted):
+        nll = reads[i][0][1]
+        hoist_makers[i] = nll
+        node = instrs[nll].node
+        roots = [j for _, j in reads[nll][1:3] if j is not None]
+        anc = closure(roots, set())
+        if any(after.get(("v", instrs[j].node.name, 0), False) for j in anc
+               if isinstance(instrs[j], Compute)):
+            raise PlanError(f"micro-batches: the targets of {node.target} ({node.name}) are "
+                            "made from a sum over the batch; use microbatches=1")
+        hoist_ancestors[i] = sorted(anc)
+    return _Cut(sorted(mb), sorted(step), set(reductions), tuple(seen_partials.items()),
+                sorted(hoisted), hoist_makers, hoist_ancestors, shapes)
+
+
+def _at(i: int, instrs: Sequence[Any], flags: dict[tuple, bool]) -> bool:
+    """The flag of what instruction ``i`` makes (its node's first output, or its copy)."""
+    ins = instrs[i]
+    if isinstance(ins, Compute):
+        return flags.get(("v", ins.node.name, 0), False)
+    if isinstance(ins, Reshard):
+        return flags.get(("c", ins.ref.node, ins.ref.index, ins.dst), False)
+    return False
+
+
+def split_microbatched(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Rank ``rank``'s pieces of whole data inputs for ``microbatch_plan``'s ``plan``: every
+    micro-batch's piece of each, joined on the dim the micro-batches cut (``run_microbatched``
+    cuts them apart again); an input the micro-batches share, its one piece."""
+    from ._layout import local_part
+
+    sizes = plan.mesh.sizes
+    m, world = sizes[0], math.prod(sizes[1:])
+    out = {}
+    for k, v in values.items():
+        layout = plan.input_layouts[k]
+        parts = [local_part(v, layout, sizes, rank_coords(j * world + rank, sizes))
+                 for j in range(m if isinstance(layout[0], Shard) else 1)]
+        out[k] = parts[0] if len(parts) == 1 else torch.cat(parts, layout[0].dim)
+    return out
+
+
+# ---- running --------------------------------------------------------------------------------
+
+def run_microbatched(program: MicrobatchProgram, comm: Any, state: Mapping[str, Tensor],
+                     data: Mapping[str, Tensor], observer: Any = None, *,
+                     donate: bool = False,
+                     rng: StepRNG | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of ``program`` on this rank, as ``run`` runs one (the same arguments; ``data``
+    holds this rank's pieces of the whole batch): the micro-batches one after another, their
+    partial values summed, then the step part once."""
+    m = program.m
+    pieces = [{k: (v.chunk(m, program.split[k])[j].contiguous() if k in program.split else v)
+               for k, v in data.items()} for j in range(m)]
+    preset = _stand_ins(program.part_stand_ins, program.device)
+    for h in program.hoisted:
+        tw = _total_weight(h, program, comm, state, pieces, rng)
+        preset[(h.node.name, 1, h.dst)] = tw
+    sums: list[Tensor | None] = [None] * len(program.partials)
+    dtypes: list[torch.dtype | None] = [None] * len(program.partials)
+    counter = observer.memory() if getattr(observer, "track_memory", False) else None
+    for j, part in enumerate(program.parts):
+        held = [t for t in sums if t is not None]      # the sums so far: live through the part
+        if counter is not None:
+            counter.add(held)
+        got, _ = run(part, comm, state, pieces[j], observer, donate=False, rng=rng,
+                     preset=preset)
+        if counter is not None:
+            counter.remove(held)
+        for k, (v, (_, op)) in enumerate(zip(got, program.partials)):
+            dtypes[k] = v.dtype
+            wide = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+            if op is ReduceOp.NORM2:
+                wide = wide * wide
+            sums[k] = wide.clone() if sums[k] is None else sums[k].add_(wide)
+        del got
+    step_preset = _stand_ins(program.step_stand_ins, program.device)
+    for h in program.hoisted:              # the step part may read it too
+        tw = preset[(h.node.name, 1, h.dst)]
+        step_preset[(h.node.name, 1, None)] = step_preset[(h.node.name, 1, h.dst)] = tw
+    for (ref, op), total, dtype in zip(program.partials, sums, dtypes):
+        assert total is not None and dtype is not None
+        if op is ReduceOp.AVG:
+            total = total.div_(m)
+        elif op is ReduceOp.NORM2:
+            total = total.sqrt_()
+        step_preset[(ref.node, ref.index, None)] = total.to(dtype)
+    return run(program.step, comm, state, data, observer, donate=donate, rng=rng,
+               preset=step_preset)
+
+
+def _stand_ins(spec: Sequence[tuple[Any, ...]],
+               device: str) -> dict[tuple[str, int, Layout | None], Tensor]:
+    return {(node, index, layout): torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            for node, index, layout, shape, dtype in spec}
+
+
+def _total_weight(h: _Hoist, program: MicrobatchProgram, comm: Any,
+                  state: Mapping[str, Tensor], pieces: list[dict[str, Tensor]],
+                  rng: StepRNG | None) -> Tensor:
+    """``nll_loss``'s ``total_weight`` over the whole batch: the count (or the class weights'
+    sum) of every micro-batch's targets, reduced over the other axes as the plan has it."""
+    node = h.node
+    args = list(node.args) + [None] * (5 - len(node.args))
+    kw = dict(node.kwargs)
+    ignore = kw.get("ignore_index", args[4])
+    total = None
+    for j, instrs in enumerate(h.ancestors):
+        env: dict[str, tuple] = {}
+        copies: dict[str, dict] = {}
+        inputs = {**state, **pieces[j]}
+        env.update({name: (inputs[t],) for name, t in program.parts[j].input_nodes.items()})
+        for ins in instrs:
+            if isinstance(ins, Compute):
+                op = _Op(ins, program.device)
+                vals = [_read(env, copies, n, i, layout) for n, i, layout in op.reads]
+                env[op.name] = op(vals) if op.stream is None else op(
+                    vals, op_seed(rng, op.stream))           # type: ignore[arg-type]
+            elif isinstance(ins, Reshard):
+                copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
+                    env[ins.ref.node][ins.ref.index], ins.steps, comm,
+                    program.parts[j].coords)
+        refs = list(node.refs())
+        target = _read(env, copies, refs[1].node, refs[1].index, h.reads[1])
+        weight = (_read(env, copies, refs[2].node, refs[2].index, h.reads[2])
+                  if len(refs) > 2 else None)
+        valid = target != ignore
+        dtype = getattr(torch, node.outputs[1].dtype)
+        if weight is None:
+            got = valid.sum().to(dtype)
+        else:
+            got = (weight[target.masked_fill(~valid, 0)] * valid).sum().to(dtype)
+        total = got if total is None else total + got
+    assert total is not None
+    return reshard(total, h.steps, comm, program.parts[0].coords)
+
+
+def _read(env: dict, copies: dict, node: str, index: int, layout: Layout | None) -> Any:
+    v = env[node][index]
+    if layout is not None:
+        v = copies.get(node, {}).get((index, layout), v)
+    return v
+
+
+__all__ = ["MB_AXIS", "MicrobatchProgram", "check_microbatched", "check_microbatches",
+           "lower_microbatched",
+           "microbatch_plan", "run_microbatched", "split_microbatched"]
