@@ -93,7 +93,28 @@ class Free:
     names: tuple[str, ...]
 
 
-Instruction = Reshard | Compute | Free | Drop | Bucket | KernelCall
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send this rank's piece of a value (``layout`` None: as made; else its copy in that
+    layout) to rank ``peer``: a pipeline stage's value another stage reads."""
+
+    ref: Ref
+    layout: Layout | None
+    peer: int
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    """Take a value's piece (as ``Send`` names it) from rank ``peer``."""
+
+    ref: Ref
+    layout: Layout | None
+    peer: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+Instruction = Reshard | Compute | Free | Drop | Bucket | KernelCall | Send | Recv
 
 
 @dataclass(frozen=True)
@@ -418,7 +439,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         data: Mapping[str, Tensor], observer: RunObserver | None = None, *,
         donate: bool = False, rng: StepRNG | None = None,
         preset: Mapping[tuple[str, int, Layout | None], Tensor] | None = None,
-        ) -> tuple[list[Tensor], dict[str, Tensor]]:
+        vote: bool = True) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
     Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
     each redistribution's collectives and, if it asks, each op's (and kernel call's) time
@@ -427,7 +448,9 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
     ``rng``: the run's seed and this step's number, which seed the program's random ops
     (``_rng.py``); required when it has any (``program.random``). ``preset``: values the
     program reads but does not make, by ``(node, output index, layout)`` (layout None: the
-    value as made; else its copy in that layout): a part of a step (``_microbatch.py``)."""
+    value as made; else its copy in that layout): a part of a step (``_microbatch.py``).
+    ``vote=False``: no all-or-nothing vote (a part of a step whose ranks run different
+    programs, a pipeline stage's: ``_pipeline_run.py``); an op that fails raises here."""
     if rng is None and program.random:
         raise LoweringError(
             f"rank {program.rank}: the program has random ops ({', '.join(program.random[:3])}"
@@ -447,13 +470,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         except KeyError:
             raise LoweringError(f"rank {program.rank}: no value for input {target!r}") from None
     for (name, index, layout), v in (preset or {}).items():
-        if layout is None:                   # the value as made: output ``index`` of ``name``
-            have = list(env.get(name, ()))
-            have += [None] * (index + 1 - len(have))
-            have[index] = v
-            env[name] = tuple(have)
-        else:                                # its copy in ``layout``
-            copies.setdefault(name, {})[(index, layout)] = v
+        _put(env, copies, name, index, layout, v)
 
     def read(ref: Ref, layout: Layout | None) -> Any:
         v = env[ref.node][ref.index]            # None where a Drop released the original
@@ -467,7 +484,7 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
     instructions = program.instructions
     # before ``commit`` nothing the caller holds is changed, so a failure there can be undone
     commit = program.commit_index if donate else len(instructions)
-    vote = getattr(comm, "world_size", 1) > 1
+    vote = vote and getattr(comm, "world_size", 1) > 1
     i = -1
     with torch.no_grad():
         try:
@@ -521,6 +538,19 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                     run_kernel(ins, read, env, caller_inputs, donate)
                     if timed:
                         observer.compute(ins, t0, time.perf_counter() - t0)
+                elif isinstance(ins, Send):
+                    v = read(ins.ref, ins.layout)
+                    comm.send(v.contiguous() if isinstance(v, Tensor) else
+                              torch.tensor(v, dtype=torch.float64), ins.peer)
+                elif isinstance(ins, Recv):
+                    if ins.dtype.startswith("scalar:"):      # a host scalar: sent as float64
+                        got = comm.recv((), torch.float64, ins.peer).item()
+                        kind = ins.dtype[len("scalar:"):]
+                        v = int(got) if kind.startswith("int") else (
+                            bool(got) if kind == "bool" else got)
+                    else:
+                        v = comm.recv(ins.shape, getattr(torch, ins.dtype), ins.peer)
+                    _put(env, copies, ins.ref.node, ins.ref.index, ins.layout, v)
                 else:
                     raise LoweringError(f"rank {program.rank}: unknown instruction {ins!r}")
             if commit >= len(instructions) and vote:
@@ -548,6 +578,21 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         env.release()            # (a step in parts, ``_microbatch.py``)
         copies.release()
     return results, new_state
+
+
+def _put(env: dict, copies: dict, name: str, index: int, layout: Layout | None,
+         v: Any) -> None:
+    """Output ``index`` of node ``name`` as made (``layout`` None), else its copy in
+    ``layout`` (the node then exists in ``env``, its other outputs None)."""
+    have = env.get(name)
+    if layout is None or have is None or len(have) <= index:
+        have = list(have or ())
+        have += [None] * (index + 1 - len(have))
+        if layout is None:
+            have[index] = v
+        env[name] = tuple(have)
+    if layout is not None:
+        copies.setdefault(name, {})[(index, layout)] = v
 
 
 class StepAborted(RuntimeFailure):
@@ -736,5 +781,6 @@ def split_inputs(plan: Plan, rank: int, values: Mapping[str, Tensor]) -> dict[st
 
 
 __all__ = ["Bucket", "Compute", "Free", "KernelCall", "Program", "RawProgram", "Reshard",
-           "RunObserver", "Step", "StepAborted", "StepRNG", "finish", "lower", "lower_raw",
+           "Recv", "RunObserver", "Send", "Step", "StepAborted", "StepRNG", "finish", "lower",
+           "lower_raw",
            "plan_steps", "reshard", "run", "split_inputs"]

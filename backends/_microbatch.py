@@ -51,9 +51,9 @@ from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
 from ..planner._mesh import Mesh
 from ..planner._placement import divides, local_shape
 from ..planner._plan import NodePlacement
-from ._layout import rank_coords
-from ._lower import (Compute, Free, Program, RawProgram, Reshard, StepRNG, _Op, finish,
-                     lower_raw, plan_steps, reshard, run)
+from ._layout import axis_group, rank_coords
+from ._lower import (Compute, Free, Program, RawProgram, Recv, Reshard, Send, StepRNG, _Op,
+                     finish, lower_raw, plan_steps, reshard, run)
 from ._rng import op_seed
 
 MB_AXIS = "microbatch"
@@ -89,11 +89,13 @@ def microbatch_plan(plan: Plan, m: int) -> Plan:
         for p, size in zip(layout, plan.mesh.sizes):
             ranks *= size if isinstance(p, Shard) and p.dim == 0 else 1
         if meta.shape and meta.shape[0] % (ranks * m):
+            split = (f"dim 0 over {ranks} ranks of {plan.mesh}" if ranks > 1 else
+                     f"the plan does not split it over {plan.mesh}: every rank runs all of it")
             raise PlanError(
                 f"microbatches={m}: input {n.target!r} of shape {list(meta.shape)} gives each "
-                f"rank {meta.shape[0] // ranks} rows (dim 0 over {ranks} ranks of {plan.mesh}), "
-                f"which do not split into {m} micro-batches; use a batch of a multiple of "
-                f"{ranks * m} rows, or microbatches= a divisor of {meta.shape[0] // ranks}")
+                f"rank {meta.shape[0] // ranks} rows ({split}), which do not split into {m} "
+                f"micro-batches; use a batch of a multiple of {ranks * m} rows, or "
+                f"microbatches= a divisor of {meta.shape[0] // ranks}")
     try:
         on_axis = plan_graph(plan.graph, {MB_AXIS: m}, topology=plan.mesh.topology,
                              strategy="dp", memory_limit_bytes=1 << 62, recompute="none",
@@ -163,10 +165,41 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
     return out
 
 
+_BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default",
+                "aten._native_batch_norm_legit.default", "aten.native_batch_norm.default",
+                "aten._native_batch_norm_legit_no_training.default")
+_MEAN_LOSSES = ("aten.mse_loss.default", "aten.l1_loss.default", "aten.smooth_l1_loss.default",
+                "aten.huber_loss.default", "aten.binary_cross_entropy.default",
+                "aten.soft_margin_loss.default", "aten.kl_div.default")
+
+
+def _culprit(graph: Any) -> str:
+    """The first op of the step that needs its whole batch at once, named for the user (a
+    batch norm in training, a loss whose mean's backward divides by the count it sees)."""
+    for n in graph.nodes:
+        if n.kind is not NodeKind.OP:
+            continue
+        where = f"{n.target} ({n.name})" + (f" at {n.source}" if n.source else "")
+        if n.target in _BATCH_NORMS and "no_training" not in n.target:
+            training = next((a for a in n.args if isinstance(a, bool)), True)
+            if training:
+                return (f"{where} is a batch norm in training: its statistics are the whole "
+                        "batch's (put the model in eval mode, or use a LayerNorm/GroupNorm)")
+        if n.target in _MEAN_LOSSES:
+            red = dict(n.kwargs).get("reduction", next(
+                (a for a in n.args[2:] if isinstance(a, int) and not isinstance(a, bool)), 1))
+            if red == 1:
+                return (f"{where} takes reduction='mean', whose backward divides by the count "
+                        "of elements it sees (use reduction='sum' divided by the batch's "
+                        "element count)")
+    return ("an op after it needs the whole batch at once (a batch norm's statistics; a loss "
+            "with reduction='mean' whose backward divides by the count it sees)")
+
+
 def check_microbatched(plan: Plan) -> None:
     """Raise the PlanError ``lower_microbatched`` would raise on the ranks, here (rank 0's
     first micro-batch is cut as every rank's is)."""
-    _cut(plan, lower_raw(plan, 0), 0)
+    _cut(plan, lower_parts(plan, 0), 0)
 
 
 # ---- lowering -------------------------------------------------------------------------------
@@ -216,7 +249,7 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
                             f"{MB_AXIS!r}), got mesh {plan.mesh}")
     m, ax = sizes[0], 0
     world = math.prod(sizes[1:])
-    raws = [lower_raw(plan, j * world + rank, device=device) for j in range(m)]
+    raws = [lower_parts(plan, j * world + rank, device=device) for j in range(m)]
     n_ins = {len(r.instrs) for r in raws}
     if len(n_ins) != 1:
         raise LoweringError("internal: micro-batch programs differ in length")
@@ -266,7 +299,7 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
     keep = {r.node for r, _ in raw.state_out.values()} | {r.node for r in raw.results}
     instrs = _with_frees(instrs, keep=keep)
     step = finish(plan, raw, instrs, raw.state_out, raw.results,
-                  input_nodes=_inputs_read(graph, instrs), kernels=kernels,
+                  input_nodes=_inputs_read(graph, instrs, keep), kernels=kernels,
                   bucket_bytes=bucket_bytes, free_early=free_early)
     hoisted = []
     for i in cut.hoisted:
@@ -283,6 +316,27 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
                              device, stand_ins(cut.per_mb), stand_ins(cut.per_step))
 
 
+def lower_parts(plan: Plan, rank: int, device: str = "cpu") -> RawProgram:
+    """``lower_raw`` of ``microbatch_plan``'s ``plan``, where a layout change that keeps the
+    micro-batch axis's placement moves nothing over it: when the other axes' steps in the
+    plan's order are not valid (a dim several axes split), ``plan_steps`` gathers every axis
+    and slices again, and a gather over the micro-batches is not one a rank can make. Each
+    micro-batch's piece is the other axes' whole (the axis is outermost), so their steps
+    alone change it."""
+    raw = lower_raw(plan, rank, device=device)
+    sizes, coords = raw.sizes, raw.coords
+    out = []
+    for ins in raw.instrs:
+        if isinstance(ins, Reshard) and ins.src[0] == ins.dst[0] and any(
+                st.axis == 0 for st in ins.steps):
+            steps, _ = plan_steps(ins.src[1:], ins.dst[1:], sizes[1:], coords[1:])
+            ins = replace(ins, exact=False, steps=tuple(
+                replace(st, axis=st.axis + 1, group=axis_group(coords, st.axis + 1, sizes))
+                for st in steps))
+        out.append(ins)
+    return replace(raw, instrs=tuple(out))
+
+
 def _real_step(s: Any, world: int) -> Any:
     return replace(s, group=tuple(g % world for g in s.group))
 
@@ -296,9 +350,12 @@ def _real_groups(ins: Any, world: int) -> Any:
     return ins
 
 
-def _inputs_read(graph: Any, instrs: Sequence[Any]) -> dict[str, str]:
+def _inputs_read(graph: Any, instrs: Sequence[Any], tail: set[str] = frozenset()
+                 ) -> dict[str, str]:
+    """The inputs ``instrs`` read, and those of ``tail`` (read at the end: a buffer the step
+    returns unchanged as its new state)."""
     names = {n.name: n.target for n in graph.inputs}
-    read: set[str] = set()
+    read: set[str] = set(tail)
     for ins in instrs:
         if isinstance(ins, Compute):
             read.update(r.node for r in ins.node.refs())
@@ -317,8 +374,10 @@ def _with_frees(instrs: Sequence[Any], keep: set[str]) -> list[Any]:
             last.setdefault(ins.node.name, k)
             for r in ins.node.refs():
                 last[r.node] = k
-        elif isinstance(ins, Reshard):
+        elif isinstance(ins, (Reshard, Send)):
             last[ins.ref.node] = k
+        elif isinstance(ins, Recv):
+            last.setdefault(ins.ref.node, k)
     at: dict[int, list[str]] = {}
     for name, k in last.items():
         if name not in keep:
@@ -341,6 +400,8 @@ class _Cut:
     hoist_makers: dict[int, int]
     hoist_ancestors: dict[int, list[int]]
     shapes: dict[int, list[tuple[Ref, Layout | None]]]     # reads of a shape only
+    reads_of: dict[int, list[tuple]]      # instruction -> (value key, its maker then) read
+    reduce_ops: dict[int, ReduceOp]       # reduction -> how its partials make the whole
 
 
 def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
@@ -402,14 +463,11 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                 bad = kinds - {"all_reduce", *_LOCAL_KINDS}
                 if bad:
                     raise PlanError(
-                        f"micro-batches: {where(i)} reads {ins.ref} whole over the batch "
-                        f"({', '.join(sorted(bad))} over the micro-batches), which running "
-                        "the micro-batches one after another cannot make. The step does not "
-                        "split over its batch from there on: an op after it needs the whole "
-                        "batch (a batch norm's statistics; mse_loss or l1_loss with "
-                        "reduction='mean', whose backward divides by the count it sees: "
-                        "reduction='sum' divided by the batch size splits). Use "
-                        "microbatches=1")
+                        f"micro-batches: the step does not split over its batch: "
+                        f"{_culprit(graph)}. So {where(i)} reads {ins.ref} whole over the "
+                        f"batch ({', '.join(sorted(bad))} over the micro-batches), which "
+                        "running them one after another cannot make. Use microbatches=1, or "
+                        "change that op")
                 key = ("c", ins.ref.node, ins.ref.index, ins.dst)
                 copies.add(key)
                 maker[key] = i
@@ -440,9 +498,8 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
             reader, what = bad[0]
             raise PlanError(
                 f"micro-batches: {where(reader)} reads {what}, so every micro-batch would "
-                "have to run up to it before any goes on; running them one after another "
-                "cannot (a batch norm's statistics over the batch are one such value); use "
-                "microbatches=1")
+                "have to run up to it before any goes on, which running them one after "
+                f"another cannot: {_culprit(graph)}. Use microbatches=1, or change that op")
         if not new:
             break
     state_keys = [("c", r.node, r.index, layout) for r, layout in raw.state_out.values()]
@@ -506,7 +563,7 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                             "made from a sum over the batch; use microbatches=1")
         hoist_ancestors[i] = sorted(anc)
     return _Cut(sorted(mb), sorted(step), set(reductions), tuple(seen_partials.items()),
-                sorted(hoisted), hoist_makers, hoist_ancestors, shapes)
+                sorted(hoisted), hoist_makers, hoist_ancestors, shapes, reads, reductions)
 
 
 def _at(i: int, instrs: Sequence[Any], flags: dict[tuple, bool]) -> bool:
@@ -594,6 +651,13 @@ def _stand_ins(spec: Sequence[tuple[Any, ...]],
 def _total_weight(h: _Hoist, program: MicrobatchProgram, comm: Any,
                   state: Mapping[str, Tensor], pieces: list[dict[str, Tensor]],
                   rng: StepRNG | None) -> Tensor:
+    return count_targets(h, comm, state, pieces, rng, program.device, program.parts[0].coords,
+                         [p.input_nodes for p in program.parts])
+
+
+def count_targets(h: _Hoist, comm: Any, state: Mapping[str, Tensor],
+                  pieces: list[dict[str, Tensor]], rng: StepRNG | None, device: str,
+                  coords: tuple[int, ...], input_nodes: Sequence[Mapping[str, str]]) -> Tensor:
     """``nll_loss``'s ``total_weight`` over the whole batch: the count (or the class weights'
     sum) of every micro-batch's targets, reduced over the other axes as the plan has it."""
     node = h.node
@@ -605,17 +669,16 @@ def _total_weight(h: _Hoist, program: MicrobatchProgram, comm: Any,
         env: dict[str, tuple] = {}
         copies: dict[str, dict] = {}
         inputs = {**state, **pieces[j]}
-        env.update({name: (inputs[t],) for name, t in program.parts[j].input_nodes.items()})
+        env.update({name: (inputs[t],) for name, t in input_nodes[j].items() if t in inputs})
         for ins in instrs:
             if isinstance(ins, Compute):
-                op = _Op(ins, program.device)
+                op = _Op(ins, device)
                 vals = [_read(env, copies, n, i, layout) for n, i, layout in op.reads]
                 env[op.name] = op(vals) if op.stream is None else op(
                     vals, op_seed(rng, op.stream))           # type: ignore[arg-type]
             elif isinstance(ins, Reshard):
                 copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
-                    env[ins.ref.node][ins.ref.index], ins.steps, comm,
-                    program.parts[j].coords)
+                    env[ins.ref.node][ins.ref.index], ins.steps, comm, coords)
         refs = list(node.refs())
         target = _read(env, copies, refs[1].node, refs[1].index, h.reads[1])
         weight = (_read(env, copies, refs[2].node, refs[2].index, h.reads[2])
@@ -628,7 +691,7 @@ def _total_weight(h: _Hoist, program: MicrobatchProgram, comm: Any,
             got = (weight[target.masked_fill(~valid, 0)] * valid).sum().to(dtype)
         total = got if total is None else total + got
     assert total is not None
-    return reshard(total, h.steps, comm, program.parts[0].coords)
+    return reshard(total, h.steps, comm, coords)
 
 
 def _read(env: dict, copies: dict, node: str, index: int, layout: Layout | None) -> Any:

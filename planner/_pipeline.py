@@ -52,10 +52,12 @@ How a plan is priced:
 ``simulate`` runs the schedules' per-device op orders event by event (the drawing of
 ``PipelinePlan.schedule_text`` and the check of the formulas above in the tests).
 
-Not built yet: the lowering and the runtime (``distribute`` refuses a ``pp`` axis, naming
-this); the inner plan is one plan of the whole step, not one ILP per stage; recompute is the
-inner plan's, not chosen per stage; the cross-stage reduction of gradient clipping's norm is
-not priced (one 4-byte all-reduce per step).
+Lowered (GPipe) and run on thread ranks by ``backends/_pipeline_run.py``; not yet run by
+``distribute`` (it refuses a ``pp`` axis, naming this). Not built yet: one ILP per stage (the
+inner plan is one plan of the whole step); recompute chosen per stage (it is the inner
+plan's); the price of the cross-stage transfers of gradient clipping's norms and of a tied
+embedding's gradient (the runtime sends them: a few bytes per parameter once per step, and
+the head's share of the embedding's gradient every micro-batch).
 """
 
 from __future__ import annotations
@@ -195,10 +197,12 @@ class PipelinePlan:
 
 # ---- units ----------------------------------------------------------------------------------
 
-def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
-    """The inner plan's units in forward order (``<pre>``, the layers, ``<post>``) and the
-    bytes per device that cross each boundary between consecutive units (whole batch)."""
-    graph, mesh = plan.graph, plan.mesh
+def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
+    """The step's units in forward order (``<pre>``, its repeated layers, ``<post>``) and the
+    unit of every input and op node: a layer's forward and backward ops by their module;
+    the state and the optimizer's ops by the parameter they update; ops outside the layers
+    with the parameter they read, else by where they run (before the first layer, or
+    after)."""
     layers = repeated_layers(graph)
     if not layers:
         raise PlanError(f"{graph.info.name!r} has no repeated layers (modules numbered under one "
@@ -206,7 +210,6 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
                         "ranges of layers; use a mesh without a 'pp' axis")
     layer_set = set(layers)
     order = [PRE, *layers, POST]
-    index = {u: k for k, u in enumerate(order)}
     unit: dict[str, str] = {}
     nodes = graph.nodes
     first = next((i for i, n in enumerate(nodes) if n.kind is NodeKind.OP
@@ -255,6 +258,15 @@ def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
                       or graph.node(r).phase is Phase.UPDATE), None)
         unit[n.name] = owner or (unit[refs[0]] if refs else POST)
 
+    return order, unit
+
+
+def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:
+    """The inner plan's units in forward order (``<pre>``, the layers, ``<post>``) and the
+    bytes per device that cross each boundary between consecutive units (whole batch)."""
+    graph, mesh = plan.graph, plan.mesh
+    order, unit = unit_map(graph)
+    index = {u: k for k, u in enumerate(order)}
     batch = _batch_dependent(graph)
     placed = {p.node: p for p in plan.placements}
     acc = {u: dict(fwd_s=0.0, bwd_s=0.0, fixed_fwd_s=0.0, fixed_bwd_s=0.0, update_s=0.0,
@@ -854,9 +866,11 @@ def refuse_pp(mesh: Mesh | Mapping[str, int], what: str) -> None:
         raise PlanError(
             f"{what}: mesh {named} has a '{PP_AXIS}' axis: pipeline stages are planned by "
             "meshplan.planner.plan_pipeline (stage split, schedule, micro-batches, cost and "
-            "memory), but not yet lowered to rank programs or run (issue 24); plan without "
-            f"'{PP_AXIS}' (e.g. fold it into dp) to run the step")
+            "memory), and its GPipe schedule lowered to per-stage programs tested on thread "
+            "ranks (backends._pipeline_run), but distribute does not run them yet (issue 24); "
+            f"plan without '{PP_AXIS}' (e.g. fold it into dp, with microbatches= for the "
+            "memory) to run the step")
 
 
 __all__ = ["PP_AXIS", "SCHEDULES", "PipelinePlan", "device_orders", "in_flight",
-           "pipeline_time", "plan_pipeline", "refuse_pp", "simulate", "units_of"]
+           "pipeline_time", "plan_pipeline", "refuse_pp", "simulate", "unit_map", "units_of"]

@@ -90,7 +90,8 @@ def test_distribute_with_microbatches_equals_one_process() -> None:
 def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
     # batch norm: its statistics are the whole batch's, so no micro-batch can go on alone
     plan = _plan("cnn", {"dp": 2}, "dp")
-    with pytest.raises(PlanError, match=r"micro-batches: .*cnn.py:\d+.*microbatches=1"):
+    with pytest.raises(PlanError, match=r"micro-batches: .*batch_norm.* at .*cnn.py:\d+.* is a "
+                                        r"batch norm in training.*microbatches=1"):
         lower_microbatched(microbatch_plan(plan, 2), 0)
     plan = _plan("gpt", {"dp": 2}, "dp")            # 4 sequences: 2 per rank
     with pytest.raises(PlanError, match=r"microbatches=4: input 'x' of shape \[4, 16\] gives "
@@ -101,7 +102,8 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
             microbatch_plan(plan, bad)
     # mse_loss's mean: its backward divides by the count it sees
     plan = _plan("mlp-sgd", {"dp": 2}, "dp")
-    with pytest.raises(PlanError, match=r"mlp.py:\d+.*reduction='mean'.*microbatches=1"):
+    with pytest.raises(PlanError, match=r"aten.mse_loss.default .* at .*mlp.py:\d+.* takes "
+                                        r"reduction='mean'.*microbatches=1"):
         lower_microbatched(microbatch_plan(plan, 2), 0)
     import meshplan
 
@@ -113,17 +115,25 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_user_step_in_microbatches_equals_one_process() -> None:
-    """A step written for one process (an MLP, ``mse_loss(reduction="sum") / batch``, SGD
-    with momentum, the automatic plan) in 4 parts on 2 ranks: losses and parameters as one
-    process. Its backward's seed, ``ones_like(loss)``, reads the loss's shape only, so the
-    micro-batches need no sum of the loss before their backward."""
+    """A step written for one process (an MLP with a buffer, ``mse_loss(reduction="sum") /
+    batch``, SGD with momentum, the automatic plan) in 4 parts on 2 ranks: losses and
+    parameters as one process. Its backward's seed, ``ones_like(loss)``, reads the loss's
+    shape only, so the micro-batches need no sum of the loss before their backward."""
     import copy
 
     import meshplan
 
+    class Scaled(torch.nn.Sequential):      # a buffer the step reads and returns unchanged
+        def __init__(self, *layers):
+            super().__init__(*layers)
+            self.register_buffer("scale", torch.tensor(0.5))
+
+        def forward(self, x):
+            return super().forward(x) * self.scale
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
-                                torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    model = Scaled(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                   torch.nn.Tanh(), torch.nn.Linear(64, 4))
     twin = copy.deepcopy(model)
 
     def make(model):
@@ -148,3 +158,97 @@ def test_a_user_step_in_microbatches_equals_one_process() -> None:
         mesh.sync()
     for (k, a), b in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5, msg=k)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        # no key bias: its true gradient is 0 (softmax ignores a shift), and AdamW turns the
+        # rounding noise standing in for it into lr-sized steps, whatever computes it
+        self.q_proj, self.k_proj = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False)
+        self.v_proj, self.o_proj = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.c_fc, self.c_proj = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        y = self.ln1(x)
+        q, k, v = (m(y).view(b, t, self.h, d // self.h).transpose(1, 2)
+                   for m in (self.q_proj, self.k_proj, self.v_proj))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.c_proj(torch.nn.functional.gelu(self.c_fc(self.ln2(x))))
+
+
+@pytest.mark.timeout(300)
+def test_megatron_layouts_in_microbatches_with_ignored_targets() -> None:
+    """Megatron's layouts on dp=2 x tp=2 of a user's language model (q/k/v/o_proj, SDPA, tied
+    head), 2 micro-batches, a fifth of the targets -100 and piled into the first rows (so
+    every part counts a different number): the state after two steps equals the
+    interpreter's, since each part's backward divides by the whole batch's count. Its
+    layouts change a value split over dp and tp on one dim: moving it must not gather over
+    the micro-batches (``lower_parts``), which the plan's generic fallback did."""
+    import meshplan
+    from meshplan.ir import interpret
+    from meshplan.planner import plan_graph
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 64)
+            self.pos = torch.nn.Parameter(torch.randn(16, 64) * 0.02)
+            self.layers = torch.nn.ModuleList([_Block(64, 4), _Block(64, 4)])
+            self.ln_f = torch.nn.LayerNorm(64)
+            self.head = torch.nn.Linear(64, 64, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            x = self.emb(idx) + self.pos[: idx.shape[1]]
+            for block in self.layers:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    def step(x, y):
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, 64), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        x = torch.randint(0, 64, (16, 16), generator=g)
+        y = torch.randint(0, 64, (16, 16), generator=g)
+        y[torch.rand(16, 16, generator=g) < 0.2] = -100
+        y[:4][torch.rand(4, 16, generator=g) < 0.7] = -100
+        return x, y
+
+    step(*batch())
+    traced = meshplan.trace(step, *batch())
+    graph = traced.graph
+    plan = plan_graph(graph, {"dp": 2, "tp": 2}, strategy="megatron_tp", topology="cpu")
+    mb = microbatch_plan(plan, 2)
+    programs = [lower_microbatched(mb, r) for r in range(4)]
+    values = traced.input_values(*batch())
+    data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
+    state = {n.target: values[n.target].clone() for n in graph.inputs if n.target not in data}
+    local = [split_inputs(plan, r, state) for r in range(4)]
+    ref = dict(state)
+    mesh = ThreadMesh(4, timeout_s=60)
+    for _ in range(2):
+        b = dict(zip(data, batch()))
+        outs = interpret(graph, {**ref, **b})
+        ref.update({o.name: v for v, o in zip(outs, graph.outputs) if o.kind.value == "state"})
+        got = mesh.run(lambda comm, b=b: run_microbatched(
+            programs[comm.rank], comm, local[comm.rank], split_microbatched(mb, comm.rank, b)))
+        local = [{**local[r], **got[r][1]} for r in range(4)]
+    for k, v in ref.items():
+        whole = assemble({rank_coords(r, (2, 2)): local[r][k] for r in range(4)},
+                         plan.input_layouts[k], plan.mesh.sizes)
+        torch.testing.assert_close(whole, v, rtol=1e-5, atol=1e-5, msg=k)

@@ -326,7 +326,7 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_refuses_by_name(tm
     assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
     for cmd in (("plan", "show", str(out)), ("run", target, "--plan", str(out))):
         rc, _, err = _main(*cmd)
-        assert rc != 0 and "is a pipeline plan" in err and "not yet lowered or run" in err
+        assert rc != 0 and "is a pipeline plan" in err and "do not read one yet" in err
     rc, _, err = _main("compile", target, "--mesh", "dp=2", "--schedule", "1f1b",
                        "-o", str(tmp_path / "x.plan"))
     assert rc != 0 and "--schedule and --microbatches are for a mesh with a pp axis" in err

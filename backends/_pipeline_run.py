@@ -1,0 +1,432 @@
+"""Pipeline stages on ranks (issue 24): a ``PipelinePlan``'s step as per-stage programs.
+
+The plan's stages are ranges of the step's units (``planner._pipeline.unit_map``: the
+embedding side, the repeated layers, the head and loss). Each rank of the ``pp`` axis runs the
+ops of its stage, and holds the state of its stage only. The micro-batches are
+``_microbatch.py``'s: the inner plan with an outermost ``microbatch`` axis, each rank's program
+cut into the part that reads the batch (per micro-batch) and the step part (once, on the sums
+of the partial gradients). Here each part is cut again by stage, and in three:
+
+- **forward** of micro-batch ``j`` (the part's instructions before its first backward one),
+- **backward** of micro-batch ``j`` (the rest; it reads what the forward kept),
+- the **step** part, once.
+
+A value one stage makes and another reads travels between the two ranks of the same inner
+coordinates (``Send`` / ``Recv`` in both programs, at the place in the part where it is made:
+the pairs of ranks meet their transfers in the same order, so blocking sends cannot
+deadlock within a part). State one stage owns and another reads (a tied embedding's weight
+in the head) is sent once per step, before the micro-batches. The stages run the parts in
+the schedule's order (``device_orders``): GPipe, every forward before any backward.
+
+Not yet: 1F1B, interleaved and zero-bubble orders (they need the transfers that go against
+the order of the stages inside a part refused or moved, and sends that do not block); the
+all-or-nothing vote of a step (a failing op on one stage leaves its peers waiting until the
+communicator's timeout); kernels, gradient buckets and early frees in the stage programs;
+the runtime (``distribute``) around them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._errors import LoweringError
+from ..ir import NodeKind, Phase, Ref, Role, TensorMeta
+from ..planner import Layout, ReduceOp, Replicate
+from ..planner._pipeline import POST, PP_AXIS, PipelinePlan, device_orders, unit_map
+from ..planner._placement import local_shape
+from ._layout import coords_rank, rank_coords
+from ._lower import Compute, Program, Recv, Reshard, Send, StepRNG, finish, plan_steps, run
+from ._microbatch import (_cut, _Hoist, _stand_ins, _with_frees, count_targets, lower_parts,
+                          microbatch_plan)
+
+Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """What rank ``rank`` (stage ``stage`` of ``stages``) runs for one step."""
+
+    rank: int
+    stage: int
+    stages: int
+    m: int
+    schedule: str
+    forward: tuple[Program, ...]          # per micro-batch
+    backward: tuple[Program, ...]
+    step: Program
+    kept: tuple[Key, ...]                 # what a forward returns for its backward
+    partials: tuple[tuple[Ref, ReduceOp, str], ...]   # this stage's, and "F" or "B": made in
+    prologue: tuple[tuple[str, str, int, tuple[int, ...], tuple[int, ...], str], ...]
+    split: dict[str, int]
+    hoisted: tuple[_Hoist, ...]
+    hoist_inputs: dict[str, str]
+    stand_ins: tuple[tuple[Any, ...], ...]
+    device: str
+
+
+def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> StageProgram:
+    """Rank ``rank``'s programs (ranks row-major over ``pplan.mesh``, ``pp`` included)."""
+    if pplan.virtual_stages != 1:
+        raise LoweringError(f"pipeline schedule {pplan.schedule!r} with {pplan.virtual_stages} "
+                            "chunks per device: not lowered yet; plan with schedule='gpipe'")
+    if pplan.schedule != "gpipe":
+        raise LoweringError(f"pipeline schedule {pplan.schedule!r}: not lowered yet (only "
+                            "'gpipe' runs); plan with schedule='gpipe'")
+    mesh, a = pplan.mesh, pplan.mesh.index(PP_AXIS)
+    sizes, p, m = mesh.sizes, pplan.pp, pplan.microbatches
+    coords = rank_coords(rank, sizes)
+    s = coords[a]
+    inner = pplan.inner
+    inner_sizes = inner.mesh.sizes
+    inner_coords = coords[:a] + coords[a + 1:]
+    c = coords_rank(inner_coords, inner_sizes) if inner_coords else 0
+    world = math.prod(inner_sizes)
+
+    def real(stage: int, inner_rank: int) -> int:
+        ic = rank_coords(inner_rank % world, inner_sizes)
+        return coords_rank(ic[:a] + (stage,) + ic[a:], sizes)
+
+    graph = inner.graph
+    plan = microbatch_plan(inner, m)
+    raws = [lower_parts(plan, j * world + c, device=device) for j in range(m)]
+    cut = _cut(plan, raws[0], 0)
+    instrs0 = raws[0].instrs
+    _, unit = unit_map(graph)
+    stage_of_unit = {u: k % p for k, chunk in enumerate(pplan.chunks) for u in chunk}
+    inputs = {n.name: n for n in graph.inputs}
+    by_target = {n.target: n.name for n in graph.inputs}
+
+    def node_stage(name: str) -> int:
+        n = graph.node(name)
+        if n.kind in (NodeKind.HOST, NodeKind.CONSTANT):
+            return -1                         # cheap, and maybe not a tensor: everywhere
+        if n.kind is NodeKind.INPUT and n.outputs[0].role in (Role.DATA, Role.HYPER):
+            return -1                         # every rank gets the step's data
+        return stage_of_unit[unit[name]]
+
+    # a backward op outside the layers that reads nothing of the head (the position
+    # embedding's gradient, summed over the batch from the first layer's) runs where what it
+    # reads is made, not with the head
+    for i, ins in enumerate(instrs0):
+        if isinstance(ins, Compute) and ins.node.phase is Phase.BACKWARD \
+                and unit.get(ins.node.name) == POST:
+            units = [unit.get(instrs0[j].node.name if isinstance(instrs0[j], Compute)
+                              else instrs0[j].ref.node)
+                     for _, j in cut.reads_of.get(i, ()) if j is not None]
+            if units and POST not in units:
+                unit[ins.node.name] = units[0]
+    maker_of_partial = {i: cut.reads_of[i][0][1] for i in cut.reductions}
+    stage: dict[int, int] = {}
+    for i, ins in enumerate(instrs0):
+        if isinstance(ins, Compute):
+            stage[i] = node_stage(ins.node.name)
+        elif isinstance(ins, Reshard):
+            if i in cut.reductions and maker_of_partial.get(i) is not None:
+                stage[i] = None               # type: ignore[assignment]  (below)
+            elif ins.consumer == "<result>":
+                stage[i] = p - 1
+            elif ins.consumer.startswith("<state "):
+                stage[i] = node_stage(by_target[ins.consumer[len("<state "):-1]])
+            else:
+                stage[i] = node_stage(ins.consumer)
+    for i in cut.reductions:                  # a sum is taken where its partials are made
+        j = maker_of_partial.get(i)
+        if j is not None:
+            stage[i] = stage[j] if stage[j] != -1 else p - 1
+    all_stages = frozenset(range(p))
+    def made(i: int) -> list[tuple]:
+        ins = instrs0[i]
+        if isinstance(ins, Compute):
+            return [("v", ins.node.name, k) for k in range(max(1, len(ins.node.outputs)))]
+        if isinstance(ins, Reshard):
+            return [("c", ins.ref.node, ins.ref.index, ins.dst)]
+        return []
+
+    # an op of the state alone (a weight's cast or transpose: the tied embedding's in the
+    # head) runs on each stage that reads it, from the state sent there once per step,
+    # rather than on its owner's with its result sent every micro-batch
+    of_state: set[int] = set()
+    for i, ins in enumerate(instrs0):
+        if (isinstance(ins, Reshard) or isinstance(ins, Compute) and ins.stream is None) \
+                and i not in cut.shapes and i not in cut.reductions and cut.reads_of.get(i) \
+                and all((k[0] == "v" and k[1] in inputs and node_stage(k[1]) != -1)
+                        or (j is not None and j in of_state) for k, j in cut.reads_of[i]):
+            of_state.add(i)
+    read_at: dict[tuple, list[int]] = {}
+    for r, keys in cut.reads_of.items():
+        for k, _ in keys:
+            read_at.setdefault(k, []).append(r)
+    for i in sorted(of_state, reverse=True):       # readers first: a chain follows its end
+        users: set[int] = set()
+        for k in made(i):
+            for r in read_at.get(k, ()):
+                if r in stage and r not in cut.shapes:
+                    st = stage[r]
+                    users.update(st if isinstance(st, frozenset) else
+                                 (range(p) if st == -1 else (st,)))
+        if users:
+            stage[i] = frozenset(users)
+
+
+    def key_of(k: tuple) -> Key:
+        return (k[1], k[2], None) if k[0] == "v" else (k[1], k[2], k[3])
+
+    def meta_shape(k: tuple) -> tuple[tuple[int, ...], str]:
+        ref = Ref(k[1], k[2])
+        meta = graph.meta(ref)
+        if not isinstance(meta, TensorMeta):          # a host scalar: as a 0-d tensor
+            return (), f"scalar:{meta.dtype}"
+        layout = raws[0].out_layout[k[1]][k[2]] if k[0] == "v" else k[3]
+        return local_shape(meta.shape, layout, plan.mesh.sizes), meta.dtype
+
+    def runs_on(i: int) -> frozenset[int]:
+        st = stage[i]
+        return all_stages if st == -1 else st if isinstance(st, frozenset) else frozenset((st,))
+
+    def readers(indices: Sequence[int]) -> dict[tuple, set[int]]:
+        out: dict[tuple, set[int]] = {}
+        for i in indices:
+            if i in cut.shapes:
+                continue
+            for k, _ in cut.reads_of.get(i, ()):
+                out.setdefault(k, set()).update(runs_on(i))
+        return out
+
+    def on_stage(ins: Any) -> Any:
+        if isinstance(ins, Reshard):
+            return replace(ins, steps=tuple(replace(st, group=tuple(real(s, g) for g in st.group))
+                                            for st in ins.steps))
+        return ins
+
+    def stream(indices: Sequence[int], raw_instrs: Sequence[Any],
+               read_by: dict[tuple, set[int]], modify: Any = None) -> list[Any]:
+        """Stage ``s``'s instructions of ``indices`` with the transfers at their makers."""
+        out: list[Any] = []
+        for i in indices:
+            where = runs_on(i)
+            sender = min(where)
+            keys = made(i)
+            if s in where:
+                ins = raw_instrs[i] if modify is None else modify(i, raw_instrs[i])
+                if ins is not None:
+                    out.append(on_stage(ins))
+            for k in keys:
+                need = read_by.get(k, set()) - where
+                if s == sender:
+                    out.extend(Send(Ref(k[1], k[2]), key_of(k)[2], real(u, c))
+                               for u in sorted(need))
+                elif s in need:
+                    shape, dtype = meta_shape(k)
+                    out.append(Recv(Ref(k[1], k[2]), key_of(k)[2], real(sender, c), shape,
+                                    dtype))
+        return out
+
+    # the parts of micro-batch j: forward before the first backward instruction
+    def phase(i: int) -> Phase:
+        ins = instrs0[i]
+        if isinstance(ins, Compute):
+            return ins.node.phase
+        if isinstance(ins, Reshard) and not ins.consumer.startswith("<"):
+            return graph.node(ins.consumer).phase
+        return Phase.UPDATE
+
+    per_mb = cut.per_mb
+    first_b = next((k for k, i in enumerate(per_mb) if phase(i) is Phase.BACKWARD), len(per_mb))
+    f_idx, b_idx = per_mb[:first_b], per_mb[first_b:]
+    mb_readers = readers(per_mb)
+    mine = lambda idx: [i for i in idx if s in runs_on(i)]    # noqa: E731
+    partial_here = [(instrs0[i].ref, cut.reduce_ops[i], maker_of_partial[i])
+                    for i in sorted(cut.reductions) if i not in cut.hoisted
+                    and stage[i] == s]
+    seen: dict[Ref, tuple[ReduceOp, int]] = {}
+    for ref, op, maker in partial_here:
+        seen.setdefault(ref, (op, maker))
+    f_set = set(f_idx)
+    partials = tuple((ref, op, "F" if maker in f_set else "B") for ref, (op, maker) in seen.items())
+
+    # state other stages own, read here: sent once per step before the micro-batches
+    state_readers: dict[str, set[int]] = {}
+    for i in [*per_mb, *cut.per_step]:
+        for k, _ in cut.reads_of.get(i, ()):
+            if k[0] == "v" and k[1] in inputs and node_stage(k[1]) != -1 \
+                    and i not in cut.shapes:
+                state_readers.setdefault(k[1], set()).update(runs_on(i))
+    prologue = []
+    received: set[str] = set()
+    for name, who in state_readers.items():
+        owner = node_stage(name)
+        others = sorted(t for t in who if t != owner)
+        if not others:
+            continue
+        shape = local_shape(inputs[name].outputs[0].shape, inner.input_layouts[inputs[name].target],
+                            inner_sizes)
+        prologue.append((name, inputs[name].target, real(owner, c),
+                         tuple(real(t, c) for t in others), shape, inputs[name].outputs[0].dtype))
+        if s in others:
+            received.add(name)
+
+    def input_nodes(instrs: Sequence[Any], tail: set[str]) -> dict[str, str]:
+        read = set(tail)
+        for ins in instrs:
+            if isinstance(ins, Compute):
+                read.update(r.node for r in ins.node.refs())
+            elif isinstance(ins, (Reshard, Send)):
+                read.add(ins.ref.node)
+        return {n: inputs[n].target for n in read if n in inputs and n not in received}
+
+    def program(raw: Any, instrs: list[Any], results: Sequence[tuple[Ref, Layout | None]],
+                state_out: dict | None = None, whole: Sequence[Ref] = ()) -> Program:
+        keep = {r.node for r, _ in results} | {r.node for r in whole} | {
+            r.node for r, _ in (state_out or {}).values()}
+        instrs = _with_frees(instrs, keep=keep)
+        refs = [r for r, _ in results] + list(whole)
+        layouts = tuple(lay for _, lay in results) + tuple(
+            tuple(Replicate() for _ in plan.mesh.sizes) for _ in whole)
+        return finish(plan, replace(raw, rank=rank), instrs, state_out or {}, refs,
+                      result_layouts=layouts, input_nodes=input_nodes(instrs, keep), kernels=False,
+                      bucket_bytes=0, free_early=False)
+
+    forward, backward, kept_keys = [], [], None
+    for j, raw in enumerate(raws):
+        f = stream(f_idx, raw.instrs, mb_readers)
+        b = stream(b_idx, raw.instrs, mb_readers)
+        if kept_keys is None:
+            have: set[Key] = set()
+            for ins in f:
+                if isinstance(ins, Compute):
+                    have.update((ins.node.name, k, None) for k in range(len(ins.node.outputs)))
+                elif isinstance(ins, Reshard):
+                    have.add((ins.ref.node, ins.ref.index, ins.dst))
+                elif isinstance(ins, Recv):
+                    have.add((ins.ref.node, ins.ref.index, ins.layout))
+            wanted: set[Key] = set()
+            for i in mine(b_idx):
+                if i in cut.shapes:
+                    continue
+                for k, _ in cut.reads_of.get(i, ()):
+                    wanted.add(key_of(k))
+            for ins in b:
+                if isinstance(ins, Send):
+                    wanted.add((ins.ref.node, ins.ref.index, ins.layout))
+            kept_keys = tuple(sorted(have & wanted, key=str))
+        f_parts = [(ref, None) for ref, _, where in partials if where == "F"]
+        b_parts = [(ref, None) for ref, _, where in partials if where == "B"]
+        forward.append(program(raw, f, [(Ref(k[0], k[1]), k[2]) for k in kept_keys] + f_parts))
+        backward.append(program(raw, b, b_parts))
+
+    def modify(i: int, ins: Any) -> Any:
+        if i in cut.hoisted:
+            return None
+        if i in cut.reductions:
+            src = (Replicate(), *ins.src[1:])
+            if src == ins.dst:
+                return None
+            steps, exact = plan_steps(src, ins.dst, plan.mesh.sizes, raws[0].coords)
+            return Reshard(ins.ref, src, ins.dst, steps, exact, ins.consumer)
+        return ins
+
+    st_readers = readers(cut.per_step)
+    st = stream(cut.per_step, raws[0].instrs, st_readers, modify)
+    raw0 = raws[0]
+    owned = {n: v for n, v in raw0.state_out.items()
+             if node_stage(by_target[n]) == s}
+    step = program(raw0, st, [], owned, raw0.results if s == p - 1 else ())
+    hoisted, hoist_inputs = [], {}
+    for i in cut.hoisted:
+        readers_ = mb_readers.get(("c", instrs0[i].ref.node, instrs0[i].ref.index,
+                                   instrs0[i].dst), set())
+        if s not in readers_:
+            continue
+        r = instrs0[i]
+        nll = cut.hoist_makers[i]
+        src = (Replicate(), *r.src[1:])
+        steps, _ = plan_steps(src, r.dst, plan.mesh.sizes, raws[0].coords)
+        hoisted.append(_Hoist(instrs0[nll].node, instrs0[nll].reads,
+                              tuple(tuple(on_stage(rw.instrs[k]) for k in cut.hoist_ancestors[i])
+                                    for rw in raws),
+                              tuple(replace(x, group=tuple(real(s, g) for g in x.group))
+                                    for x in steps), r.dst))
+        for k in cut.hoist_ancestors[i]:
+            ins = instrs0[k]
+            if isinstance(ins, Compute):
+                hoist_inputs.update({x.node: inputs[x.node].target for x in ins.node.refs()
+                                     if x.node in inputs})
+    split = {n.target: lay[0].dim for n in graph.inputs
+             if hasattr((lay := plan.input_layouts[n.target])[0], "dim")}
+    stand = []
+    for i in [*per_mb, *cut.per_step]:
+        if s in runs_on(i):
+            for ref, layout in cut.shapes.get(i, ()):
+                meta, mk = graph.meta(ref), raws[0].out_layout[ref.node][ref.index]
+                for lay in {mk, layout if layout is not None else mk}:
+                    stand.append((ref.node, ref.index, None if lay == mk else lay,
+                                  local_shape(meta.shape, lay, plan.mesh.sizes), meta.dtype))
+    return StageProgram(rank, s, p, m, pplan.schedule, tuple(forward), tuple(backward), step,
+                        kept_keys or (), partials, tuple(prologue), split, tuple(hoisted),
+                        hoist_inputs, tuple(stand), device)
+
+
+def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
+                 data: Mapping[str, Tensor], *, rng: StepRNG | None = None,
+                 donate: bool = False) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """One step of stage ``sp.stage`` on this rank: ``state`` its stage's pieces, ``data`` its
+    pieces of the whole batch (every stage gets the batch). Returns the results (on the last
+    stage; none elsewhere) and this stage's new state."""
+    m = sp.m
+    pieces = [{k: (v.chunk(m, sp.split[k])[j].contiguous() if k in sp.split else v)
+               for k, v in data.items()} for j in range(m)]
+    base: dict[Key, Tensor] = _stand_ins(sp.stand_ins, sp.device)
+    for name, target, owner, readers, shape, dtype in sp.prologue:
+        if owner == comm.rank:
+            for r in readers:
+                comm.send(state[target].contiguous(), r)
+        elif comm.rank in readers:
+            base[(name, 0, None)] = comm.recv(shape, getattr(torch, dtype), owner)
+    for h in sp.hoisted:
+        tw = count_targets(h, comm, state, pieces, rng, sp.device, sp.step.coords,
+                           [sp.hoist_inputs] * m)
+        base[(h.node.name, 1, h.dst)] = base[(h.node.name, 1, None)] = tw
+    sums: dict[Ref, Tensor] = {}
+    dtypes: dict[Ref, torch.dtype] = {}
+    ops = {ref: op for ref, op, _ in sp.partials}
+
+    def add(refs: Sequence[Ref], got: Sequence[Tensor]) -> None:
+        for ref, v in zip(refs, got):
+            dtypes[ref] = v.dtype
+            wide = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+            if ops[ref] is ReduceOp.NORM2:
+                wide = wide * wide
+            sums[ref] = wide.clone() if ref not in sums else sums[ref].add_(wide)
+
+    f_refs = [ref for ref, _, where in sp.partials if where == "F"]
+    b_refs = [ref for ref, _, where in sp.partials if where == "B"]
+    n_kept = len(sp.kept)
+    kept: dict[int, list[Tensor]] = {}
+    for kind, _, j in device_orders(sp.schedule, sp.stages, m)[sp.stage]:
+        if kind == "F":
+            got, _ = run(sp.forward[j], comm, state, pieces[j], rng=rng, preset=base,
+                         vote=False)
+            kept[j] = got[:n_kept]
+            add(f_refs, got[n_kept:])
+        else:
+            preset = {**base, **dict(zip(sp.kept, kept.pop(j)))}
+            got, _ = run(sp.backward[j], comm, state, pieces[j], rng=rng, preset=preset,
+                         vote=False)
+            add(b_refs, got)
+    step_preset = dict(base)
+    for ref, total in sums.items():
+        if ops[ref] is ReduceOp.AVG:
+            total = total.div_(m)
+        elif ops[ref] is ReduceOp.NORM2:
+            total = total.sqrt_()
+        step_preset[(ref.node, ref.index, None)] = total.to(dtypes[ref])
+    return run(sp.step, comm, state, data, rng=rng, preset=step_preset, donate=donate, vote=False)
+
+
+__all__ = ["StageProgram", "lower_pipeline", "run_pipeline"]

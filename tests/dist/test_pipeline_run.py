@@ -1,0 +1,120 @@
+"""Pipeline stages run on ranks (``backends/_pipeline_run.py``): a ``plan_pipeline`` plan's
+per-stage programs on thread ranks, GPipe order, against the single-process interpreter.
+
+Tolerances: the loss ``rtol=1e-5, atol=1e-6`` and the state ``1e-5``, those of the mesh
+without stages (``test_distribute.py``): the stages run the same ops on the same values, and
+the micro-batches' partial gradients are summed in another order than one matmul over the
+batch (float32 rounding, which AdamW amplifies to a few 1e-6 where a gradient is near 0).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.backends import ThreadMesh
+from meshplan.backends._layout import assemble, coords_rank, rank_coords
+from meshplan.backends._lower import Recv, Send, split_inputs
+from meshplan.backends._pipeline_run import lower_pipeline, run_pipeline
+from meshplan.examples import gpt
+from meshplan.ir import interpret
+from meshplan.planner._pipeline import plan_pipeline, unit_map
+
+STEPS = 2
+
+
+@lru_cache(maxsize=None)
+def _example(layers: int):
+    ex = gpt.build(optimizer="adamw", clip=1.0, config=gpt.GPTConfig(
+        vocab_size=256, seq_len=32, n_layer=layers, n_head=2, d_model=64, batch_size=16))
+    ex.step(*ex.batch(0))            # AdamW holds state: the steady graph
+    traced = meshplan.trace(ex.step, *ex.batch(1))
+    values = traced.input_values(*ex.batch(1))
+    state = {n.target: values[n.target].clone() for n in traced.graph.inputs
+             if n.meta.role.value != "data"}
+    data = [n.target for n in traced.graph.inputs if n.meta.role.value == "data"]
+    want, ref = [], dict(state)
+    for step in range(STEPS):
+        outs = interpret(traced.graph, {**ref, **dict(zip(data, ex.batch(step + 2)))})
+        want.append([o for o, spec in zip(outs, traced.graph.outputs)
+                     if spec.kind.value == "result"])
+        ref = {**ref, **{spec.name: o for o, spec in zip(outs, traced.graph.outputs)
+                         if spec.kind.value == "state"}}
+    return ex, traced, state, data, want, ref
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layers", "axes", "m", "strategy"), [
+    (2, {"pp": 2}, 4, "auto"),
+    (2, {"pp": 2, "dp": 2}, 2, "auto"),
+    (2, {"pp": 2, "tp": 2}, 2, "megatron_tp"),
+    (4, {"pp": 4}, 2, "auto"),
+], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2"])
+def test_gpipe_stages_equal_one_process(layers, axes, m, strategy) -> None:
+    """Every stage holds its own state only; the loss comes out of the last stage each step,
+    and each state tensor, assembled from its stage's ranks, equals the interpreter's."""
+    ex, traced, state, data, want, ref = _example(layers)
+    graph = traced.graph
+    pp = plan_pipeline(graph, axes, topology="h100", schedule="gpipe", microbatches=m,
+                       strategy=strategy)
+    inner, sizes = pp.inner, pp.mesh.sizes
+    a, world = pp.mesh.index("pp"), int(torch.tensor(sizes).prod())
+    programs = [lower_pipeline(pp, r) for r in range(world)]
+    # in a micro-batch's forward and backward, stage s exchanges with stages s - 1 and s + 1
+    # only, but for the tied embedding: the head's share of its gradient, made on the last
+    # stage, goes to the first (the head's weight itself is sent once per step, before)
+    for sp in programs:
+        for prog in (*sp.forward, *sp.backward):
+            for i in prog.instructions:
+                if isinstance(i, (Send, Recv)):
+                    peer = rank_coords(i.peer, sizes)[a]
+                    assert abs(peer - sp.stage) == 1 or (
+                        {peer, sp.stage} == {0, pp.pp - 1}
+                        and graph.node(i.ref.node).module_path == "model.lm_head"), (sp.stage, i)
+
+    def inner_rank(r: int) -> int:
+        cs = rank_coords(r, sizes)
+        return coords_rank(cs[:a] + cs[a + 1:], inner.mesh.sizes)
+
+    _, unit = unit_map(graph)
+    stage_of = {u: k for k, chunk in enumerate(pp.chunks) for u in chunk}
+    by_target = {n.target: n.name for n in graph.inputs}
+    hyper = {n.target for n in graph.inputs if n.meta.role.value == "hyper"}
+    owner = {k: stage_of[unit[by_target[k]]] for k in state if k not in hyper}
+    local = [{k: v for k, v in split_inputs(inner, inner_rank(r), state).items()
+              if k in hyper or owner[k] == rank_coords(r, sizes)[a]} for r in range(world)]
+    mesh = ThreadMesh(world, timeout_s=60)
+    for step in range(STEPS):
+        batch = dict(zip(data, ex.batch(step + 2)))
+
+        def one(comm, batch=batch):
+            r = comm.rank
+            return run_pipeline(programs[r], comm, local[r],
+                                split_inputs(inner, inner_rank(r), batch))
+
+        got = mesh.run(one)
+        for r in range(world):
+            assert set(got[r][1]) == set(local[r]) - hyper      # its own state, all of it
+            local[r] = {**local[r], **got[r][1]}
+            last = rank_coords(r, sizes)[a] == pp.pp - 1
+            assert len(got[r][0]) == (len(want[step]) if last else 0)
+            for g, w in zip(got[r][0], want[step]):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    for k, v in ref.items():
+        if k in hyper:
+            continue
+        ranks = [r for r in range(world) if rank_coords(r, sizes)[a] == owner[k]]
+        whole = assemble({rank_coords(inner_rank(r), inner.mesh.sizes): local[r][k]
+                          for r in ranks}, inner.input_layouts[k], inner.mesh.sizes)
+        torch.testing.assert_close(whole, v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_what_is_not_lowered_yet_is_said() -> None:
+    ex, traced, *_ = _example(2)
+    pp = plan_pipeline(traced.graph, {"pp": 2}, topology="h100", schedule="1f1b",
+                       microbatches=2)
+    with pytest.raises(meshplan.LoweringError, match="'1f1b': not lowered yet.*gpipe"):
+        lower_pipeline(pp, 0)
