@@ -94,6 +94,10 @@ def bucket(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
         return list(instrs)
     made_at = {node.name: -1 for node in graph.nodes if node.kind is NodeKind.INPUT}
     made_at.update((ins.node.name, i) for i, ins in enumerate(instrs) if isinstance(ins, Compute))
+    # a value the program is given rather than makes (a part of a step: the micro-batches'
+    # summed gradients, ``_microbatch.py``) is there from the start, as an input is
+    made_at.update((ins.ref.node, -1) for ins in instrs
+                   if isinstance(ins, Reshard) and ins.ref.node not in made_at)
 
     def key(ins: object) -> tuple | None:
         if not (isinstance(ins, Reshard) and len(ins.steps) == 1
