@@ -262,17 +262,6 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
     raws = [real(r) for r in raws]
     partials = cut.partials
 
-    def stand_ins(chosen: Sequence[int]) -> tuple[tuple[Any, ...], ...]:
-        """Tensors of the right shapes for what ops that read a shape only read there."""
-        out = {}
-        for i in chosen:
-            for ref, layout in cut.shapes.get(i, ()):
-                meta, made = graph.meta(ref), raws[0].out_layout[ref.node][ref.index]
-                for lay in {made, layout if layout is not None else made}:
-                    out[(ref.node, ref.index, None if lay == made else lay)] = (
-                        local_shape(meta.shape, lay, sizes), meta.dtype)
-        return tuple((*k, *v) for k, v in out.items())
-
     parts = []
     for j, raw in enumerate(raws):
         instrs = [raw.instrs[i] for i in cut.per_mb]
@@ -313,7 +302,23 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
                                     for rw in raws),
                               tuple(_real_step(s, world) for s in steps), r.dst))
     return MicrobatchProgram(rank, m, tuple(parts), step, partials, mb_data, tuple(hoisted),
-                             device, stand_ins(cut.per_mb), stand_ins(cut.per_step))
+                             device, stand_in_spec(cut, cut.per_mb, plan, raws[0]),
+                             stand_in_spec(cut, cut.per_step, plan, raws[0]))
+
+
+def stand_in_spec(cut: _Cut, chosen: Sequence[int], plan: Plan,
+                  raw: RawProgram) -> tuple[tuple[Any, ...], ...]:
+    """``(node, index, layout or None, local shape, dtype)`` of the values that the ops among
+    instructions ``chosen`` which read a shape only (``_LIKE``) read: a tensor of that shape
+    stands in for each (``_stand_ins``)."""
+    out = {}
+    for i in chosen:
+        for ref, layout in cut.shapes.get(i, ()):
+            meta, made = plan.graph.meta(ref), raw.out_layout[ref.node][ref.index]
+            for lay in {made, layout if layout is not None else made}:
+                out[(ref.node, ref.index, None if lay == made else lay)] = (
+                    local_shape(meta.shape, lay, plan.mesh.sizes), meta.dtype)
+    return tuple((*k, *v) for k, v in out.items())
 
 
 def lower_parts(plan: Plan, rank: int, device: str = "cpu") -> RawProgram:
@@ -359,7 +364,7 @@ def _inputs_read(graph: Any, instrs: Sequence[Any], tail: set[str] = frozenset()
     for ins in instrs:
         if isinstance(ins, Compute):
             read.update(r.node for r in ins.node.refs())
-        elif isinstance(ins, Reshard):
+        elif isinstance(ins, (Reshard, Send)):
             read.add(ins.ref.node)
     return {n: t for n, t in names.items() if n in read}
 
@@ -435,7 +440,6 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
     while True:                            # again once a coupling is hoisted
         copies: set[tuple] = set()
         coupled: list[tuple[int, int | None]] = []
-        new = False
         for i, ins in enumerate(instrs):
             if isinstance(ins, Compute):
                 keys = [key_of(r, layout, copies) for r, layout in zip(ins.node.refs(),
@@ -609,37 +613,59 @@ def run_microbatched(program: MicrobatchProgram, comm: Any, state: Mapping[str, 
     for h in program.hoisted:
         tw = _total_weight(h, program, comm, state, pieces, rng)
         preset[(h.node.name, 1, h.dst)] = tw
-    sums: list[Tensor | None] = [None] * len(program.partials)
-    dtypes: list[torch.dtype | None] = [None] * len(program.partials)
+    sums = Sums(dict(program.partials), m)
     counter = observer.memory() if getattr(observer, "track_memory", False) else None
     for j, part in enumerate(program.parts):
-        held = [t for t in sums if t is not None]      # the sums so far: live through the part
+        held = sums.held()                             # the sums so far: live through the part
         if counter is not None:
             counter.add(held)
         got, _ = run(part, comm, state, pieces[j], observer, donate=False, rng=rng,
                      preset=preset)
         if counter is not None:
             counter.remove(held)
-        for k, (v, (_, op)) in enumerate(zip(got, program.partials)):
-            dtypes[k] = v.dtype
-            wide = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
-            if op is ReduceOp.NORM2:
-                wide = wide * wide
-            sums[k] = wide.clone() if sums[k] is None else sums[k].add_(wide)
+        sums.add([ref for ref, _ in program.partials], got)
         del got
     step_preset = _stand_ins(program.step_stand_ins, program.device)
     for h in program.hoisted:              # the step part may read it too
         tw = preset[(h.node.name, 1, h.dst)]
         step_preset[(h.node.name, 1, None)] = step_preset[(h.node.name, 1, h.dst)] = tw
-    for (ref, op), total, dtype in zip(program.partials, sums, dtypes):
-        assert total is not None and dtype is not None
-        if op is ReduceOp.AVG:
-            total = total.div_(m)
-        elif op is ReduceOp.NORM2:
-            total = total.sqrt_()
-        step_preset[(ref.node, ref.index, None)] = total.to(dtype)
+    step_preset.update(sums.whole())
     return run(program.step, comm, state, data, observer, donate=donate, rng=rng,
                preset=step_preset)
+
+
+class Sums:
+    """Partial values summed over the micro-batches, by ``Ref``: in fp32 for 16-bit values
+    (one process sums inside one matmul in fp32 too), then made whole by their ``ReduceOp``
+    (``AVG``: over the ``m`` micro-batches; ``NORM2``: the root of the squares' sum) and cast
+    back, as the presets of the step part."""
+
+    def __init__(self, ops: Mapping[Ref, ReduceOp], m: int) -> None:
+        self.ops, self.m = ops, m
+        self.total: dict[Ref, Tensor] = {}
+        self.dtype: dict[Ref, torch.dtype] = {}
+
+    def held(self) -> list[Tensor]:
+        return list(self.total.values())
+
+    def add(self, refs: Sequence[Ref], values: Sequence[Tensor]) -> None:
+        for ref, v in zip(refs, values):
+            self.dtype[ref] = v.dtype
+            wide = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
+            if self.ops[ref] is ReduceOp.NORM2:
+                wide = wide * wide
+            have = self.total.get(ref)
+            self.total[ref] = wide.clone() if have is None else have.add_(wide)
+
+    def whole(self) -> dict[tuple[str, int, None], Tensor]:
+        out = {}
+        for ref, total in self.total.items():
+            if self.ops[ref] is ReduceOp.AVG:
+                total = total.div_(self.m)
+            elif self.ops[ref] is ReduceOp.NORM2:
+                total = total.sqrt_()
+            out[(ref.node, ref.index, None)] = total.to(self.dtype[ref])
+        return out
 
 
 def _stand_ins(spec: Sequence[tuple[Any, ...]],
@@ -701,6 +727,6 @@ def _read(env: dict, copies: dict, node: str, index: int, layout: Layout | None)
     return v
 
 
-__all__ = ["MB_AXIS", "MicrobatchProgram", "check_microbatched", "check_microbatches",
+__all__ = ["MB_AXIS", "MicrobatchProgram", "Sums", "check_microbatched", "check_microbatches",
            "lower_microbatched",
            "microbatch_plan", "run_microbatched", "split_microbatched"]

@@ -42,8 +42,8 @@ from ..planner._pipeline import POST, PP_AXIS, PipelinePlan, device_orders, unit
 from ..planner._placement import local_shape
 from ._layout import coords_rank, rank_coords
 from ._lower import Compute, Program, Recv, Reshard, Send, StepRNG, finish, plan_steps, run
-from ._microbatch import (_cut, _Hoist, _stand_ins, _with_frees, count_targets, lower_parts,
-                          microbatch_plan)
+from ._microbatch import (Sums, _cut, _Hoist, _inputs_read, _stand_ins, _with_frees,
+                          count_targets, lower_parts, microbatch_plan, stand_in_spec)
 
 Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
 
@@ -272,13 +272,8 @@ def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> St
             received.add(name)
 
     def input_nodes(instrs: Sequence[Any], tail: set[str]) -> dict[str, str]:
-        read = set(tail)
-        for ins in instrs:
-            if isinstance(ins, Compute):
-                read.update(r.node for r in ins.node.refs())
-            elif isinstance(ins, (Reshard, Send)):
-                read.add(ins.ref.node)
-        return {n: inputs[n].target for n in read if n in inputs and n not in received}
+        return {n: t for n, t in _inputs_read(graph, instrs, tail).items()
+                if n not in received}
 
     def program(raw: Any, instrs: list[Any], results: Sequence[tuple[Ref, Layout | None]],
                 state_out: dict | None = None, whole: Sequence[Ref] = ()) -> Program:
@@ -359,17 +354,10 @@ def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> St
                                      if x.node in inputs})
     split = {n.target: lay[0].dim for n in graph.inputs
              if hasattr((lay := plan.input_layouts[n.target])[0], "dim")}
-    stand = []
-    for i in [*per_mb, *cut.per_step]:
-        if s in runs_on(i):
-            for ref, layout in cut.shapes.get(i, ()):
-                meta, mk = graph.meta(ref), raws[0].out_layout[ref.node][ref.index]
-                for lay in {mk, layout if layout is not None else mk}:
-                    stand.append((ref.node, ref.index, None if lay == mk else lay,
-                                  local_shape(meta.shape, lay, plan.mesh.sizes), meta.dtype))
+    stand = stand_in_spec(cut, mine([*per_mb, *cut.per_step]), plan, raws[0])
     return StageProgram(rank, s, p, m, pplan.schedule, tuple(forward), tuple(backward), step,
                         kept_keys or (), partials, tuple(prologue), split, tuple(hoisted),
-                        hoist_inputs, tuple(stand), device)
+                        hoist_inputs, stand, device)
 
 
 def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
@@ -392,17 +380,7 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
         tw = count_targets(h, comm, state, pieces, rng, sp.device, sp.step.coords,
                            [sp.hoist_inputs] * m)
         base[(h.node.name, 1, h.dst)] = base[(h.node.name, 1, None)] = tw
-    sums: dict[Ref, Tensor] = {}
-    dtypes: dict[Ref, torch.dtype] = {}
-    ops = {ref: op for ref, op, _ in sp.partials}
-
-    def add(refs: Sequence[Ref], got: Sequence[Tensor]) -> None:
-        for ref, v in zip(refs, got):
-            dtypes[ref] = v.dtype
-            wide = v.float() if v.dtype in (torch.float16, torch.bfloat16) else v
-            if ops[ref] is ReduceOp.NORM2:
-                wide = wide * wide
-            sums[ref] = wide.clone() if ref not in sums else sums[ref].add_(wide)
+    sums = Sums({ref: op for ref, op, _ in sp.partials}, m)
 
     f_refs = [ref for ref, _, where in sp.partials if where == "F"]
     b_refs = [ref for ref, _, where in sp.partials if where == "B"]
@@ -413,19 +391,13 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
             got, _ = run(sp.forward[j], comm, state, pieces[j], rng=rng, preset=base,
                          vote=False)
             kept[j] = got[:n_kept]
-            add(f_refs, got[n_kept:])
+            sums.add(f_refs, got[n_kept:])
         else:
             preset = {**base, **dict(zip(sp.kept, kept.pop(j)))}
             got, _ = run(sp.backward[j], comm, state, pieces[j], rng=rng, preset=preset,
                          vote=False)
-            add(b_refs, got)
-    step_preset = dict(base)
-    for ref, total in sums.items():
-        if ops[ref] is ReduceOp.AVG:
-            total = total.div_(m)
-        elif ops[ref] is ReduceOp.NORM2:
-            total = total.sqrt_()
-        step_preset[(ref.node, ref.index, None)] = total.to(dtypes[ref])
+            sums.add(b_refs, got)
+    step_preset = {**base, **sums.whole()}
     return run(sp.step, comm, state, data, rng=rng, preset=step_preset, donate=donate, vote=False)
 
 

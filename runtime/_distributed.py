@@ -28,7 +28,8 @@ import torch
 
 from .._errors import MeshplanError, PlanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
-from ..backends._microbatch import check_microbatches, split_microbatched
+from ..backends._microbatch import (check_microbatched, check_microbatches, microbatch_plan,
+                                    split_microbatched)
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
@@ -522,8 +523,6 @@ class DistributedStep:
             return None
         got = self._mb_plans.get(id(plan))
         if got is None or got[0] is not plan:
-            from ..backends._microbatch import check_microbatched, microbatch_plan
-
             mb = microbatch_plan(plan, self.microbatches)
             check_microbatched(mb)          # what the ranks would refuse, said here
             got = self._mb_plans[id(plan)] = (plan, mb)

@@ -35,10 +35,7 @@ from ._worker import WorkerState, register
 
 @register("setup")
 def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
-    if "plan_path" in header:          # the mpi launcher: this host's copy, pushed by the chain
-        plan = Plan.load(header["plan_path"])
-    else:
-        plan = Plan.from_json(header["plan"], where="the plan the controller sent")
+    plan = _header_plan(header, "plan")
     ns = state.ns
     ns.plan = plan
     ns.device, shared_gpu = _rank_device(state, str(header.get("device", "cpu")))
@@ -72,10 +69,18 @@ def _program(state: WorkerState, plan: Plan, header: dict[str, Any]) -> Any:
     plan (``mb_plan`` / ``mb_plan_path``), in parts (``backends/_microbatch.py``)."""
     ns = state.ns
     if "mb_plan_path" in header or "mb_plan" in header:
-        mb = (Plan.load(header["mb_plan_path"]) if "mb_plan_path" in header else
-              Plan.from_json(header["mb_plan"], where="the micro-batch plan the controller sent"))
+        mb = _header_plan(header, "mb_plan")
         return lower_microbatched(mb, state.rank, device=str(ns.device), kernels=ns.kernels)
     return lower(plan, state.rank, device=str(ns.device), kernels=ns.kernels)
+
+
+def _header_plan(header: dict[str, Any], key: str) -> Plan:
+    """The plan a message carries under ``key``: its JSON (the local launcher), or under the
+    mpi launcher the path of this host's copy (``<key>_path``), pushed by the chain."""
+    if f"{key}_path" in header:
+        return Plan.load(header[f"{key}_path"])
+    what = "the micro-batch plan" if key == "mb_plan" else "the plan"
+    return Plan.from_json(header[key], where=f"{what} the controller sent")
 
 
 def _open_snapshot(state: WorkerState, snap: dict[str, Any]) -> None:
@@ -238,10 +243,7 @@ def _add_program(state: WorkerState, header: dict[str, Any], tensors: list[torch
     """Lower one more plan of the same step (another input signature); its state layouts are
     the running plan's, so the state stays where it is."""
     ns = state.ns
-    if "plan_path" in header:
-        plan = Plan.load(header["plan_path"])
-    else:
-        plan = Plan.from_json(header["plan"], where="the plan the controller sent")
+    plan = _header_plan(header, "plan")
     ns.programs[int(header["variant"])] = (_program(state, plan, header),
                                            list(header["data"]))
     return {"rank": state.rank}, []
