@@ -190,7 +190,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], topology,
                       limit: int | None, opts: dict, name: str, stage) -> int:
     """``compile`` on a mesh with a ``pp`` axis: the pipeline plan (``plan_pipeline``),
-    written as JSON for reading, its stages and its schedule drawn; not runnable yet."""
+    written as JSON, its stages and its schedule drawn; ``meshplan run`` runs a GPipe one."""
     from .planner import plan_pipeline
 
     stage(f"planning pipeline stages on mesh {_mesh_str(mesh)} (stage layouts, split, "
@@ -213,8 +213,9 @@ def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], top
         return 0
     print(plan.summary())
     print(plan.schedule_text())
-    print(f"compiled {name} as {plan.pp} pipeline stages -> {args.out} (for reading: "
-          "pipeline plans are not yet lowered or run, issue 24)", flush=True)
+    runs = ("`meshplan run` runs it" if plan.schedule == "gpipe" else
+            f"the ranks run GPipe only yet, so `meshplan run` refuses {plan.schedule}")
+    print(f"compiled {name} as {plan.pp} pipeline stages -> {args.out} ({runs})", flush=True)
     return 0
 
 
@@ -244,19 +245,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise RuntimeFailure("--slurm sets the Slurm launcher's options; add --launcher slurm")
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
-    plan = Plan.load(args.plan)                       # truncated, tampered, foreign: PlanError
+    stages = _pipeline_file(args.plan)                # a pipeline plan: its stages' options
+    plan = Plan.load(args.plan) if stages is None else None   # truncated, tampered: PlanError
     module, fn, name = load_step(args.target)
-    if args.mesh:
+    opts = _decorator_options(fn)
+    if stages is not None:
+        mesh = {str(a): int(n) for a, n in stages["mesh"]}
+        if args.mesh and parse_mesh(args.mesh) != mesh:
+            raise RuntimeFailure(f"--mesh {args.mesh}: {args.plan} holds pipeline stages for "
+                                 f"mesh {_mesh_str(mesh)}; drop --mesh or compile again")
+        if stages["schedule"] != "gpipe" or stages["virtual_stages"] != 1:
+            raise RuntimeFailure(
+                f"{args.plan}: pipeline schedule {stages['schedule']!r}: the stages run GPipe "
+                "only yet; compile with --schedule gpipe")
+        opts.update(topology=stages["topology"], strategy=stages["inner"]["strategy"],
+                    memory_limit_bytes=stages["memory_limit_bytes"],
+                    microbatches=stages["microbatches"])
+        chosen = {"topology": opts["topology"], "strategy": opts["strategy"],
+                  "memory_limit_bytes": opts["memory_limit_bytes"]}
+    elif args.mesh:
         mesh = parse_mesh(args.mesh)
     elif isinstance(fn, meshplan.DistributedStep):
         mesh = dict(fn.mesh)
     else:
         mesh = dict(plan.mesh.axes)
-    plan.check_compatible(mesh=mesh)                  # before tracing: the cheap checks first
+    if plan is not None:
+        plan.check_compatible(mesh=mesh)              # before tracing: the cheap checks first
+        chosen = {"plan": plan}
     data = _data(module, args.target, args.data)
     example = example_inputs(module, fn, name, None)
-    opts = _decorator_options(fn)
-    step = meshplan.distribute(_unwrap(fn), mesh=mesh, plan=plan, example_inputs=example,
+    step = meshplan.distribute(_unwrap(fn), mesh=mesh, **chosen, example_inputs=example,
                                launcher=args.launcher, hosts=args.hosts or None,
                                slurm=args.slurm or None, k8s=args.k8s or None,
                                timeout_s=opts["timeout_s"],
@@ -265,10 +283,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                                fault_tolerance=_FT_FLAG[args.fault_tolerance]
                                if args.fault_tolerance else opts["fault_tolerance"],
                                microbatches=opts["microbatches"])
-    table = None if args.json else _LossTable(name, plan)
     done = 0
     with step:
         _ = step.plan                                 # traces; checks graph, mesh and torch
+        if stages is not None:
+            _check_stages(step.pipeline, stages, args.plan)
+        table = None if args.json else _LossTable(name, step.plan, step.pipeline)
         for i, batch in enumerate(itertools.islice(data, args.steps)):
             loss = step(*(batch if isinstance(batch, (tuple, list)) else (batch,)))
             value = _loss_value(loss)
@@ -319,11 +339,42 @@ def _loss_value(result: Any) -> float:
     return float(result)
 
 
+def _pipeline_file(path: str) -> dict[str, Any] | None:
+    """The body of a pipeline plan file (``PipelinePlan.save``), None for any other file
+    (``Plan.load`` then says what it is)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan":
+        if d.get("version") != 1 or not isinstance(d.get("body"), dict):
+            raise PlanError(f"{path}: pipeline plan format version {d.get('version')!r}; this "
+                            "meshplan reads version 1: compile it again")
+        return d["body"]
+    return None
+
+
+def _check_stages(pplan: Any, body: dict[str, Any], path: str) -> None:
+    """``distribute`` plans a pipeline's stages itself, from the options the file was
+    compiled with: what it chose must be what the file holds (another meshplan, or a step
+    changed since, may choose otherwise), or the run would not be the plan's."""
+    got = {"chunks": [list(c) for c in pplan.chunks], "microbatches": pplan.microbatches}
+    want = {"chunks": [list(c) for c in body["chunks"]], "microbatches": body["microbatches"]}
+    if got != want:
+        raise RuntimeFailure(
+            f"{path}: the stages planned for this step now ({got}) are not the file's "
+            f"({want}): the step or meshplan changed since it was compiled; compile it again")
+
+
 class _LossTable:
-    def __init__(self, name: str, plan: Any) -> None:
+    def __init__(self, name: str, plan: Any, pipeline: Any = None) -> None:
         from rich.table import Table
 
-        self.table = Table(title=f"{name} on mesh {plan.mesh} ({plan.strategy} plan)")
+        mesh = plan.mesh if pipeline is None else pipeline.mesh
+        what = (f"{plan.strategy} plan" if pipeline is None else
+                f"{pipeline.pp} stages of {plan.strategy} layouts, {pipeline.schedule}")
+        self.table = Table(title=f"{name} on mesh {mesh} ({what})")
         self.table.add_column("step", justify="right")
         self.table.add_column("loss", justify="right")
 

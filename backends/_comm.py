@@ -133,6 +133,8 @@ class Communicator(Protocol):
 
     def send(self, t: torch.Tensor, dst: int) -> None: ...
 
+    def send_start(self, t: torch.Tensor, dst: int) -> PendingReduce: ...
+
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor: ...
 
     def barrier(self, group: tuple[int, ...] | None = None) -> None: ...
@@ -308,6 +310,19 @@ class CommBase:
         check_peer(dst, self.rank, self.world_size, "send")
         self._timed(CollectiveKind.SEND, (self.rank, dst), t.nbytes, lambda: self._send(t, dst))
 
+    def send_start(self, t: torch.Tensor, dst: int) -> PendingReduce:
+        """``send`` without waiting for the receiver: ``wait()`` on the result blocks until it
+        has the data (``t`` must not change before). Sends to one peer arrive in the order
+        they were started. The record's time is from the start to the end of ``wait()``."""
+        check_peer(dst, self.rank, self.world_size, "send")
+        kind, g, nbytes = CollectiveKind.SEND, (self.rank, dst), int(t.nbytes)
+        start, t0 = time.time(), time.perf_counter()
+        finish = self._guard(kind, g, lambda: self._send_start(t, dst))
+
+        def record() -> None:
+            self.records.append(CommRecord(kind, g, nbytes, start, time.perf_counter() - t0))
+        return PendingReduce(lambda: self._guard(kind, g, lambda: (finish(), t)[1]), record)
+
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         check_peer(src, self.rank, self.world_size, "recv")
         shape = tuple(int(s) for s in shape)
@@ -335,6 +350,10 @@ class CommBase:
     def _all_reduce_start(self, t, g, op, donate=False):
         out = self._all_reduce(t, g, op)
         return lambda: out
+
+    def _send_start(self, t, dst):
+        self._send(t, dst)
+        return lambda: None
 
     def _all_gather(self, t, g, dim): raise NotImplementedError
     def _reduce_scatter(self, t, g, dim, op): raise NotImplementedError
@@ -637,6 +656,11 @@ class TorchCommunicator(CommBase):
     def _send(self, t, dst):
         dist.send(_wire(t.contiguous()), dst)
 
+    def _send_start(self, t, dst):
+        src = _wire(t.contiguous())
+        work = dist.isend(src, dst)
+        return lambda: (work.wait(timedelta(seconds=self.timeout_s)), src)
+
     def _recv(self, shape, dtype, src):
         out = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(_wire(out), src)
@@ -716,6 +740,9 @@ class HostStagedCommunicator(TorchCommunicator):
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         super().send(t.cpu(), dst)
+
+    def send_start(self, t: torch.Tensor, dst: int) -> PendingReduce:
+        return super().send_start(t.cpu(), dst)
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         return super().recv(shape, dtype, src).to(self.gpu)

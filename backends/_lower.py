@@ -439,7 +439,8 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         data: Mapping[str, Tensor], observer: RunObserver | None = None, *,
         donate: bool = False, rng: StepRNG | None = None,
         preset: Mapping[tuple[str, int, Layout | None], Tensor] | None = None,
-        vote: bool = True) -> tuple[list[Tensor], dict[str, Tensor]]:
+        vote: bool = True,
+        sends: list[Any] | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
     Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
     each redistribution's collectives and, if it asks, each op's (and kernel call's) time
@@ -450,7 +451,9 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
     program reads but does not make, by ``(node, output index, layout)`` (layout None: the
     value as made; else its copy in that layout): a part of a step (``_microbatch.py``).
     ``vote=False``: no all-or-nothing vote (a part of a step whose ranks run different
-    programs, a pipeline stage's: ``_pipeline_run.py``); an op that fails raises here."""
+    programs, a pipeline stage's: ``_pipeline_run.py``); an op that fails raises here.
+    ``sends``: ``Send`` instructions do not wait for their receiver; each one's pending send
+    is appended there, for the caller to ``wait()`` (default: each waits)."""
     if rng is None and program.random:
         raise LoweringError(
             f"rank {program.rank}: the program has random ops ({', '.join(program.random[:3])}"
@@ -540,8 +543,12 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                         observer.compute(ins, t0, time.perf_counter() - t0)
                 elif isinstance(ins, Send):
                     v = read(ins.ref, ins.layout)
-                    comm.send(v.contiguous() if isinstance(v, Tensor) else
-                              torch.tensor(v, dtype=torch.float64), ins.peer)
+                    v = (v.contiguous() if isinstance(v, Tensor) else
+                         torch.tensor(v, dtype=torch.float64))
+                    if sends is None:
+                        comm.send(v, ins.peer)
+                    else:
+                        sends.append(comm.send_start(v, ins.peer))
                 elif isinstance(ins, Recv):
                     if ins.dtype.startswith("scalar:"):      # a host scalar: sent as float64
                         got = comm.recv((), torch.float64, ins.peer).item()

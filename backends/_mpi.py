@@ -202,8 +202,12 @@ class MPICommunicator(CommBase):
         return out
 
     def _send(self, t, dst):
+        self._send_start(t, dst)()
+
+    def _send_start(self, t, dst):
         src = t.contiguous()
-        self.wait(self.world.Issend(_bytes(src), dst, tag=0), f"send to rank {dst}", src)
+        req = self.world.Issend(_bytes(src), dst, tag=0)
+        return lambda: self.wait(req, f"send to rank {dst}", src)
 
     def _recv(self, shape, dtype, src):
         out = torch.empty(shape, dtype=dtype)

@@ -18,11 +18,18 @@ deadlock within a part). State one stage owns and another reads (a tied embeddin
 in the head) is sent once per step, before the micro-batches. The stages run the parts in
 the schedule's order (``device_orders``): GPipe, every forward before any backward.
 
+Sends do not wait for their receiver (``Communicator.send_start``): a stage runs on while its
+neighbour is busy, and waits for its sends at the end of the step. Ops of the step part
+outside the layers (gradient clipping's norms and scaling) run where most of what they read
+is made (``_follow_the_bytes``), so only scalars cross stages there.
+
+``distribute`` runs these programs on a mesh with a ``pp`` axis (``Stages``: what a rank's
+setup carries; the controller splits the state by each tensor's stage).
+
 Not yet: 1F1B, interleaved and zero-bubble orders (they need the transfers that go against
-the order of the stages inside a part refused or moved, and sends that do not block); the
-all-or-nothing vote of a step (a failing op on one stage leaves its peers waiting until the
-communicator's timeout); kernels, gradient buckets and early frees in the stage programs;
-the runtime (``distribute``) around them.
+the order of the stages inside a part refused or moved); the all-or-nothing vote of a step
+(a failing op on one stage leaves its peers waiting until the communicator's timeout);
+kernels, gradient buckets and early frees in the stage programs.
 """
 
 from __future__ import annotations
@@ -36,9 +43,9 @@ import torch
 from torch import Tensor
 
 from .._errors import LoweringError
-from ..ir import NodeKind, Phase, Ref, Role, TensorMeta
-from ..planner import Layout, ReduceOp, Replicate
-from ..planner._pipeline import POST, PP_AXIS, PipelinePlan, device_orders, unit_map
+from ..ir import STATE_ROLES, NodeKind, Phase, Ref, Role, TensorMeta
+from ..planner import Layout, Mesh, Plan, ReduceOp, Replicate
+from ..planner._pipeline import POST, PP_AXIS, PRE, PipelinePlan, device_orders, unit_map
 from ..planner._placement import local_shape
 from ._layout import coords_rank, rank_coords
 from ._lower import Compute, Program, Recv, Reshard, Send, StepRNG, finish, plan_steps, run
@@ -46,6 +53,76 @@ from ._microbatch import (Sums, _cut, _Hoist, _inputs_read, _stand_ins, _with_fr
                           count_targets, lower_parts, microbatch_plan, stand_in_spec)
 
 Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What the ranks of a pipeline mesh lower (``lower_pipeline`` takes it as it takes a
+    ``PipelinePlan``) and what the controller splits the state and the batch by: the whole
+    mesh, every stage's layouts (``inner``), the units of each chunk, the schedule and the
+    micro-batches. ``to_json`` / ``from_json``: the part a rank's setup carries beside the
+    inner plan."""
+
+    mesh: Mesh                      # the whole mesh, pp included
+    inner: Plan
+    chunks: tuple[tuple[str, ...], ...]
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+
+    @classmethod
+    def of(cls, pplan: PipelinePlan) -> Stages:
+        return cls(pplan.mesh, pplan.inner, pplan.chunks, pplan.schedule, pplan.microbatches,
+                   pplan.virtual_stages)
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.sizes[self.mesh.index(PP_AXIS)]
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.mesh.sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"axes": [list(a) for a in self.mesh.axes],
+                "chunks": [list(c) for c in self.chunks], "schedule": self.schedule,
+                "microbatches": self.microbatches, "virtual_stages": self.virtual_stages}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], inner: Plan) -> Stages:
+        return cls(Mesh(tuple((str(n), int(k)) for n, k in d["axes"]), inner.mesh.topology),
+                   inner, tuple(tuple(c) for c in d["chunks"]), str(d["schedule"]),
+                   int(d["microbatches"]), int(d["virtual_stages"]))
+
+    def stage(self, rank: int) -> int:
+        return rank_coords(rank, self.mesh.sizes)[self.mesh.index(PP_AXIS)]
+
+    def inner_rank(self, rank: int) -> int:
+        """``rank``'s rank in every stage's plan (its coordinates but for ``pp``)."""
+        a, cs = self.mesh.index(PP_AXIS), rank_coords(rank, self.mesh.sizes)
+        return coords_rank(cs[:a] + cs[a + 1:], self.inner.mesh.sizes)
+
+    def rank(self, stage: int, inner_rank: int) -> int:
+        a = self.mesh.index(PP_AXIS)
+        ic = rank_coords(inner_rank, self.inner.mesh.sizes)
+        return coords_rank(ic[:a] + (stage,) + ic[a:], self.mesh.sizes)
+
+    @property
+    def result_rank(self) -> int:
+        """The rank whose step results the controller reads: the last stage's first."""
+        return self.rank(self.pp - 1, 0)
+
+    def owners(self) -> dict[str, int]:
+        """Each state tensor's stage (by input target): the stage of its unit's chunk."""
+        graph = self.inner.graph
+        _, unit = unit_map(graph)
+        p = self.pp
+        stage_of_unit = {u: k % p for k, chunk in enumerate(self.chunks) for u in chunk}
+        return {n.target: stage_of_unit[unit[n.name]] for n in graph.inputs
+                if n.meta.role in STATE_ROLES}
+
+    def ranks_of(self, stage: int) -> list[int]:
+        return [self.rank(stage, c) for c in range(math.prod(self.inner.mesh.sizes))]
 
 
 @dataclass(frozen=True)
@@ -70,7 +147,8 @@ class StageProgram:
     device: str
 
 
-def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> StageProgram:
+def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
+                   device: str = "cpu") -> StageProgram:
     """Rank ``rank``'s programs (ranks row-major over ``pplan.mesh``, ``pp`` included)."""
     if pplan.virtual_stages != 1:
         raise LoweringError(f"pipeline schedule {pplan.schedule!r} with {pplan.virtual_stages} "
@@ -139,7 +217,9 @@ def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> St
         j = maker_of_partial.get(i)
         if j is not None:
             stage[i] = stage[j] if stage[j] != -1 else p - 1
+    _follow_the_bytes(cut, instrs0, graph, stage, unit, inputs, node_stage)
     all_stages = frozenset(range(p))
+
     def made(i: int) -> list[tuple]:
         ins = instrs0[i]
         if isinstance(ins, Compute):
@@ -347,8 +427,8 @@ def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> St
                                     for rw in raws),
                               tuple(replace(x, group=tuple(real(s, g) for g in x.group))
                                     for x in steps), r.dst))
-        for k in cut.hoist_ancestors[i]:
-            ins = instrs0[k]
+        for k in (*cut.hoist_ancestors[i], nll):   # the inputs its count reads (the targets
+            ins = instrs0[k]                         # themselves, when the loss reads them)
             if isinstance(ins, Compute):
                 hoist_inputs.update({x.node: inputs[x.node].target for x in ins.node.refs()
                                      if x.node in inputs})
@@ -360,12 +440,53 @@ def lower_pipeline(pplan: PipelinePlan, rank: int, *, device: str = "cpu") -> St
                         hoist_inputs, stand, device)
 
 
+def _follow_the_bytes(cut: Any, instrs: Sequence[Any], graph: Any, stage: dict[int, Any],
+                      unit: Mapping[str, str], inputs: Mapping[str, Any], node_stage: Any) -> None:
+    """Ops of the step part outside the layers (``unit_map`` puts them before the first
+    layer or after the last: gradient clipping's per-gradient norms and scaling, the step
+    counters read to the host) run on the stage that makes the most bytes of what they read,
+    not on the first or last stage, which would receive every other stage's gradients and
+    send them back scaled. A redistribution moves with the op it feeds. In order, so that a
+    chain follows its start."""
+    maker = {ins.node.name: i for i, ins in enumerate(instrs) if isinstance(ins, Compute)}
+    at: dict[str, int] = {}
+    for i in cut.per_step:
+        ins = instrs[i]
+        if isinstance(ins, Compute) and unit.get(ins.node.name) in (PRE, POST) \
+                and i not in cut.shapes:
+            weight: dict[int, int] = {}
+            for k, j in cut.reads_of.get(i, ()):
+                while j is not None and isinstance(instrs[j], Reshard) \
+                        and j not in cut.reductions and cut.reads_of.get(j):
+                    k, j = cut.reads_of[j][0]     # a copy in another layout: where its value is
+                # made here, an input (state), or a sum of the micro-batches' partial values
+                # (kept where its partials are made)
+                where = (stage.get(j) if j is not None else
+                         node_stage(k[1]) if k[1] in inputs else stage.get(maker.get(k[1])))
+                if not isinstance(where, int) or where < 0:
+                    continue
+                meta = graph.meta(Ref(k[1], k[2]))
+                size = math.prod(meta.shape) if isinstance(meta, TensorMeta) else 1
+                weight[where] = weight.get(where, 0) + max(1, size)
+            if weight:
+                best = max(sorted(weight), key=weight.__getitem__)
+                if weight[best] > weight.get(stage[i], 0):
+                    stage[i] = best
+            at[ins.node.name] = i
+    for i in cut.per_step:
+        ins = instrs[i]
+        if isinstance(ins, Reshard) and ins.consumer in at and i not in cut.reductions:
+            stage[i] = stage[at[ins.consumer]]
+
+
 def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
-                 data: Mapping[str, Tensor], *, rng: StepRNG | None = None,
+                 data: Mapping[str, Tensor], observer: Any = None, *,
+                 rng: StepRNG | None = None,
                  donate: bool = False) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step of stage ``sp.stage`` on this rank: ``state`` its stage's pieces, ``data`` its
     pieces of the whole batch (every stage gets the batch). Returns the results (on the last
-    stage; none elsewhere) and this stage's new state."""
+    stage; none elsewhere) and this stage's new state. ``observer``: ``run``'s, told of every
+    part's ops and transfers."""
     m = sp.m
     pieces = [{k: (v.chunk(m, sp.split[k])[j].contiguous() if k in sp.split else v)
                for k, v in data.items()} for j in range(m)]
@@ -386,19 +507,26 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
     b_refs = [ref for ref, _, where in sp.partials if where == "B"]
     n_kept = len(sp.kept)
     kept: dict[int, list[Tensor]] = {}
+    # sends do not wait for their receiver (a stage runs on while its neighbour is busy);
+    # they are waited for at the end of the step, so what they read stays alive until then
+    sends: list[Any] = []
     for kind, _, j in device_orders(sp.schedule, sp.stages, m)[sp.stage]:
         if kind == "F":
-            got, _ = run(sp.forward[j], comm, state, pieces[j], rng=rng, preset=base,
-                         vote=False)
+            got, _ = run(sp.forward[j], comm, state, pieces[j], observer, rng=rng,
+                         preset=base, vote=False, sends=sends)
             kept[j] = got[:n_kept]
             sums.add(f_refs, got[n_kept:])
         else:
             preset = {**base, **dict(zip(sp.kept, kept.pop(j)))}
-            got, _ = run(sp.backward[j], comm, state, pieces[j], rng=rng, preset=preset,
-                         vote=False)
+            got, _ = run(sp.backward[j], comm, state, pieces[j], observer, rng=rng,
+                         preset=preset, vote=False, sends=sends)
             sums.add(b_refs, got)
     step_preset = {**base, **sums.whole()}
-    return run(sp.step, comm, state, data, rng=rng, preset=step_preset, donate=donate, vote=False)
+    out = run(sp.step, comm, state, data, observer, rng=rng, preset=step_preset,
+              donate=donate, vote=False, sends=sends)
+    for pending in sends:
+        pending.wait()
+    return out
 
 
-__all__ = ["StageProgram", "lower_pipeline", "run_pipeline"]
+__all__ = ["StageProgram", "Stages", "lower_pipeline", "run_pipeline"]

@@ -143,6 +143,9 @@ class _ThreadCommunicator(CommBase):
     def _send(self, t, dst):
         self.mesh._send(self.rank, dst, t)
 
+    def _send_start(self, t, dst):
+        return self.mesh._send_start(self.rank, dst, t)
+
     def _recv(self, shape, dtype, src):
         return self.mesh._recv(self.rank, src, shape, dtype)
 
@@ -255,12 +258,21 @@ class ThreadMesh:
     # ---- point to point ---------------------------------------------------------------------
 
     def _send(self, src: int, dst: int, t: torch.Tensor) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        self._send_start(src, dst, t)()
+
+    def _send_start(self, src: int, dst: int, t: torch.Tensor) -> Callable[[], None]:
+        """Post ``t`` in ``dst``'s box from ``src``; the function returned waits for it to be
+        taken."""
         msg = _Message(t)
         with self._cond:
-            box = self._mail.setdefault((src, dst), deque())
-            box.append(msg)
+            self._mail.setdefault((src, dst), deque()).append(msg)
             self._cond.notify_all()
+        return lambda: self._taken(src, dst, t, msg)
+
+    def _taken(self, src: int, dst: int, t: torch.Tensor, msg: _Message) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            box = self._mail.setdefault((src, dst), deque())
             try:
                 self._wait(lambda: msg.result is not None or msg.error is not None, deadline,
                            src, f"send to rank {dst}",

@@ -858,18 +858,17 @@ def pipeline_summary(plan: PipelinePlan) -> str:
 
 
 def refuse_pp(mesh: Mesh | Mapping[str, int], what: str) -> None:
-    """``plan_graph`` and ``distribute`` on a mesh with a ``pp`` axis of more than one rank:
-    one error that says what exists (planning) and what does not (running)."""
+    """``plan_graph`` on a mesh with a ``pp`` axis of more than one rank: one error that
+    says where pipelines are planned and run."""
     axes = dict(mesh.axes) if isinstance(mesh, Mesh) else dict(mesh)
     if axes.get(PP_AXIS, 1) > 1:
         named = mesh if isinstance(mesh, Mesh) else ",".join(f"{a}={n}" for a, n in axes.items())
         raise PlanError(
             f"{what}: mesh {named} has a '{PP_AXIS}' axis: pipeline stages are planned by "
             "meshplan.planner.plan_pipeline (stage split, schedule, micro-batches, cost and "
-            "memory), and its GPipe schedule lowered to per-stage programs tested on thread "
-            "ranks (backends._pipeline_run), but distribute does not run them yet (issue 24); "
-            f"plan without '{PP_AXIS}' (e.g. fold it into dp, with microbatches= for the "
-            "memory) to run the step")
+            "memory), and distribute(mesh=...) plans and runs them itself (GPipe); one plan "
+            f"of one mesh's layouts has no stages: plan without '{PP_AXIS}', or call "
+            "plan_pipeline")
 
 
 __all__ = ["PP_AXIS", "SCHEDULES", "PipelinePlan", "device_orders", "in_flight",

@@ -250,10 +250,10 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"{where} is not a meshplan plan (not JSON: {e})") from None
         if isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan":
-            raise PlanError(f"{where} is a pipeline plan (a 'pp' mesh axis): `meshplan run` and "
-                            "`plan show` do not read one yet (issue 24: its stages are planned "
-                            "and lowered, not run by the launchers); compile the step on a "
-                            "mesh without 'pp' to run it")
+            raise PlanError(f"{where} is a pipeline plan (a 'pp' mesh axis): `meshplan run "
+                            "--plan` runs it, and `meshplan compile` prints its summary; "
+                            "`plan show`, `plan diff` and plan= of distribute do not read one "
+                            "(distribute(mesh={'pp': ...}) plans the stages itself)")
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise PlanError(f"{where} is not a meshplan plan; make one with `meshplan compile "
                             "FILE.py:STEP --mesh dp=2 -o step.plan`")

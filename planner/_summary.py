@@ -85,7 +85,8 @@ def random_ops_line(targets: Sequence[str]) -> str | None:
 # the planner's notes in ``Plan.solver`` (sentences, not stats) and how reports label them
 SOLVER_NOTES = (("axis_order", "axis order"), ("recompute", "activation recompute"),
                 ("families", "search vs families"), ("device", "device"),
-                ("fault_tolerance", "fault tolerance"), ("microbatches", "micro-batches"))
+                ("fault_tolerance", "fault tolerance"), ("microbatches", "micro-batches"),
+                ("pipeline", "pipeline"))
 
 
 def render_summary(plan: Plan, width: int = 100) -> str:

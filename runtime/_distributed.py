@@ -30,12 +30,13 @@ from .._errors import MeshplanError, PlanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..backends._microbatch import (check_microbatched, check_microbatches, microbatch_plan,
                                     split_microbatched)
+from ..backends._pipeline_run import Stages
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
 from ..ir import RANDOM_SEMANTICS, STATE_ROLES, Role
 from ..planner import Plan, check_recompute, plan_graph
-from ..planner._pipeline import refuse_pp
+from ..planner._pipeline import POST, PP_AXIS, PRE, PipelinePlan, plan_pipeline
 from ..planner._summary import format_bytes
 from ..telemetry import Level, TelemetryConfig
 from ._checks import check_indices
@@ -110,8 +111,15 @@ class DistributedStep:
         self.device, self._device_note = resolve_device(device, launcher)
         # None: on where it was measured to cost under 3 % (_fault_tolerance_default)
         self._ft_asked = fault_tolerance
-        fault_tolerance, self._ft_note = _fault_tolerance_default(
-            fault_tolerance, elastic, launcher, self.device)
+        # a pp axis: pipeline stages (backends/_pipeline_run.py), planned by plan_pipeline
+        self._pp = dict(mesh).get(PP_AXIS, 1) > 1
+        if self._pp:
+            _refuse_in_pipeline(mesh, fault_tolerance=fault_tolerance, elastic=elastic,
+                                calibrate=calibrate, plan=plan)
+            fault_tolerance, self._ft_note = False, PP_FT_OFF
+        else:
+            fault_tolerance, self._ft_note = _fault_tolerance_default(
+                fault_tolerance, elastic, launcher, self.device)
         # on by the default alone: the first launch may still turn it off (memory)
         self._ft_auto = self._ft_note == AUTO_ON
         self._ft = _fault_tolerance(fault_tolerance, launcher, max_restarts,
@@ -126,11 +134,14 @@ class DistributedStep:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = dict(mesh)
-        refuse_pp(self.mesh, "distribute")       # planned, not yet run: say so before tracing
         try:
             self.microbatches = 1 if microbatches is None else check_microbatches(microbatches)
         except PlanError as e:
             raise RuntimeFailure(f"distribute({e})") from None
+        # with a pp axis: the stages' number of micro-batches, the planner's when not given
+        self._mb_asked = microbatches
+        self._pipeline: PipelinePlan | None = None
+        self._stages: Stages | None = None
         if self.microbatches > 1 and calibrate:
             raise RuntimeFailure(
                 f"distribute(microbatches={self.microbatches}, calibrate={calibrate!r}): the "
@@ -153,6 +164,7 @@ class DistributedStep:
         self.kernels = kernels_enabled() if kernels is None else bool(kernels)
         self._plan_arg = plan
         self._plan: Plan | None = None
+        self._stage_owners: dict[str, int] | None = None
         self._traced = None
         self._workers: Workers | None = None
         self.last_comm: list[list[dict[str, Any]]] = []
@@ -218,6 +230,14 @@ class DistributedStep:
             if not self._calibrate_left:
                 self._recalibrate()
         return out
+
+    @property
+    def pipeline(self) -> PipelinePlan | None:
+        """With a ``pp`` axis in the mesh: the pipeline plan (``planner.plan_pipeline``: the
+        stage split, schedule, micro-batches and their estimates); ``plan`` is then every
+        stage's layouts on the other axes. None without a ``pp`` axis."""
+        self.plan
+        return self._pipeline
 
     @property
     def seed(self) -> int | None:
@@ -295,7 +315,8 @@ class DistributedStep:
         plan = self.plan
         roles = {n.target: n.meta.role.value for n in plan.graph.inputs if n.target in values}
         return save_checkpoint(path, values, roles,
-                               {"mesh": dict(plan.mesh.axes), "strategy": plan.strategy})
+                               {"mesh": dict(self.mesh) if self._pp else dict(plan.mesh.axes),
+                                "strategy": plan.strategy})
 
     def load_checkpoint(self, path: str | os.PathLike, *, push: bool | None = None) -> None:
         """Continue from a file written by ``save_checkpoint`` (on any mesh).
@@ -458,19 +479,79 @@ class DistributedStep:
             self._plan = self._plan_arg
         elif self._plan_arg is not None:
             self._plan = Plan.load(self._plan_arg)
-        if self._plan is not None:     # a saved plan: for this step, this mesh, this torch?
+        if self._pp:
+            self._plan_pipeline(self._traced.graph)
+        elif self._plan is not None:   # a saved plan: for this step, this mesh, this torch?
             self._plan.check_compatible(graph=self._traced.graph, mesh=self.mesh)
         else:
             self._plan = self._plan_on(self._traced.graph)
         self._plan.solver["device"] = self._device_note
         self._plan.solver["fault_tolerance"] = self._ft_note
-        if self.microbatches > 1:       # refused here, by name, before any rank starts
+        if self.microbatches > 1 and not self._pp:    # refused here, by name, before launch
             self._program_plan(self._plan)
             m = self.microbatches
             self._plan.solver["microbatches"] = (
                 f"{m}: each rank runs its batch in {m} parts one after another, their "
                 "gradients summed, the optimizer once; the estimates above are for the "
                 "whole batch at once")
+
+    def _plan_pipeline(self, graph: Any) -> None:
+        """A ``pp`` mesh: the stages planned (``plan_pipeline``; GPipe, the one schedule the
+        ranks run yet), ``plan`` every stage's layouts, and what the stages' micro-batches
+        cannot do refused here, by name, before any rank starts."""
+        from ..kernels import kernels_disabled
+
+        m = None if self._mb_asked is None else self.microbatches
+        named = ",".join(f"{a}={n}" for a, n in self.mesh.items())
+        if m == 1:
+            raise RuntimeFailure(
+                f"{self.__name__}: distribute(microbatches=1) on mesh {named}: the stages run "
+                "in micro-batches (one would leave every stage but one idle, and the stage "
+                "programs are cut by micro-batch); pass microbatches=2 or more (a divisor of "
+                "each data-parallel rank's batch), or None for the planner's choice")
+
+        def planned(m: int | None) -> PipelinePlan:
+            with contextlib.nullcontext() if self.kernels else kernels_disabled():
+                return plan_pipeline(graph, self.mesh, topology=self.topology,
+                                     strategy=self.strategy, schedule="gpipe", microbatches=m,
+                                     memory_limit_bytes=self.memory_limit_bytes,
+                                     recompute=self.recompute)
+        try:
+            pplan = planned(m)
+            if pplan.microbatches == 1:       # the planner's choice: the least that runs
+                pplan = planned(2)
+            check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
+        except PlanError as e:
+            raise RuntimeFailure(f"{self.__name__}: {e}") from None
+        self._pipeline, self._stages = pplan, Stages.of(pplan)
+        self._plan = pplan.inner
+        self.microbatches = pplan.microbatches
+        sizes = " / ".join(str(sum(1 for u in s.units if u not in (PRE, POST)))
+                           for s in pplan.stages)
+        self._plan.solver["pipeline"] = (
+            f"{pplan.pp} stages on mesh {pplan.mesh} (layers per stage {sizes}), GPipe, "
+            f"{pplan.microbatches} micro-batches, estimated step "
+            f"{pplan.estimated_step_time_s * 1e3:.3f} ms (bubble "
+            f"{pplan.bubble_s * 1e3:.3f} ms); this plan is every stage's layouts, each stage "
+            "holds its own state (step.pipeline.summary() for the rest)")
+
+    def _world(self) -> int:
+        """How many ranks the mesh runs on (a pipeline's: every stage's)."""
+        return math.prod(self.mesh.values()) if self._pp else math.prod(self.plan.mesh.sizes)
+
+    def _held_by(self, rank: int, names: Sequence[str]) -> list[str]:
+        """Which of the state ``names`` rank ``rank`` holds pieces of (a pipeline rank: its
+        stage's)."""
+        if self._stages is None:
+            return list(names)
+        owner, stage = self._owners(), self._stages.stage(rank)
+        return [n for n in names if owner.get(n, stage) == stage]
+
+    def _owners(self) -> dict[str, int]:
+        assert self._stages is not None
+        if self._stage_owners is None:
+            self._stage_owners = self._stages.owners()
+        return self._stage_owners
 
     def _apply_checkpoint(self, path: str | os.PathLike, push: bool | None) -> None:
         from ._checkpoint import check_matches, read_info, read_whole
@@ -488,8 +569,8 @@ class DistributedStep:
         paths = self._checkpoint_on_ranks(path, push)
         with self._recording_failures():
             for rank in range(self._workers.n):
-                self._workers.send(rank, "load_checkpoint", {"path": paths[rank],
-                                                             "names": names})
+                self._workers.send(rank, "load_checkpoint", {
+                    "path": paths[rank], "names": self._held_by(rank, names)})
             self._workers.gather("load_checkpoint", self.timeout_s)
         if self._ft is not None:
             self._ft.started(self._step_no)
@@ -518,8 +599,9 @@ class DistributedStep:
 
     def _program_plan(self, plan: Plan) -> Plan | None:
         """The plan the ranks lower: ``plan`` itself, or with ``microbatches=`` its
-        micro-batch plan (``backends/_microbatch.py``), made once per plan."""
-        if self.microbatches == 1:
+        micro-batch plan (``backends/_microbatch.py``), made once per plan (a pipeline's
+        stages make their own from ``plan``: None)."""
+        if self.microbatches == 1 or self._pp:
             return None
         got = self._mb_plans.get(id(plan))
         if got is None or got[0] is not plan:
@@ -529,8 +611,12 @@ class DistributedStep:
         return got[1]
 
     def _plans_for_ranks(self, plan: Plan) -> list[dict[str, str]]:
-        """``_plan_for_ranks`` of ``plan``, with its micro-batch plan under ``mb_`` keys."""
+        """``_plan_for_ranks`` of ``plan``, with its micro-batch plan under ``mb_`` keys, or
+        a pipeline's stages (``stages``)."""
         out = self._plan_for_ranks(plan.to_json())
+        if self._stages is not None:
+            stages = self._stages.to_json()
+            return [{**a, "stages": stages} for a in out]
         mb = self._program_plan(plan)
         if mb is None:
             return out
@@ -562,7 +648,11 @@ class DistributedStep:
         assert workers is not None
         owners = self._replica_owners(values)
         for rank in range(workers.n):
-            pieces = split_inputs(plan, rank, _owned(values, owners, rank))
+            if self._stages is not None:      # its stage's state, as every stage's plan lays it
+                mine = {k: values[k] for k in self._held_by(rank, list(values))}
+                pieces = split_inputs(plan, self._stages.inner_rank(rank), mine)
+            else:
+                pieces = split_inputs(plan, rank, _owned(values, owners, rank))
             names = sorted(pieces)
             workers.send(rank, kind, header(rank, names), [pieces[n] for n in names])
         replies = workers.gather(kind, self.timeout_s)
@@ -574,7 +664,7 @@ class DistributedStep:
         ``name`` (itself when none lower does). The controller sends each distinct piece once,
         to its owner; the others read it from there one-sidedly (``_share_replicas``). None
         (send every rank its pieces) under the local launcher."""
-        if self.launcher != "mpi":
+        if self.launcher != "mpi" or self._pp:
             return None
         first: dict[tuple, int] = {}
         return {(rank, name): first.setdefault(key, rank)
@@ -635,7 +725,7 @@ class DistributedStep:
         they read it back from their snapshots; the run's telemetry and step numbers go on.
         Returns the setup replies."""
         plan = self.plan
-        world = math.prod(plan.mesh.sizes)
+        world = self._world()
         state = {} if restore else self._launch_state()
         data = call_inputs(plan)
         if self._ft is not None and self._ft_auto:
@@ -663,12 +753,14 @@ class DistributedStep:
                                "state it held from the controller instead", path)
             else:                             # the ranks read the state it holds themselves
                 with self._recording_failures():
-                    ckpt = [{"path": p, "names": in_file}
-                            for p in self._checkpoint_on_ranks(path, push)]
+                    ckpt = [{"path": p, "names": self._held_by(rank, in_file)}
+                            for rank, p in enumerate(self._checkpoint_on_ranks(path, push))]
                 state = {k: v for k, v in state.items() if k not in in_file}
         if self.telemetry is not None and self._tel is None:
-            self._tel = ControllerTelemetry(self.telemetry, workers.run_id, plan,
-                                            step_name=self.__name__, strategy=plan.strategy)
+            self._tel = ControllerTelemetry(
+                self.telemetry, workers.run_id, plan, step_name=self.__name__,
+                strategy=plan.strategy,
+                mesh=None if self._pipeline is None else self._pipeline.mesh)
         header = self._setup_header()
         if not restore:
             self._step_no, self._resume_step = self._resume_step, 0
@@ -1212,6 +1304,13 @@ class DistributedStep:
         if known is not None:
             return known
         what = what_changed(self._primary_key, key)
+        if self._pp:
+            raise RuntimeFailure(
+                f"{self.__name__}: this call differs from the first ({what} changed), and on "
+                f"a mesh with a '{PP_AXIS}' axis the stages run the first call's program only "
+                "(planning another for the same stages is not built yet): keep shapes, dtypes "
+                "and Python arguments the same from call to call (DataLoader(drop_last=True), "
+                "sequences padded to one length)")
         if len(self._variants) >= MAX_VARIANTS:
             raise RuntimeFailure(
                 f"{self.__name__}: a call with new {what}, and the mesh already holds programs "
@@ -1285,7 +1384,7 @@ class DistributedStep:
             if recovered:
                 self._said_recovered(*recovered, step=self._step_no)
         self.last_comm = [list(r.header["comm"]) for r in replies]
-        results = list(replies[0].tensors)
+        results = list(replies[0 if self._stages is None else self._stages.result_rank].tensors)
         if self._tel is not None:
             self._tel.step(self._step_no, start_us, int(dur_s * 1e6), results)
         shipper = self._shipper
@@ -1324,10 +1423,13 @@ class DistributedStep:
         """Send every rank its pieces of ``batch`` for one step of ``variant``."""
         workers, names = self._workers, list(variant.inputs)
         assert workers is not None
-        mb = self._program_plan(variant.plan)
+        mb, stages = self._program_plan(variant.plan), self._stages
         for rank in range(workers.n):
-            pieces = (split_inputs(variant.plan, rank, batch) if mb is None
-                      else split_microbatched(mb, rank, batch))
+            # a pipeline: every stage gets its rank's pieces of the whole batch (the first
+            # reads the inputs, the last the targets), cut into micro-batches there
+            pieces = (split_inputs(variant.plan, stages.inner_rank(rank), batch)
+                      if stages is not None else split_inputs(variant.plan, rank, batch)
+                      if mb is None else split_microbatched(mb, rank, batch))
             workers.send(rank, "step", dict(header), [pieces[n] for n in names])
 
     def _said_recovered(self, failure: WorkerFailure, restored: int, started: float,
@@ -1458,13 +1560,21 @@ class DistributedStep:
     def _gather_state_once(self) -> dict[str, torch.Tensor]:
         workers, plan = self._workers, self.plan
         assert workers is not None
-        workers.broadcast("get_state", {"rma": self.launcher == "mpi"})
+        # under mpi rank 0 reads every rank's pieces by RMA (the same names on every rank:
+        # not a pipeline's, whose stages hold different state)
+        workers.broadcast("get_state", {"rma": self.launcher == "mpi" and not self._pp})
         replies = workers.gather("get_state", self.timeout_s)
         held = [dict(zip(msg.header["names"], msg.tensors)) for msg in replies]
         if replies[0].header.get("ranks"):      # mpi: rank 0 read every rank's pieces by RMA
             names, ts = replies[0].header["names"], replies[0].tensors
             held = [dict(zip(names, ts[r * len(names):(r + 1) * len(names)]))
                     for r in range(workers.n)]
+        if self._stages is not None:            # each tensor from its stage's ranks
+            stages, owners, out = self._stages, self._owners(), {}
+            for name, stage in owners.items():
+                out.update(_assemble_state(plan, [{name: held[r][name]}
+                                                  for r in stages.ranks_of(stage)]))
+            return out
         return _assemble_state(plan, held)
 
     def _write_local(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -1622,6 +1732,11 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     mean loss's count is the whole batch's). It must divide each rank's batch; a step whose
     ops need the whole batch at once (a batch norm's statistics) is refused by name. None
     or 1: the whole batch at once.
+    A ``pp`` axis in ``mesh`` (``{"pp": 2, "dp": 2}``): pipeline stages, ranges of the step's
+    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's order, each
+    stage's ranks holding that stage's state (README, "Pipeline stages"); ``microbatches``
+    is then the stages' micro-batch count (None: the planner's choice), ``step.pipeline`` the
+    pipeline plan. Not yet with fault tolerance, ``calibrate`` or a saved ``plan``.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,
@@ -1676,6 +1791,35 @@ ENV_FAULT_TOLERANCE = "MESHPLAN_FAULT_TOLERANCE"   # auto (the default), on or o
 AUTO_MEMORY_SHARE = 0.5
 AUTO_ON = ("on (the default for CPU ranks: snapshots every step, a failed rank restarted from "
            "them; fault_tolerance=False turns it off)")
+
+
+PP_FT_OFF = ("off: snapshots and recovery of pipeline stages are not built yet (a failed rank "
+             "stops the run with RuntimeFailure; save_checkpoint() and load_checkpoint() work)")
+
+
+def _refuse_in_pipeline(mesh: Mapping[str, int], *, fault_tolerance: Any, elastic: Any,
+                        calibrate: Any, plan: Any) -> None:
+    """What ``distribute`` does not do yet on a mesh with a ``pp`` axis: one error each,
+    before tracing."""
+    named = ",".join(f"{a}={n}" for a, n in dict(mesh).items())
+    if fault_tolerance is True or (elastic is not None and elastic is not False):
+        asked = "fault_tolerance=True" if fault_tolerance is True else f"elastic={elastic!r}"
+        raise RuntimeFailure(
+            f"distribute({asked}) on mesh {named}: snapshots and recovery of pipeline stages "
+            f"are not built yet; drop {asked.split('=')[0]}= (the run then stops on a failed "
+            f"rank; save_checkpoint() and load_checkpoint() work), or fold '{PP_AXIS}' into "
+            "dp to keep fault tolerance")
+    if calibrate:
+        raise RuntimeFailure(
+            f"distribute(calibrate={calibrate!r}) on mesh {named}: the calibration fits the "
+            "cost model to whole-batch op times and the stages run micro-batches; calibrate a "
+            f"run without '{PP_AXIS}' and pass its topology")
+    if plan is not None:
+        raise RuntimeFailure(
+            f"distribute(plan=...) on mesh {named}: a saved plan holds one mesh's layouts, "
+            f"not a pipeline's stages; drop plan= (distribute plans the stages itself; "
+            f"`meshplan compile FILE.py:STEP --mesh {named}` shows what it will choose, and "
+            "`meshplan run --plan` runs the pipeline plan it writes)")
 
 
 def _fault_tolerance_default(on: Any, elastic: Any, launcher: str,

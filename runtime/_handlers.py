@@ -26,6 +26,7 @@ from ..backends import (
 )
 from .._errors import RuntimeFailure
 from ..backends._microbatch import MicrobatchProgram, lower_microbatched, run_microbatched
+from ..backends._pipeline_run import StageProgram, Stages, lower_pipeline, run_pipeline
 from ..ir import STATE_ROLES
 from ..planner import Plan
 from ..telemetry import TelemetryConfig
@@ -38,11 +39,17 @@ def _setup(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tenso
     plan = _header_plan(header, "plan")
     ns = state.ns
     ns.plan = plan
+    # a pipeline mesh (a pp axis): this rank runs one stage and holds that stage's state, its
+    # pieces laid out by every stage's plan at its rank there (backends/_pipeline_run.py)
+    ns.stages = Stages.from_json(header["stages"], plan) if header.get("stages") else None
+    ns.piece_rank = state.rank if ns.stages is None else ns.stages.inner_rank(state.rank)
+    ns.sizes = plan.mesh.sizes if ns.stages is None else ns.stages.mesh.sizes
+    ns.result_rank = 0 if ns.stages is None else ns.stages.result_rank
     ns.device, shared_gpu = _rank_device(state, str(header.get("device", "cpu")))
     ns.state = {k: v.to(ns.device) for k, v in zip(header["state"], tensors)}
     if header.get("checkpoint"):          # the rest of the state: this rank's pieces of a file
         ns.state.update({k: v.to(ns.device) for k, v in
-                         _checkpoint_pieces(state.rank, plan, header["checkpoint"]).items()})
+                         _checkpoint_pieces(ns.piece_rank, plan, header["checkpoint"]).items()})
     ns.shared_gpu, ns.timeout_s = shared_gpu, float(header.get("timeout_s", 300.0))
     snap = header.get("snapshot")
     if snap:                              # distribute(fault_tolerance=True): _snapshot.py
@@ -68,6 +75,8 @@ def _program(state: WorkerState, plan: Plan, header: dict[str, Any]) -> Any:
     """This rank's program of ``plan``; with ``distribute(microbatches=)``, of its micro-batch
     plan (``mb_plan`` / ``mb_plan_path``), in parts (``backends/_microbatch.py``)."""
     ns = state.ns
+    if ns.stages is not None:
+        return lower_pipeline(ns.stages, state.rank, device=str(ns.device))
     if "mb_plan_path" in header or "mb_plan" in header:
         mb = _header_plan(header, "mb_plan")
         return lower_microbatched(mb, state.rank, device=str(ns.device), kernels=ns.kernels)
@@ -152,7 +161,7 @@ def _communicator(state: WorkerState, generation: int) -> Any:
     ``generation``: how many times the ranks built one after a failure (its keys in the
     store are new each time)."""
     ns = state.ns
-    groups = all_axis_groups(ns.plan.mesh.sizes)
+    groups = all_axis_groups(ns.sizes)
     if state.env.get("MESHPLAN_MPI") == "1":
         return MPICommunicator(groups, timeout_s=ns.timeout_s)
     store = _rendezvous(state, ns.timeout_s, generation)
@@ -217,7 +226,7 @@ def _rendezvous(state: WorkerState, timeout_s: float, generation: int = 0) -> An
 @register("load_checkpoint")
 def _load_checkpoint(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     ns = state.ns
-    pieces = _checkpoint_pieces(state.rank, ns.plan, header)
+    pieces = _checkpoint_pieces(ns.piece_rank, ns.plan, header)
     device = state_device(ns.state)
     ns.state.update({k: v.to(device) for k, v in pieces.items()})
     _state_changed(ns)
@@ -273,7 +282,8 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     try:
         # the worker owns its state (fresh tensors from the channel): in-place kernels may
         # update it instead of copying
-        runner = run_microbatched if isinstance(program, MicrobatchProgram) else run
+        runner = (run_microbatched if isinstance(program, MicrobatchProgram)
+                  else run_pipeline if isinstance(program, StageProgram) else run)
         results, new_state = runner(program, ns.comm, ns.state, data, observer=tel,
                                     donate=True, rng=rng)
     except Exception as exc:
@@ -301,7 +311,7 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
         tel.end(ns.comm.records, start_us, perf0, dur_us, results, ns.state)
     reply["comm"] = [{"kind": r.kind.value, "group": list(r.group), "nbytes": r.nbytes,
                       "dur_s": r.dur_s} for r in ns.comm.records]
-    if state.rank == 0:
+    if state.rank == ns.result_rank:
         return reply, [r.cpu() for r in results if isinstance(r, torch.Tensor)]
     return reply, []
 

@@ -51,11 +51,13 @@ class ControllerTelemetry:
     """Rows the controller writes for one run."""
 
     def __init__(self, config: TelemetryConfig, run_id: str, plan: Plan, *, step_name: str,
-                 strategy: str) -> None:
+                 strategy: str, mesh: Any = None) -> None:
+        """``mesh``: the run's whole mesh when it is not ``plan``'s (a pipeline's, whose
+        ``plan`` is every stage's)."""
         self.config, self.run_id = config, run_id
         self.rec = Recorder(config.segments, run_id, -1, level=config.level,
                             flush_interval_s=config.flush_interval_s, live_rows=config.live_rows)
-        mesh = plan.mesh
+        mesh = plan.mesh if mesh is None else mesh
         self.rec.add("runs", (
             now_us(), step_name, json.dumps(dict(mesh.axes)), mesh.size, strategy,
             mesh.topology.name, plan.graph_hash, plan.estimated_step_time_s * 1e6,

@@ -38,7 +38,9 @@ def _models(name: str):
     build = {"mlp": lambda: mlp.build(optimizer="adamw"),
              "mlp-sgd-dampening": lambda: _dampened(mlp.build(optimizer="sgd")),
              "cnn": lambda: cnn.build(optimizer="sgd", clip=1.0),
-             "gpt": lambda: gpt.build(optimizer="adamw", clip=1.0)}[name]
+             "gpt": lambda: gpt.build(optimizer="adamw", clip=1.0),
+            "gpt4": lambda: gpt.build(optimizer="adamw", clip=1.0,
+                                      config=gpt.GPTConfig(n_layer=4))}[name]
     return build(), build()
 
 

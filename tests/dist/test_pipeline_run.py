@@ -1,5 +1,6 @@
 """Pipeline stages run on ranks (``backends/_pipeline_run.py``): a ``plan_pipeline`` plan's
-per-stage programs on thread ranks, GPipe order, against the single-process interpreter.
+per-stage programs on thread ranks, GPipe order, against the single-process interpreter; and
+``distribute`` on a mesh with a ``pp`` axis (local worker processes) against one process.
 
 Tolerances: the loss ``rtol=1e-5, atol=1e-6`` and the state ``1e-5``, those of the mesh
 without stages (``test_distribute.py``): the stages run the same ops on the same values, and
@@ -9,7 +10,9 @@ batch (float32 rounding, which AdamW amplifies to a few 1e-6 where a gradient is
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +121,108 @@ def test_what_is_not_lowered_yet_is_said() -> None:
                        microbatches=2)
     with pytest.raises(meshplan.LoweringError, match="'1f1b': not lowered yet.*gpipe"):
         lower_pipeline(pp, 0)
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("axes", "launcher"), [({"pp": 2, "dp": 2}, "local"),
+                                                ({"pp": 4}, "mpi")], ids=["pp2dp2", "pp4-mpi"])
+def test_distribute_runs_stages_equal_to_one_process(axes, launcher) -> None:
+    """``distribute`` on a 4-layer GPT, ``pp=2 x dp=2`` on local processes and ``pp=4`` under
+    mpiexec: losses every step, the state gathered after 5 steps and the state written back
+    equal one process's (``check_equal_to_one_process``'s tolerances); the transfers between
+    stages are sends."""
+    from test_distribute import check_equal_to_one_process
+
+    def stages(step) -> None:
+        assert step.pipeline.pp == axes["pp"] and step.pipeline.microbatches == 2
+        assert f"{axes['pp']} stages" in step.plan.summary()
+        assert all(any(c["kind"] == "send" for c in rank) for rank in step.last_comm)
+
+    check_equal_to_one_process("gpt4", axes, "auto", after_steps=stages, microbatches=2,
+                               launcher=launcher, telemetry=False, timeout_s=60)
+
+
+@pytest.mark.timeout(240)
+def test_stages_save_and_load_checkpoints(tmp_path) -> None:
+    """Each stage's ranks hold only their stage's state: a checkpoint gathers it from them, a
+    mesh launched from a checkpoint reads each stage's pieces, and so does a running one
+    (``load_checkpoint``); the losses follow one process's through all three."""
+    ref = gpt.build(optimizer="adamw", clip=1.0)
+
+    def mesh():
+        ex = gpt.build(optimizer="adamw", clip=1.0)
+        return ex, meshplan.distribute(ex.step, mesh={"pp": 2}, topology="h100",
+                                       microbatches=2, telemetry=False)
+
+    def same(got, i) -> None:
+        torch.testing.assert_close(got.detach(), ref.step(*ref.batch(i)).detach(), rtol=1e-5,
+                                   atol=1e-6, msg=f"loss at step {i}")
+
+    ex_a, a = mesh()
+    with a:
+        for i in range(2):
+            same(a(*ex_a.batch(i)), i)
+        first = a.save_checkpoint(tmp_path / "a.safetensors")
+        ex_b, b = mesh()
+        b.load_checkpoint(first)
+        with b:                               # launched from the file
+            same(b(*ex_b.batch(2)), 2)
+            second = b.save_checkpoint(tmp_path / "b.safetensors")
+        a.load_checkpoint(second)             # into the running mesh
+        same(a(*ex_a.batch(3)), 3)
+        sd = a.state_dict()
+    for k, v in ref.model.state_dict().items():
+        torch.testing.assert_close(sd["model"][k], v.detach(), rtol=1e-5, atol=1e-5, msg=k)
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.out = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.out(x)
+
+
+@pytest.mark.timeout(120)
+def test_a_user_classifier_on_stages_equals_one_process() -> None:
+    """A step not written for meshplan: ``cross_entropy`` on 1-D class labels (the loss reads
+    the targets themselves, which the stages count before the micro-batches), SGD with
+    momentum, on ``pp=2`` in 2 micro-batches: losses and parameters as one process
+    (``rtol=1e-5, atol=1e-6``: the micro-batches' gradients summed in another order).
+    ``microbatches=1`` is refused by name before any rank starts."""
+    import copy
+
+    torch.manual_seed(0)
+    plain = _Classifier()
+    mine = copy.deepcopy(plain)
+
+    def stepper(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def train_step(x, y):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return train_step
+
+    one, step_fn = stepper(plain), stepper(mine)
+    with pytest.raises(meshplan.RuntimeFailure, match=r"microbatches=1\) on mesh pp=2"):
+        meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=1)(
+            torch.randn(8, 16), torch.randint(0, 10, (8,)))
+    batches = [(torch.randn(8, 16), torch.randint(0, 10, (8,))) for _ in range(3)]
+    with meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=2, telemetry=False) as step:
+        for x, y in batches:
+            torch.testing.assert_close(step(x, y).detach(), one(x, y).detach(), rtol=1e-5,
+                                       atol=1e-6)
+        step.sync()
+    for (name, a), b in zip(plain.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)

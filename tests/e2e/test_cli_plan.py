@@ -311,22 +311,37 @@ def test_golden_report_of_the_dp_plan(plans: dict) -> None:
         "review the diff of tests/e2e/golden/mlp_dp2_dp.json")
 
 
-def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_refuses_by_name(tmp_path) -> None:
+def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> None:
     """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
-    JSON; ``run`` and ``plan show`` say it is not runnable yet instead of failing on it;
-    ``--schedule`` without a pp axis is refused."""
+    JSON; ``run`` runs a GPipe one (losses equal one process's: rtol 1e-5, the summation
+    order of the micro-batches' gradients, as in ``test_run_matches_the_eager_step``) and
+    refuses by name a schedule the ranks do not run yet; ``plan show`` says it does not read
+    one; ``--schedule`` without a pp axis is refused."""
+    from meshplan.examples import gpt
+
     for name in ("gpt_distributed.py", "gpt.py", "_common.py"):    # outside the package:
         shutil.copy(REPO / "examples" / name, tmp_path / name)      # the in-process CLI
     target = f"{tmp_path / 'gpt_distributed.py'}:train_step"      # loads it as a module
-    out = tmp_path / "pp.plan"
+    out, gp = tmp_path / "pp.plan", tmp_path / "gpipe.plan"
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
                           "--schedule", "1f1b", "-o", str(out))
     assert rc == 0, err
     assert "2 stages, 1f1b" in text and "stage   1 |" in text
     assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
-    for cmd in (("plan", "show", str(out)), ("run", target, "--plan", str(out))):
-        rc, _, err = _main(*cmd)
-        assert rc != 0 and "is a pipeline plan" in err and "do not read one yet" in err
+    rc, _, err = _main("plan", "show", str(out))
+    assert rc != 0 and "is a pipeline plan" in err and "`plan show`" in err
+    rc, _, err = _main("run", target, "--plan", str(out))
+    assert rc != 0 and "'1f1b': the stages run GPipe only yet" in err
+    rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
+                          "--schedule", "gpipe", "--microbatches", "2", "-o", str(gp))
+    assert rc == 0 and "`meshplan run` runs it" in text, err
+    rc, text, err = _main("run", target, "--plan", str(gp), "--steps", "2", "--json")
+    assert rc == 0, err
+    losses = [json.loads(line)["loss"] for line in text.splitlines() if '"step"' in line]
+    ex = gpt.build(optimizer="adamw", seed=0)                # the example's model and data
+    eager = [float(ex.step(*ex.batch(i)).detach()) for i in range(2)]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(eager), rtol=1e-5, atol=0), (
+        losses, eager)
     rc, _, err = _main("compile", target, "--mesh", "dp=2", "--schedule", "1f1b",
                        "-o", str(tmp_path / "x.plan"))
     assert rc != 0 and "--schedule and --microbatches are for a mesh with a pp axis" in err

@@ -146,12 +146,21 @@ def test_bad_input_is_named(graph) -> None:
         plan_pipeline(flat, {"pp": 2}, topology="h100")
 
 
-def test_plan_graph_and_distribute_refuse_a_pp_axis_by_name(graph) -> None:
+def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> None:
+    """``plan_graph`` makes one mesh's layouts, no stages: it names ``plan_pipeline``.
+    ``distribute`` runs stages, and refuses by name what they do not do yet."""
     with pytest.raises(PlanError, match="plan_pipeline"):
         plan_graph(graph, {"pp": 2, "dp": 2}, topology="h100")
     ex = gpt.build(config=CONFIG)
-    with pytest.raises(PlanError, match="distribute does not run them yet"):
-        meshplan.distribute(ex.step, mesh={"pp": 2})
+    for kw, what in (({"fault_tolerance": True}, "snapshots and recovery of pipeline"),
+                     ({"elastic": True}, "drop elastic="),
+                     ({"calibrate": True}, "calibrate a run without 'pp'"),
+                     ({"plan": "x.plan"}, "not a pipeline's stages")):
+        with pytest.raises(meshplan.RuntimeFailure, match=what):
+            meshplan.distribute(ex.step, mesh={"pp": 2}, **kw)
+    step = meshplan.distribute(ex.step, mesh={"pp": 2})        # the default: off, and said
+    assert not step.fault_tolerance and "pipeline stages are not built" in \
+        step.fault_tolerance_note
     plan_graph(graph, {"pp": 1, "dp": 2}, topology="h100")      # one stage: an ordinary mesh
 
 
