@@ -44,7 +44,7 @@ from torch import Tensor, nn
 import meshplan
 from meshplan.benchmarks.step_time import (CLIP, CONFIG, SEED, TIMEOUT_S, Result, _batches,
                                            _error_line, _free_port, _meshplan_env, _mesh_steps,
-                                           _rss_kib, _threads, _timed_call)
+                                           _rss_kib, _threads, _timed_call, spawn_ranks)
 from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
 
@@ -137,26 +137,11 @@ def _torch_rank(rank: int, schedule: str, p: int, m: int, port: int, threads: in
 
 
 def run_torch(schedule: str, p: int, m: int, skip: int, steps: int) -> Result:
-    import torch.multiprocessing as mp
-
-    q = mp.get_context("spawn").SimpleQueue()
-    args = (schedule, p, m, _free_port(), _threads(p), skip, steps, q)
-    try:
-        ctx = mp.spawn(_torch_rank, args=args, nprocs=p, join=False)
-        deadline = time.monotonic() + TIMEOUT_S
-        reps: list[dict[str, Any]] = []
-        while not ctx.join(timeout=1.0):
-            while not q.empty():
-                reps.append(q.get())
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                return Result(variant=schedule, ranks=p,
-                              error=f"timed out after {TIMEOUT_S:.0f} s")
-    except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
-        return Result(variant=schedule, ranks=p, error=_error_line(exc))
-    reps += [q.get() for _ in range(p - len(reps))]
-    reps.sort(key=lambda r: r["rank"])
+    port, threads = _free_port(), _threads(p)
+    reps = spawn_ranks(schedule, p, _torch_rank,
+                       lambda q: (schedule, p, m, port, threads, skip, steps, q))
+    if isinstance(reps, Result):
+        return reps
     return Result(variant=schedule, ranks=p,
                   step_s=tuple(max(ts) for ts in zip(*(r["times"] for r in reps))),
                   rss_kib=tuple(r["rss"] for r in reps), base_kib=tuple(r["base"] for r in reps),

@@ -215,12 +215,25 @@ def _ddp_buckets(model: nn.Module) -> str:
 
 
 def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
+    port, threads = _free_port(), 1 if kind == "eager" else _threads(n)
+    reps = spawn_ranks(kind, n, _baseline_rank, lambda q: (kind, n, port, threads, skip, steps,
+                                                          q, MICROBATCHES))
+    if isinstance(reps, Result):
+        return reps
+    return Result(variant=kind, ranks=n,
+                  step_s=tuple(max(ts) for ts in zip(*(r["times"] for r in reps))),
+                  rss_kib=tuple(r["rss"] for r in reps), base_kib=tuple(r["base"] for r in reps),
+                  collectives=reps[0]["collectives"], loss=reps[0]["loss"])
+
+
+def spawn_ranks(variant: str, n: int, fn: Any, args: Any) -> list[dict[str, Any]] | Result:
+    """Run ``fn(rank, *args(queue))`` in ``n`` spawned processes; each puts one report (a
+    dict with ``rank``) on the queue. Returns the reports in rank order, or a ``Result``
+    carrying the error (a rank that failed, or ``TIMEOUT_S`` passed)."""
     import torch.multiprocessing as mp
     q = mp.get_context("spawn").SimpleQueue()
-    args = (kind, n, _free_port(), 1 if kind == "eager" else _threads(n), skip, steps, q,
-            MICROBATCHES)
     try:
-        ctx = mp.spawn(_baseline_rank, args=args, nprocs=n, join=False)
+        ctx = mp.spawn(fn, args=args(q), nprocs=n, join=False)
         deadline = time.monotonic() + TIMEOUT_S
         reps: list[dict[str, Any]] = []
         while not ctx.join(timeout=1.0):
@@ -230,18 +243,15 @@ def run_baseline(kind: str, n: int, skip: int, steps: int) -> Result:
                 for proc in ctx.processes:     # our own children; their stacks are on stderr
                     proc.kill()
                 if len(reps) == n:             # every rank measured, then hung at exit
-                    print(f"  {kind} on {n}: every rank reported, then hung tearing down "
+                    print(f"  {variant} on {n}: every rank reported, then hung tearing down "
                           "(stopped)", file=sys.stderr, flush=True)
                     break
-                return Result(variant=kind, ranks=n, error=f"timed out after {TIMEOUT_S:.0f} s")
+                return Result(variant=variant, ranks=n,
+                              error=f"timed out after {TIMEOUT_S:.0f} s")
     except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
-        return Result(variant=kind, ranks=n, error=_error_line(exc))
+        return Result(variant=variant, ranks=n, error=_error_line(exc))
     reps += [q.get() for _ in range(n - len(reps))]
-    reps.sort(key=lambda r: r["rank"])
-    return Result(variant=kind, ranks=n,
-                  step_s=tuple(max(ts) for ts in zip(*(r["times"] for r in reps))),
-                  rss_kib=tuple(r["rss"] for r in reps), base_kib=tuple(r["base"] for r in reps),
-                  collectives=reps[0]["collectives"], loss=reps[0]["loss"])
+    return sorted(reps, key=lambda r: r["rank"])
 
 
 # ---- meshplan ------------------------------------------------------------------------------
