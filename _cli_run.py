@@ -213,8 +213,11 @@ def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], top
         return 0
     print(plan.summary())
     print(plan.schedule_text())
-    runs = ("`meshplan run` runs it" if plan.schedule == "gpipe" else
-            f"the ranks run GPipe only yet, so `meshplan run` refuses {plan.schedule}")
+    from .backends._pipeline_run import RUNS
+
+    runs = ("`meshplan run` runs it" if plan.schedule in RUNS else
+            f"the ranks run {' and '.join(RUNS)} only yet, so `meshplan run` refuses "
+            f"{plan.schedule}")
     print(f"compiled {name} as {plan.pp} pipeline stages -> {args.out} ({runs})", flush=True)
     return 0
 
@@ -250,19 +253,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     module, fn, name = load_step(args.target)
     opts = _decorator_options(fn)
     if stages is not None:
+        from .backends._pipeline_run import RUNS
+
         mesh = {str(a): int(n) for a, n in stages["mesh"]}
         if args.mesh and parse_mesh(args.mesh) != mesh:
             raise RuntimeFailure(f"--mesh {args.mesh}: {args.plan} holds pipeline stages for "
                                  f"mesh {_mesh_str(mesh)}; drop --mesh or compile again")
-        if stages["schedule"] != "gpipe" or stages["virtual_stages"] != 1:
+        if stages["schedule"] not in RUNS or stages["virtual_stages"] != 1:
             raise RuntimeFailure(
-                f"{args.plan}: pipeline schedule {stages['schedule']!r}: the stages run GPipe "
-                "only yet; compile with --schedule gpipe")
+                f"{args.plan}: pipeline schedule {stages['schedule']!r}: the stages run "
+                f"{' and '.join(RUNS)} only yet; compile with --schedule "
+                f"{' or --schedule '.join(RUNS)}")
         opts.update(topology=stages["topology"], strategy=stages["inner"]["strategy"],
+                    schedule=stages["schedule"],
                     memory_limit_bytes=stages["memory_limit_bytes"],
                     microbatches=stages["microbatches"])
         chosen = {"topology": opts["topology"], "strategy": opts["strategy"],
-                  "memory_limit_bytes": opts["memory_limit_bytes"]}
+                  "memory_limit_bytes": opts["memory_limit_bytes"],
+                  "schedule": opts["schedule"]}
     elif args.mesh:
         mesh = parse_mesh(args.mesh)
     elif isinstance(fn, meshplan.DistributedStep):
@@ -359,8 +367,10 @@ def _check_stages(pplan: Any, body: dict[str, Any], path: str) -> None:
     """``distribute`` plans a pipeline's stages itself, from the options the file was
     compiled with: what it chose must be what the file holds (another meshplan, or a step
     changed since, may choose otherwise), or the run would not be the plan's."""
-    got = {"chunks": [list(c) for c in pplan.chunks], "microbatches": pplan.microbatches}
-    want = {"chunks": [list(c) for c in body["chunks"]], "microbatches": body["microbatches"]}
+    got = {"chunks": [list(c) for c in pplan.chunks], "microbatches": pplan.microbatches,
+           "schedule": pplan.schedule}
+    want = {"chunks": [list(c) for c in body["chunks"]], "microbatches": body["microbatches"],
+            "schedule": body["schedule"]}
     if got != want:
         raise RuntimeFailure(
             f"{path}: the stages planned for this step now ({got}) are not the file's "

@@ -54,6 +54,11 @@ from ._microbatch import (Sums, _cut, _Hoist, _inputs_read, _stand_ins, _with_fr
 
 Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
 
+# the schedules the stages run: each stage's order of forwards and backwards
+# (``device_orders``); the transfers between two stages go one way each, in micro-batch order
+# on both sides, and sends do not wait for their receiver, so no order of them deadlocks
+RUNS = ("gpipe", "1f1b")
+
 
 @dataclass(frozen=True)
 class Stages:
@@ -153,9 +158,9 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     if pplan.virtual_stages != 1:
         raise LoweringError(f"pipeline schedule {pplan.schedule!r} with {pplan.virtual_stages} "
                             "chunks per device: not lowered yet; plan with schedule='gpipe'")
-    if pplan.schedule != "gpipe":
+    if pplan.schedule not in RUNS:
         raise LoweringError(f"pipeline schedule {pplan.schedule!r}: not lowered yet (only "
-                            "'gpipe' runs); plan with schedule='gpipe'")
+                            f"{' and '.join(map(repr, RUNS))} run); plan with one of them")
     mesh, a = pplan.mesh, pplan.mesh.index(PP_AXIS)
     sizes, p, m = mesh.sizes, pplan.pp, pplan.microbatches
     coords = rank_coords(rank, sizes)

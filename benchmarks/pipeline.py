@@ -2,7 +2,7 @@
 ``torch.distributed.pipelining`` run of the same model, micro-batches and ranks.
 
     python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--warmup 2]
-                                  [--rounds 2] [--only torch-gpipe,torch-1f1b,meshplan]
+                                  [--rounds 2] [--only torch-gpipe,torch-1f1b,meshplan-1f1b]
 
 The GPT example of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048,
 seq 64, global batch 16, AdamW, gradient clipping at 1.0), on ``pp`` CPU processes, the same
@@ -15,9 +15,9 @@ global batches for every variant:
   share: the last stage holds a copy, and after the backward the two halves of its gradient
   are summed between the first and the last stage (one all-reduce, as Megatron does).
   Gradient clipping takes the norm over every stage (one all-reduce of the squared sums).
-- ``meshplan``: ``meshplan.distribute(step, mesh={"pp": P}, microbatches=M)``: the user's
-  unchanged step, stages planned by ``plan_pipeline`` (GPipe, the one schedule the ranks run
-  yet).
+- ``meshplan-gpipe`` / ``meshplan-1f1b``: ``meshplan.distribute(step, mesh={"pp": P},
+  microbatches=M, schedule=...)``: the user's unchanged step, the stages planned by
+  ``plan_pipeline``.
 
 Times: the baselines time each step on every rank after a barrier and keep the slowest;
 meshplan is timed around each call on the controller (split the batch, the round trip,
@@ -48,7 +48,7 @@ from meshplan.benchmarks.step_time import (CLIP, CONFIG, SEED, TIMEOUT_S, Result
 from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
 
-VARIANTS = ("torch-gpipe", "torch-1f1b", "meshplan")
+VARIANTS = ("torch-gpipe", "torch-1f1b", "meshplan-gpipe", "meshplan-1f1b")
 
 
 class _Stage(nn.Module):
@@ -148,12 +148,12 @@ def run_torch(schedule: str, p: int, m: int, skip: int, steps: int) -> Result:
                   loss=reps[-1]["loss"])
 
 
-def run_meshplan(p: int, m: int, warmup: int, steps: int) -> Result:
+def run_meshplan(variant: str, p: int, m: int, warmup: int, steps: int) -> Result:
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
     batches = _batches(2 + warmup + steps)
     step = meshplan.distribute(ex.step, mesh={"pp": p}, microbatches=m, topology="cpu",
-                               example_inputs=batches[0], timeout_s=TIMEOUT_S,
-                               telemetry=False)
+                               schedule=variant.split("-")[1], example_inputs=batches[0],
+                               timeout_s=TIMEOUT_S, telemetry=False)
     try:
         with _meshplan_env(_threads(p)), step:
             t0 = time.perf_counter()
@@ -161,9 +161,9 @@ def run_meshplan(p: int, m: int, warmup: int, steps: int) -> Result:
             plan_s = time.perf_counter() - t0
             first_s = _timed_call(step, batches[0])[1]
             second_s = _timed_call(step, batches[1])[1]
-            r = _mesh_steps(step, batches[2:], warmup, Result(variant="meshplan", ranks=p))
+            r = _mesh_steps(step, batches[2:], warmup, Result(variant=variant, ranks=p))
     except meshplan.MeshplanError as exc:
-        return Result(variant="meshplan", ranks=p, error=_error_line(exc))
+        return Result(variant=variant, ranks=p, error=_error_line(exc))
     return replace(r, plan_s=plan_s, first_s=first_s, second_s=second_s)
 
 
@@ -192,8 +192,8 @@ def main() -> None:
     results: dict[str, Result] = {}
     for rnd in range(args.rounds):
         for v in only:
-            if v == "meshplan":
-                r = run_meshplan(p, m, args.warmup, args.steps)
+            if v.startswith("meshplan"):
+                r = run_meshplan(v, p, m, args.warmup, args.steps)
             else:
                 r = run_torch(v, p, m, 2 + args.warmup, args.steps)
             if not r.error:

@@ -52,8 +52,8 @@ How a plan is priced:
 ``simulate`` runs the schedules' per-device op orders event by event (the drawing of
 ``PipelinePlan.schedule_text`` and the check of the formulas above in the tests).
 
-Lowered (GPipe) and run on thread ranks by ``backends/_pipeline_run.py``; not yet run by
-``distribute`` (it refuses a ``pp`` axis, naming this). Not built yet: one ILP per stage (the
+Lowered (GPipe and 1F1B) by ``backends/_pipeline_run.py`` and run by ``distribute`` on a
+mesh with a ``pp`` axis. Not built yet: one ILP per stage (the
 inner plan is one plan of the whole step); recompute chosen per stage (it is the inner
 plan's); the price of the cross-stage transfers of gradient clipping's norms and of a tied
 embedding's gradient (the runtime sends them: a few bytes per parameter once per step, and
@@ -168,7 +168,8 @@ class PipelinePlan:
 
     def save(self, path: str) -> None:
         """Write the plan as JSON (format ``meshplan.pipeline-plan``), atomically: for
-        reading and diffing; ``meshplan run`` cannot run it yet and says so."""
+        reading, and for ``meshplan run --plan`` (a GPipe or 1F1B one: the stages are planned
+        again from its options and checked against it)."""
         import json
 
         from ..ir import atomic_write_text
@@ -463,12 +464,13 @@ def _candidates(local_batch: int, p: int, schedule: str,
 
 def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
                   topology: str | Topology | None = None, strategy: str = "auto",
-                  schedule: str = "auto", microbatches: int | None = None,
+                  schedule: str | Sequence[str] = "auto", microbatches: int | None = None,
                   virtual_stages: int | None = None, memory_limit_bytes: int | None = None,
                   time_limit_s: float = 60.0, recompute: Any = "auto") -> PipelinePlan:
     """Plan ``graph`` on a mesh with a ``pp`` axis (see the module docstring): the inner plan
     of the other axes (``strategy``, as ``plan_graph`` takes it), then the stage split,
-    ``schedule`` (one of ``SCHEDULES`` or ``"auto"``: the fastest that fits), the number of
+    ``schedule`` (one of ``SCHEDULES``, or a list of them, or ``"auto"``: the fastest that
+    fits of those), the number of
     micro-batches (``microbatches``: it must divide each data-parallel rank's batch; default:
     the fastest that fits) and, for ``interleaved``, the chunks per device. With
     ``strategy="auto"`` and a ``tp`` axis, Megatron's layouts (``megatron_tp``) are tried for
@@ -478,9 +480,11 @@ def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
         raise PlanError(f"plan_pipeline needs a '{PP_AXIS}' mesh axis, got {list(m_.names)}")
     a = m_.index(PP_AXIS)
     p = m_.sizes[a]
-    if schedule != "auto" and schedule not in SCHEDULES:
-        raise PlanError(f"pipeline schedule {schedule!r}: use one of {list(SCHEDULES)} or "
-                        "'auto'")
+    schedules = (SCHEDULES if schedule == "auto" else (schedule,) if isinstance(schedule, str)
+                 else tuple(schedule))
+    if not schedules or any(x not in SCHEDULES for x in schedules):
+        raise PlanError(f"pipeline schedule {schedule!r}: use one of {list(SCHEDULES)}, "
+                        "'auto', or a list of them")
     if microbatches is not None and (not isinstance(microbatches, int)
                                      or isinstance(microbatches, bool) or microbatches < 1):
         raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
@@ -515,7 +519,6 @@ def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
                         f"{local_batch} each data-parallel rank runs; use a divisor of "
                         f"{local_batch}")
     link = m_.link(a)
-    schedules = SCHEDULES if schedule == "auto" else (schedule,)
     tried: list[PipelineEstimate] = []
     best: PipelinePlan | None = None
     for strat, (inner, units, crossing, batch) in inners.items():

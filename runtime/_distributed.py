@@ -30,7 +30,7 @@ from .._errors import MeshplanError, PlanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..backends._microbatch import (check_microbatched, check_microbatches, microbatch_plan,
                                     split_microbatched)
-from ..backends._pipeline_run import Stages
+from ..backends._pipeline_run import RUNS, Stages
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
@@ -82,7 +82,8 @@ class DistributedStep:
                  device: str | None = None, fault_tolerance: bool | None = None,
                  max_restarts: int = 3, snapshot_every: int = 1,
                  hang_s: float = STOPPED_S, elastic: bool | int = False,
-                 k8s: Any = None, microbatches: int | None = None) -> None:
+                 k8s: Any = None, microbatches: int | None = None,
+                 schedule: str | None = None) -> None:
         if launcher not in LAUNCHERS:
             raise RuntimeFailure(f"launcher {launcher!r} is not available; use one of "
                                  f"{', '.join(map(repr, LAUNCHERS))}")
@@ -140,6 +141,11 @@ class DistributedStep:
             raise RuntimeFailure(f"distribute({e})") from None
         # with a pp axis: the stages' number of micro-batches, the planner's when not given
         self._mb_asked = microbatches
+        if schedule is not None and (not self._pp or schedule not in RUNS):
+            why = (f"the stages run {' or '.join(map(repr, RUNS))}" if self._pp else
+                   f"a schedule is for a mesh with a '{PP_AXIS}' axis (pipeline stages)")
+            raise RuntimeFailure(f"distribute(schedule={schedule!r}): {why}")
+        self._schedule = schedule
         self._pipeline: PipelinePlan | None = None
         self._stages: Stages | None = None
         if self.microbatches > 1 and calibrate:
@@ -496,8 +502,8 @@ class DistributedStep:
                 "whole batch at once")
 
     def _plan_pipeline(self, graph: Any) -> None:
-        """A ``pp`` mesh: the stages planned (``plan_pipeline``; GPipe, the one schedule the
-        ranks run yet), ``plan`` every stage's layouts, and what the stages' micro-batches
+        """A ``pp`` mesh: the stages planned (``plan_pipeline``, among the schedules the ranks
+        run: ``RUNS``), ``plan`` every stage's layouts, and what the stages' micro-batches
         cannot do refused here, by name, before any rank starts."""
         from ..kernels import kernels_disabled
 
@@ -513,7 +519,8 @@ class DistributedStep:
         def planned(m: int | None) -> PipelinePlan:
             with contextlib.nullcontext() if self.kernels else kernels_disabled():
                 return plan_pipeline(graph, self.mesh, topology=self.topology,
-                                     strategy=self.strategy, schedule="gpipe", microbatches=m,
+                                     strategy=self.strategy, schedule=self._schedule or RUNS,
+                                     microbatches=m,
                                      memory_limit_bytes=self.memory_limit_bytes,
                                      recompute=self.recompute)
         try:
@@ -529,7 +536,10 @@ class DistributedStep:
         sizes = " / ".join(str(sum(1 for u in s.units if u not in (PRE, POST)))
                            for s in pplan.stages)
         self._plan.solver["pipeline"] = (
-            f"{pplan.pp} stages on mesh {pplan.mesh} (layers per stage {sizes}), GPipe, "
+            f"{pplan.pp} stages on mesh {pplan.mesh} (layers per stage {sizes}), "
+            + (f"{pplan.schedule}, as asked, " if self._schedule else
+               f"{pplan.schedule} (the faster of {' and '.join(RUNS)}, the schedules the "
+               "ranks run), ") +
             f"{pplan.microbatches} micro-batches, estimated step "
             f"{pplan.estimated_step_time_s * 1e3:.3f} ms (bubble "
             f"{pplan.bubble_s * 1e3:.3f} ms); this plan is every stage's layouts, each stage "
@@ -1649,7 +1659,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                device: str | None = None, fault_tolerance: bool | None = None,
                max_restarts: int = 3, snapshot_every: int = 1,
                hang_s: float = STOPPED_S, elastic: bool | int = False,
-               k8s: Any = None, microbatches: int | None = None) -> Any:
+               k8s: Any = None, microbatches: int | None = None,
+               schedule: str | None = None) -> Any:
     """Run ``fn`` (an ordinary training step: forward, ``loss.backward()``, ``opt.step()``)
     on a mesh of processes, e.g. ``@meshplan.distribute(mesh={"dp": 2, "tp": 2})``.
 
@@ -1733,9 +1744,11 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ops need the whole batch at once (a batch norm's statistics) is refused by name. None
     or 1: the whole batch at once.
     A ``pp`` axis in ``mesh`` (``{"pp": 2, "dp": 2}``): pipeline stages, ranges of the step's
-    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's order, each
+    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's or 1F1B's order
+    (the faster by the cost model), each
     stage's ranks holding that stage's state (README, "Pipeline stages"); ``microbatches``
-    is then the stages' micro-batch count (None: the planner's choice), ``step.pipeline`` the
+    is then the stages' micro-batch count (None: the planner's choice), ``schedule``
+    ``"gpipe"`` or ``"1f1b"`` (None: the faster by the cost model), ``step.pipeline`` the
     pipeline plan. Not yet with fault tolerance, ``calibrate`` or a saved ``plan``.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
@@ -1747,7 +1760,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                                calibrate=calibrate, hosts=hosts, slurm=slurm, device=device,
                                fault_tolerance=fault_tolerance, max_restarts=max_restarts,
                                snapshot_every=snapshot_every, hang_s=hang_s,
-                               elastic=elastic, k8s=k8s, microbatches=microbatches)
+                               elastic=elastic, k8s=k8s, microbatches=microbatches,
+                               schedule=schedule)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -50,18 +50,19 @@ def _example(layers: int):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("layers", "axes", "m", "strategy"), [
-    (2, {"pp": 2}, 4, "auto"),
-    (2, {"pp": 2, "dp": 2}, 2, "auto"),
-    (2, {"pp": 2, "tp": 2}, 2, "megatron_tp"),
-    (4, {"pp": 4}, 2, "auto"),
-], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2"])
-def test_gpipe_stages_equal_one_process(layers, axes, m, strategy) -> None:
+@pytest.mark.parametrize(("layers", "axes", "m", "strategy", "schedule"), [
+    (2, {"pp": 2}, 4, "auto", "gpipe"),
+    (2, {"pp": 2, "dp": 2}, 2, "auto", "gpipe"),
+    (2, {"pp": 2, "tp": 2}, 2, "megatron_tp", "gpipe"),
+    (4, {"pp": 4}, 2, "auto", "gpipe"),
+    (4, {"pp": 4}, 4, "auto", "1f1b"),
+], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2", "pp4-m4-1f1b"])
+def test_stages_equal_one_process(layers, axes, m, strategy, schedule) -> None:
     """Every stage holds its own state only; the loss comes out of the last stage each step,
     and each state tensor, assembled from its stage's ranks, equals the interpreter's."""
     ex, traced, state, data, want, ref = _example(layers)
     graph = traced.graph
-    pp = plan_pipeline(graph, axes, topology="h100", schedule="gpipe", microbatches=m,
+    pp = plan_pipeline(graph, axes, topology="h100", schedule=schedule, microbatches=m,
                        strategy=strategy)
     inner, sizes = pp.inner, pp.mesh.sizes
     a, world = pp.mesh.index("pp"), int(torch.tensor(sizes).prod())
@@ -117,9 +118,10 @@ def test_gpipe_stages_equal_one_process(layers, axes, m, strategy) -> None:
 
 def test_what_is_not_lowered_yet_is_said() -> None:
     ex, traced, *_ = _example(2)
-    pp = plan_pipeline(traced.graph, {"pp": 2}, topology="h100", schedule="1f1b",
+    pp = plan_pipeline(traced.graph, {"pp": 2}, topology="h100", schedule="zb-h1",
                        microbatches=2)
-    with pytest.raises(meshplan.LoweringError, match="'1f1b': not lowered yet.*gpipe"):
+    with pytest.raises(meshplan.LoweringError, match="'zb-h1': not lowered yet.*'gpipe' and "
+                                                     "'1f1b' run"):
         lower_pipeline(pp, 0)
 
 
@@ -127,22 +129,24 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("axes", "launcher"), [({"pp": 2, "dp": 2}, "local"),
-                                                ({"pp": 4}, "mpi")], ids=["pp2dp2", "pp4-mpi"])
-def test_distribute_runs_stages_equal_to_one_process(axes, launcher) -> None:
-    """``distribute`` on a 4-layer GPT, ``pp=2 x dp=2`` on local processes and ``pp=4`` under
-    mpiexec: losses every step, the state gathered after 5 steps and the state written back
-    equal one process's (``check_equal_to_one_process``'s tolerances); the transfers between
-    stages are sends."""
+@pytest.mark.parametrize(("axes", "launcher", "schedule"), [
+    ({"pp": 2, "dp": 2}, "local", None), ({"pp": 4}, "mpi", "1f1b")], ids=["pp2dp2", "pp4-mpi"])
+def test_distribute_runs_stages_equal_to_one_process(axes, launcher, schedule) -> None:
+    """``distribute`` on a 4-layer GPT, ``pp=2 x dp=2`` on local processes (the schedule the
+    cost model picks) and ``pp=4`` in 1F1B's order under mpiexec: losses every step, the
+    state gathered after 5 steps and the state written back equal one process's
+    (``check_equal_to_one_process``'s tolerances); the transfers between stages are sends."""
     from test_distribute import check_equal_to_one_process
 
     def stages(step) -> None:
         assert step.pipeline.pp == axes["pp"] and step.pipeline.microbatches == 2
+        assert schedule is None or step.pipeline.schedule == schedule
         assert f"{axes['pp']} stages" in step.plan.summary()
         assert all(any(c["kind"] == "send" for c in rank) for rank in step.last_comm)
 
     check_equal_to_one_process("gpt4", axes, "auto", after_steps=stages, microbatches=2,
-                               launcher=launcher, telemetry=False, timeout_s=60)
+                               launcher=launcher, telemetry=False, timeout_s=60,
+                               schedule=schedule)
 
 
 @pytest.mark.timeout(240)

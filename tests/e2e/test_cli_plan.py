@@ -313,7 +313,7 @@ def test_golden_report_of_the_dp_plan(plans: dict) -> None:
 
 def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> None:
     """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
-    JSON; ``run`` runs a GPipe one (losses equal one process's: rtol 1e-5, the summation
+    JSON; ``run`` runs a 1F1B one (losses equal one process's: rtol 1e-5, the summation
     order of the micro-batches' gradients, as in ``test_run_matches_the_eager_step``) and
     refuses by name a schedule the ranks do not run yet; ``plan show`` says it does not read
     one; ``--schedule`` without a pp axis is refused."""
@@ -324,16 +324,16 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     target = f"{tmp_path / 'gpt_distributed.py'}:train_step"      # loads it as a module
     out, gp = tmp_path / "pp.plan", tmp_path / "gpipe.plan"
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
-                          "--schedule", "1f1b", "-o", str(out))
+                          "--schedule", "zb-h1", "-o", str(out))
     assert rc == 0, err
-    assert "2 stages, 1f1b" in text and "stage   1 |" in text
+    assert "2 stages, zb-h1" in text and "stage   1 |" in text
     assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
     rc, _, err = _main("plan", "show", str(out))
     assert rc != 0 and "is a pipeline plan" in err and "`plan show`" in err
     rc, _, err = _main("run", target, "--plan", str(out))
-    assert rc != 0 and "'1f1b': the stages run GPipe only yet" in err
+    assert rc != 0 and "'zb-h1': the stages run gpipe and 1f1b only yet" in err
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
-                          "--schedule", "gpipe", "--microbatches", "2", "-o", str(gp))
+                          "--schedule", "1f1b", "--microbatches", "2", "-o", str(gp))
     assert rc == 0 and "`meshplan run` runs it" in text, err
     rc, text, err = _main("run", target, "--plan", str(gp), "--steps", "2", "--json")
     assert rc == 0, err

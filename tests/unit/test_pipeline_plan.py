@@ -155,7 +155,8 @@ def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> 
     for kw, what in (({"fault_tolerance": True}, "snapshots and recovery of pipeline"),
                      ({"elastic": True}, "drop elastic="),
                      ({"calibrate": True}, "calibrate a run without 'pp'"),
-                     ({"plan": "x.plan"}, "not a pipeline's stages")):
+                     ({"plan": "x.plan"}, "not a pipeline's stages"),
+                     ({"schedule": "zb-h1"}, "the stages run 'gpipe' or '1f1b'")):
         with pytest.raises(meshplan.RuntimeFailure, match=what):
             meshplan.distribute(ex.step, mesh={"pp": 2}, **kw)
     step = meshplan.distribute(ex.step, mesh={"pp": 2})        # the default: off, and said
