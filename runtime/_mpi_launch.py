@@ -309,14 +309,60 @@ def _alive(pid: int) -> bool:
         return True
 
 
+KEEP_FIRST = 10        # a launcher's first stderr lines, kept with its last 50
+PROBE_S = 10.0         # how long probe_hosts waits for the launcher to reach a host
+
+
+def probe_hosts(hosts: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """After mpiexec gave up before every rank started: run MPICH's launcher (ssh, or
+    ``$HYDRA_LAUNCHER_EXEC``) with ``true`` on each host but this one, all at once, and
+    return ``HOST: what it said`` for each host it did not reach (empty when it reached
+    them all). Where the launcher is not ssh-like, nothing is probed."""
+    launcher = env.get("HYDRA_LAUNCHER", "ssh")
+    if launcher not in ("ssh", "rsh"):
+        return []
+    exe = env.get("HYDRA_LAUNCHER_EXEC") or shutil.which(launcher)
+    if not exe:
+        return []
+    opts = ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={int(PROBE_S)}"] \
+        if not env.get("HYDRA_LAUNCHER_EXEC") and launcher == "ssh" else []
+    procs = {}
+    for h in dict.fromkeys(hosts):
+        if is_this_host(h):
+            continue
+        try:
+            procs[h] = subprocess.Popen([exe, *opts, h, "true"], env=dict(env),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+        except OSError as exc:
+            return [f"{launcher} ({exe}) could not be run: {exc}"]
+    out = []
+    deadline = time.monotonic() + PROBE_S + 2
+    for h, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            out.append(f"{h}: {launcher} did not answer within {PROBE_S:g} s")
+            continue
+        if proc.returncode != 0:
+            words = " / ".join(x.strip() for x in err.splitlines() if x.strip())[:300]
+            out.append(f"{h}: {launcher} exited {proc.returncode}"
+                       + (f": {words}" if words else ""))
+    return out
+
+
 def _last_words(tail: list[str], n: int = 10) -> list[str]:
     """The last ``n`` lines of a launcher's stderr (mpiexec's, srun's), after the launcher's
     own lines that came before them (ssh's, the sandbox's, srun's: those that are not
     bracketed, as hydra's ``[mpiexec@...]``, ``[proxy:...]`` and the ranks' ``[rank N]``
     are), which name the host best and which later lines must not push out (seen under
-    load: the "no host" line was gone from the last 10)."""
+    load: the "no host" line was gone from the last 10): the first three of them (the cause;
+    a rank's traceback on a host that did start comes later) and the last three."""
     own = [line for line in tail[:-n] if line.strip() and not line.startswith("[")]
-    return own[-3:] + tail[-n:]
+    first = own[:3]
+    return first + own[3:][-3:] + tail[-n:]
 
 
 def _tee(stream, on_line=None) -> tuple[list[str], threading.Thread]:  # noqa: ANN001
@@ -332,7 +378,8 @@ def _tee(stream, on_line=None) -> tuple[list[str], threading.Thread]:  # noqa: A
             except OSError:
                 pass
             tail.append(raw.decode(errors="replace").rstrip())
-            del tail[:-50]
+            if len(tail) > KEEP_FIRST + 50:      # the first lines stay: they name the cause
+                del tail[KEEP_FIRST:-50]
             if on_line is not None:
                 on_line(tail[-1])
         stream.close()
@@ -484,11 +531,16 @@ class MPILauncher(LocalLauncher):
                 group.stderr_thread.join(5.0)
             said = "\n".join(f"    {line}" for line in _last_words(group.stderr_tail))
             where = ", ".join(f"{h} ({k} rank{'s' * (k != 1)})" for h, k in placement)
+            # mpiexec does not always pass its launcher's words on before it ends: ask the
+            # launcher itself whether it reaches each host
+            probed = "".join(f"\n    {line}" for line in probe_hosts(
+                [h for h, _ in placement], {**os.environ, **base}))
             raise WorkerFailure(
                 f"mpiexec ended (code {group.mpiexec.returncode}) before every rank started on "
                 f"{where}: a host "
                 "is unreachable, refused the launcher, or could not start Python there; "
-                f"mpiexec's last lines:\n{said}", reason="exit", ranks=exc.ranks,
+                + (f"its launcher, asked again:{probed}\n" if probed else "")
+                + f"mpiexec's last lines:\n{said}", reason="exit", ranks=exc.ranks,
                 kind=exc.kind, exit_code=group.mpiexec.returncode) from exc
         except BaseException:
             group.stop()

@@ -480,7 +480,7 @@ def test_an_unreachable_host_is_one_error_naming_it(box) -> None:
         shutil.rmtree(work, ignore_errors=True)
     assert r["type"] == "WorkerFailure", r
     assert "mpiexec ended" in r["message"] and "10.213.0.99 (1 rank)" in r["message"]
-    assert f"{box.name}: no host 10.213.0.99" in r["message"]     # the launcher's own words
+    assert f"{box.name}: no host 10.213.0.99" in r["message"], r["message"]   # its own words
     deadline = time.monotonic() + 15          # h0's hydra proxy ends once mpiexec has
     while _in_netns(box.hosts[0].pid) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -75,6 +75,10 @@ def test_the_launchers_own_words_survive_later_lines() -> None:
     assert said[0] == "meshplan sandbox x: no host 10.1.2.3"
     assert said[1:] == tail[-10:]
     assert _last_words(tail[1:6]) == tail[1:6]        # short: all of it, once
+    # a rank that did start prints a traceback (not bracketed) after it: the cause stays first
+    tail = [tail[1], *[f"  File x.py, line {i}" for i in range(6)], *tail[2:]]
+    said = _last_words(tail)
+    assert said[0] == "meshplan sandbox x: no host 10.1.2.3" and said[-10:] == tail[-10:]
 
 
 def test_a_lost_host_leaves_the_others_and_the_spares() -> None:
@@ -93,3 +97,23 @@ def test_a_lost_host_leaves_the_others_and_the_spares() -> None:
     assert host_slots(["a:2", "c:2"], 4, env={}) == [("a", 2), ("c", 2)]   # c takes b's ranks
     assert lost(["a", "b"], [3, 2], 4) == ({2, 3}, ["a:2"], ["b"])         # no spare: shrink
     assert lost(None, [1], 2) is None                                       # one host
+
+
+def test_the_launcher_is_asked_again_which_hosts_it_reaches(tmp_path) -> None:
+    """When mpiexec ends before every rank started, its launcher's own words may not have
+    come through it: ``probe_hosts`` runs the launcher (here a stand-in, as the sandbox's
+    ``HYDRA_LAUNCHER_EXEC``) with ``true`` on each host and names those it did not reach,
+    with what it said; this host is not asked."""
+    import socket
+
+    from meshplan.runtime._mpi_launch import probe_hosts
+
+    shim = tmp_path / "ssh"
+    shim.write_text('#!/bin/sh\ncase "$1" in good) exit 0 ;; '
+                    '*) echo "no route to $1" >&2; exit 255 ;; esac\n')
+    shim.chmod(0o755)
+    env = {"HYDRA_LAUNCHER": "ssh", "HYDRA_LAUNCHER_EXEC": str(shim), "PATH": "/usr/bin:/bin"}
+    said = probe_hosts(["good", "10.9.9.9", socket.gethostname()], env)
+    assert said == ["10.9.9.9: ssh exited 255: no route to 10.9.9.9"]
+    assert probe_hosts(["good"], env) == []
+    assert probe_hosts(["x"], {**env, "HYDRA_LAUNCHER": "slurm"}) == []   # not ssh-like
