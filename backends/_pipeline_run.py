@@ -325,6 +325,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     first_b = next((k for k, i in enumerate(per_mb) if phase(i) is Phase.BACKWARD), len(per_mb))
     f_idx, b_idx = per_mb[:first_b], per_mb[first_b:]
     mb_readers = readers(per_mb)
+    if pplan.schedule != "gpipe":
+        _check_one_way(pplan.schedule, graph, f_idx, b_idx, made, runs_on, mb_readers)
     mine = lambda idx: [i for i in idx if s in runs_on(i)]    # noqa: E731
     partial_here = [(instrs0[i].ref, cut.reduce_ops[i], maker_of_partial[i])
                     for i in sorted(cut.reductions) if i not in cut.hoisted
@@ -443,6 +445,32 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     return StageProgram(rank, s, p, m, pplan.schedule, tuple(forward), tuple(backward), step,
                         kept_keys or (), partials, tuple(prologue), split, tuple(hoisted),
                         hoist_inputs, stand, device)
+
+
+def _check_one_way(schedule: str, graph: Any, f_idx: Sequence[int], b_idx: Sequence[int],
+                   made: Any, runs_on: Any, read_by: Mapping[tuple, set[int]]) -> None:
+    """Transfers from one stage to another arrive in the order they were sent. In GPipe's
+    order every stage runs its forwards before its backwards, so that order is the
+    receiver's; in 1F1B's, a stage runs forward ``j + 1`` before backward ``j`` where its
+    neighbour may not, so a pair of stages that exchanges values one way in both the forward
+    and the backward parts would take one part's values for the other's: refused, naming
+    them (GPipe runs such a step)."""
+    kinds: dict[tuple[int, int], dict[str, str]] = {}
+    for kind, idx in (("forward", f_idx), ("backward", b_idx)):
+        for i in idx:
+            where = runs_on(i)
+            for k in made(i):
+                for u in read_by.get(k, set()) - where:
+                    kinds.setdefault((min(where), u), {}).setdefault(
+                        kind, k[1] if k[0] == "v" else f"a copy of {k[1]}")
+    both = {pair: got for pair, got in kinds.items() if len(got) == 2}
+    if both:
+        (a, b), got = sorted(both.items())[0]
+        raise LoweringError(
+            f"pipeline schedule {schedule!r}: stage {a} sends stage {b} values in both the "
+            f"forward and the backward parts (e.g. {got['forward']} and {got['backward']} of "
+            f"{graph.info.name!r}), which {schedule}'s order would deliver out of turn; run it "
+            "with schedule='gpipe'")
 
 
 def _follow_the_bytes(cut: Any, instrs: Sequence[Any], graph: Any, stage: dict[int, Any],

@@ -844,11 +844,11 @@ def pipeline_summary(plan: PipelinePlan) -> str:
         for c in range(d, len(plan.chunks), p):        # this device's chunks, in order
             ls = [u for u in plan.chunks[c] if u not in (PRE, POST)]
             spans.append(f"{ls[0]} .. {ls[-1]}" if len(ls) > 1 else ls[0])
-        lines.append(f"  stage {d}: {len(layers)} layers ({'; '.join(spans)})"
-                     + (f" + {' '.join(extra)}" if extra else "")
+        lines.append(f"  stage {d}: {len(layers)} layer{'s' * (len(layers) != 1)} "
+                     f"({'; '.join(spans)})" + (f" + {' '.join(extra)}" if extra else "")
                      + f"; per micro-batch fwd {ms(s.fwd_s)} bwd {ms(s.bwd_s)}; "
-                     f"{format_bytes(int(s.peak_bytes))} ({s.in_flight:g} micro-batches in "
-                     "flight)")
+                     f"{format_bytes(int(s.peak_bytes))} ({s.in_flight:g} micro-batch"
+                     f"{'es' * (s.in_flight != 1)} in flight)")
     if plan.tried:
         lines.append("  tried (fastest first): " + "; ".join(
             (f"{t.inner}: " if len({x.inner for x in plan.tried}) > 1 else "")

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from .._errors import MeshplanError, PlanError, RuntimeFailure
+from .._errors import LoweringError, MeshplanError, PlanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..backends._microbatch import (check_microbatched, check_microbatches, microbatch_plan,
                                     split_microbatched)
-from ..backends._pipeline_run import RUNS, Stages
+from ..backends._pipeline_run import RUNS, Stages, lower_pipeline
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
@@ -509,6 +509,7 @@ class DistributedStep:
 
         m = None if self._mb_asked is None else self.microbatches
         named = ",".join(f"{a}={n}" for a, n in self.mesh.items())
+        fallback = None
         if m == 1:
             raise RuntimeFailure(
                 f"{self.__name__}: distribute(microbatches=1) on mesh {named}: the stages run "
@@ -516,10 +517,10 @@ class DistributedStep:
                 "programs are cut by micro-batch); pass microbatches=2 or more (a divisor of "
                 "each data-parallel rank's batch), or None for the planner's choice")
 
-        def planned(m: int | None) -> PipelinePlan:
+        def planned(m: int | None, schedule: Any = self._schedule or RUNS) -> PipelinePlan:
             with contextlib.nullcontext() if self.kernels else kernels_disabled():
                 return plan_pipeline(graph, self.mesh, topology=self.topology,
-                                     strategy=self.strategy, schedule=self._schedule or RUNS,
+                                     strategy=self.strategy, schedule=schedule,
                                      microbatches=m,
                                      memory_limit_bytes=self.memory_limit_bytes,
                                      recompute=self.recompute)
@@ -527,8 +528,23 @@ class DistributedStep:
             pplan = planned(m)
             if pplan.microbatches == 1:       # the planner's choice: the least that runs
                 pplan = planned(2)
-            check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
-        except PlanError as e:
+            try:
+                check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
+            except PlanError as e:
+                raise PlanError(f"{e} (on mesh {named} the stages always run in micro-batches, "
+                                "so microbatches=1 is not a way out there: change that op, or "
+                                f"run without '{PP_AXIS}')") from None
+            if pplan.schedule != "gpipe":     # what its order cannot run, said here
+                try:
+                    lower_pipeline(Stages.of(pplan), 0)
+                except LoweringError as e:
+                    if self._schedule is not None:
+                        raise
+                    fallback = str(e).split("; run it")[0]
+                    logger.warning("meshplan: %s: %s; planning GPipe instead", self.__name__,
+                                   fallback)
+                    pplan = planned(pplan.microbatches, "gpipe")
+        except (PlanError, LoweringError) as e:
             raise RuntimeFailure(f"{self.__name__}: {e}") from None
         self._pipeline, self._stages = pplan, Stages.of(pplan)
         self._plan = pplan.inner
@@ -538,6 +554,7 @@ class DistributedStep:
         self._plan.solver["pipeline"] = (
             f"{pplan.pp} stages on mesh {pplan.mesh} (layers per stage {sizes}), "
             + (f"{pplan.schedule}, as asked, " if self._schedule else
+               f"gpipe ({fallback}), " if fallback else
                f"{pplan.schedule} (the faster of {' and '.join(RUNS)}, the schedules the "
                "ranks run), ") +
             f"{pplan.microbatches} micro-batches, estimated step "

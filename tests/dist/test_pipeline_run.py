@@ -230,3 +230,48 @@ def test_a_user_classifier_on_stages_equals_one_process() -> None:
         step.sync()
     for (name, a), b in zip(plain.named_parameters(), mine.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Wrapped(torch.nn.Module):
+    """Layers between an input and an output Linear: with a sum loss, one stage sends the
+    other a value in a forward part (one its backward reads) and one in a backward part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+        self.out = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.out(x)
+
+
+@pytest.mark.timeout(120)
+def test_1f1b_refuses_a_step_its_order_cannot_run() -> None:
+    """Two stages that exchange values one way in both the forward and the backward parts
+    would take one part's values for the other's in 1F1B's order (found by a user trial:
+    wrong parameters on pp=2, a hang on pp=4): ``schedule="1f1b"`` is refused naming them, and
+    the planner's choice falls back to GPipe, which runs it. Planned only: no rank starts."""
+    torch.manual_seed(0)
+    model = _Wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def train_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    batch = (torch.randn(16, 16), torch.randn(16, 10))
+    asked = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2, schedule="1f1b",
+                                example_inputs=batch)
+    with pytest.raises(meshplan.RuntimeFailure, match="sends stage [01] values in both the "
+                                                      "forward and the backward parts"):
+        asked.plan
+    chosen = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2,
+                                 example_inputs=batch)
+    assert chosen.pipeline.schedule == "gpipe"
