@@ -43,8 +43,8 @@ from torch import Tensor, nn
 
 import meshplan
 from meshplan.benchmarks.step_time import (CLIP, CONFIG, SEED, TIMEOUT_S, Result, _batches,
-                                           _error_line, _free_port, _meshplan_env, _mesh_steps,
-                                           _rss_kib, _threads, _timed_call, spawn_ranks)
+                                           _free_port, _rss_kib, _threads, measure_mesh,
+                                           spawn_ranks)
 from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
 
@@ -154,17 +154,7 @@ def run_meshplan(variant: str, p: int, m: int, warmup: int, steps: int) -> Resul
     step = meshplan.distribute(ex.step, mesh={"pp": p}, microbatches=m, topology="cpu",
                                schedule=variant.split("-")[1], example_inputs=batches[0],
                                timeout_s=TIMEOUT_S, telemetry=False)
-    try:
-        with _meshplan_env(_threads(p)), step:
-            t0 = time.perf_counter()
-            _ = step.plan
-            plan_s = time.perf_counter() - t0
-            first_s = _timed_call(step, batches[0])[1]
-            second_s = _timed_call(step, batches[1])[1]
-            r = _mesh_steps(step, batches[2:], warmup, Result(variant=variant, ranks=p))
-    except meshplan.MeshplanError as exc:
-        return Result(variant=variant, ranks=p, error=_error_line(exc))
-    return replace(r, plan_s=plan_s, first_s=first_s, second_s=second_s)
+    return measure_mesh(step, batches, warmup, variant, p)
 
 
 def _merge(a: Result | None, b: Result) -> Result:

@@ -327,7 +327,13 @@ def run_meshplan(variant: str, n: int, warmup: int, steps: int) -> Result:
                                example_inputs=batches[0], timeout_s=TIMEOUT_S,
                                fault_tolerance=False,      # DDP keeps no snapshots either
                                microbatches=MICROBATCHES)
-    name = f"meshplan {variant}"
+    return measure_mesh(step, batches, warmup, f"meshplan {variant}", n, env)
+
+
+def measure_mesh(step: Any, batches: Sequence[tuple[Tensor, Tensor]], warmup: int, name: str,
+                 n: int, env: dict[str, str] | None = None) -> Result:
+    """A distributed step's trace + plan, its first and second calls, then its steps on
+    ``batches[2:]`` (``_mesh_steps``), its workers given ``env`` and this file's timer."""
     try:
         with _meshplan_env(_threads(n), env), step:
             t0 = time.perf_counter()
