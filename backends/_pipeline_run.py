@@ -84,10 +84,6 @@ class Stages:
     def pp(self) -> int:
         return self.mesh.sizes[self.mesh.index(PP_AXIS)]
 
-    @property
-    def world(self) -> int:
-        return math.prod(self.mesh.sizes)
-
     def to_json(self) -> dict[str, Any]:
         return {"axes": [list(a) for a in self.mesh.axes],
                 "chunks": [list(c) for c in self.chunks], "schedule": self.schedule,
@@ -117,12 +113,15 @@ class Stages:
         """The rank whose step results the controller reads: the last stage's first."""
         return self.rank(self.pp - 1, 0)
 
+    def stage_of_unit(self) -> dict[str, int]:
+        """Each unit's stage (``unit_map``'s units): the device of its chunk."""
+        return {u: k % self.pp for k, chunk in enumerate(self.chunks) for u in chunk}
+
     def owners(self) -> dict[str, int]:
         """Each state tensor's stage (by input target): the stage of its unit's chunk."""
         graph = self.inner.graph
         _, unit = unit_map(graph)
-        p = self.pp
-        stage_of_unit = {u: k % p for k, chunk in enumerate(self.chunks) for u in chunk}
+        stage_of_unit = self.stage_of_unit()
         return {n.target: stage_of_unit[unit[n.name]] for n in graph.inputs
                 if n.meta.role in STATE_ROLES}
 
@@ -161,19 +160,16 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     if pplan.schedule not in RUNS:
         raise LoweringError(f"pipeline schedule {pplan.schedule!r}: not lowered yet (only "
                             f"{' and '.join(map(repr, RUNS))} run); plan with one of them")
-    mesh, a = pplan.mesh, pplan.mesh.index(PP_AXIS)
-    sizes, p, m = mesh.sizes, pplan.pp, pplan.microbatches
-    coords = rank_coords(rank, sizes)
-    s = coords[a]
-    inner = pplan.inner
-    inner_sizes = inner.mesh.sizes
-    inner_coords = coords[:a] + coords[a + 1:]
-    c = coords_rank(inner_coords, inner_sizes) if inner_coords else 0
-    world = math.prod(inner_sizes)
+    pipe = pplan if isinstance(pplan, Stages) else Stages.of(pplan)
+    p, m = pipe.pp, pipe.microbatches
+    s, c = pipe.stage(rank), pipe.inner_rank(rank)
+    inner = pipe.inner
+    world = math.prod(inner.mesh.sizes)
 
     def real(stage: int, inner_rank: int) -> int:
-        ic = rank_coords(inner_rank % world, inner_sizes)
-        return coords_rank(ic[:a] + (stage,) + ic[a:], sizes)
+        """The rank of ``stage`` at inner rank ``inner_rank`` (a micro-batch plan's rank:
+        its micro-batch's part taken off)."""
+        return pipe.rank(stage, inner_rank % world)
 
     graph = inner.graph
     plan = microbatch_plan(inner, m)
@@ -181,7 +177,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     cut = _cut(plan, raws[0], 0)
     instrs0 = raws[0].instrs
     _, unit = unit_map(graph)
-    stage_of_unit = {u: k % p for k, chunk in enumerate(pplan.chunks) for u in chunk}
+    stage_of_unit = pipe.stage_of_unit()
     inputs = {n.name: n for n in graph.inputs}
     by_target = {n.target: n.name for n in graph.inputs}
 
@@ -352,7 +348,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         if not others:
             continue
         shape = local_shape(inputs[name].outputs[0].shape, inner.input_layouts[inputs[name].target],
-                            inner_sizes)
+                            inner.mesh.sizes)
         prologue.append((name, inputs[name].target, real(owner, c),
                          tuple(real(t, c) for t in others), shape, inputs[name].outputs[0].dtype))
         if s in others:
