@@ -59,7 +59,9 @@ SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _SEM_STRIDE = 64                    # >= sizeof(sem_t) (32 on 64-bit Linux), one cache line
 TOKEN_BYTES = 16                    # random bytes at offset 0: proof a member mapped our file
-_SLICE_S = 0.2                      # sem_timedwait slices (signals are handled between them)
+# sem_timedwait slices: signals are handled, and the members' pids checked, between them. A
+# member that died is seen within one slice (a fault-tolerance replacement waits for it)
+_SLICE_S = 0.02
 
 
 class _Timespec(ctypes.Structure):

@@ -73,12 +73,14 @@ def _example():
 
 
 class _Seen(logging.Handler):
-    """Times when the controller said it saw a failure (its warning line)."""
+    """Times when the controller said it saw a failure (its warning line), and the parts of
+    each recovery it timed (its INFO line)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.failures: list[float] = []
         self.lines: list[str] = []
+        self.parts: list[dict[str, float]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
@@ -86,6 +88,10 @@ class _Seen(logging.Handler):
             self.failures.append(time.monotonic())
         if "recovered" in text:
             self.lines.append(text)
+        if "the recovery's parts: " in text:
+            body = text.split("the recovery's parts: ")[1].split(", then")[0]
+            self.parts.append({name: float(ms) for name, ms in
+                               (part.rsplit(" ", 2)[:2] for part in body.split(", "))})
 
 
 _VARIANTS = {"off": {"fault_tolerance": False}, "every step": {"fault_tolerance": True},
@@ -113,7 +119,7 @@ def recovery(ranks: int, kills: int, seed: int = 0, gap_s: float = 0.0,
     rng = random.Random(seed)
     seen = _Seen()
     logging.getLogger("meshplan").addHandler(seen)
-    logging.getLogger("meshplan").setLevel(logging.WARNING)
+    logging.getLogger("meshplan").setLevel(logging.INFO)
     ex = _example()
     step = meshplan.distribute(ex.step, mesh={"dp": ranks}, strategy="dp", telemetry=False,
                                fault_tolerance=True, max_restarts=kills + 1, **launch)
@@ -136,8 +142,9 @@ def recovery(ranks: int, kills: int, seed: int = 0, gap_s: float = 0.0,
             restarts = step.restarts
     finally:
         logging.getLogger("meshplan").removeHandler(seen)
+        logging.getLogger("meshplan").setLevel(logging.WARNING)
     return {"detect": detect, "back": back, "replaced": replaced, "restarts": restarts,
-            "step_s": typical}
+            "step_s": typical, "parts": seen.parts}
 
 
 def churn(ranks: int, kills: int, every_s: float, seed: int = 0) -> dict[str, object]:
@@ -441,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.ranks, a.kills, a.steps, a.rounds, a.torchrun_kills = 2, 3, 10, 1, 1
     logging.basicConfig(level=logging.ERROR)
+    for handler in logging.getLogger().handlers:    # meshplan's INFO lines go to _Seen only
+        handler.setLevel(logging.WARNING)
     torch.manual_seed(0)
     print(f"# faults: GPT d_model {CONFIG.d_model}, {CONFIG.n_layer} layers, batch "
           f"{CONFIG.batch_size}, {a.ranks} ranks (dp), {os.cpu_count()} cores, load "
@@ -460,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{_pct(det, .99):.2f} s; kill -> next committed step p50 {_pct(back, .5):.2f} s"
               f" / p99 {_pct(back, .99):.2f} s (a step takes {rec['step_s'] * 1e3:.0f} ms)",
               flush=True)
+        names = list(dict.fromkeys(k for p in rec["parts"] for k in p))
+        if names:
+            print("  a replacement's parts, p50: " + ", ".join(
+                f"{k} {statistics.median(p.get(k, 0.0) for p in rec['parts']):.0f} ms"
+                for k in names), flush=True)
         lost = statistics.median(back) - rec["step_s"]
         rates = [60, 600, 3600]
         print("churn: throughput kept at one kill per " + ", ".join(
@@ -499,6 +513,8 @@ def _k8s(a: argparse.Namespace) -> int:
     from _k8s_standin import StandIn
 
     logging.basicConfig(level=logging.ERROR)
+    for handler in logging.getLogger().handlers:    # meshplan's INFO lines go to _Seen only
+        handler.setLevel(logging.WARNING)
     torch.manual_seed(0)
     print(f"# faults under k8s (stand-in): GPT d_model {CONFIG.d_model}, {a.ranks} ranks (dp) "
           f"on {a.k8s} pods, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",

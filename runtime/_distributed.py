@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -156,6 +157,7 @@ class DistributedStep:
                 "`meshplan calibrate --from-telemetry` on one), then pass its topology")
         # each plan's micro-batch plan (backends/_microbatch.py), by the plan's id
         self._mb_plans: dict[int, tuple[Plan, Plan]] = {}
+        self._plan_texts: dict[int, tuple[Plan, str, str]] = {}
         self.topology = topology or (gpu_topology() if self.device == "cuda" else "cpu")
         self.strategy = strategy
         check_precision(precision)
@@ -637,10 +639,19 @@ class DistributedStep:
             got = self._mb_plans[id(plan)] = (plan, mb)
         return got[1]
 
+    def _plan_json(self, plan: Plan) -> str:
+        """``plan.to_json()``, kept while ``plan`` and its solver notes stay as they were: a
+        replaced rank's setup sends it again (35-100 ms for the fault benchmark's GPT)."""
+        notes = json.dumps(plan.solver, sort_keys=True, default=str)
+        got = self._plan_texts.get(id(plan))
+        if got is None or got[0] is not plan or got[1] != notes:
+            got = self._plan_texts[id(plan)] = (plan, notes, plan.to_json())
+        return got[2]
+
     def _plans_for_ranks(self, plan: Plan) -> list[dict[str, str]]:
         """``_plan_for_ranks`` of ``plan``, with its micro-batch plan under ``mb_`` keys, or
         a pipeline's stages (``stages``)."""
-        out = self._plan_for_ranks(plan.to_json())
+        out = self._plan_for_ranks(self._plan_json(plan))
         if self._stages is not None:
             stages = self._stages.to_json()
             return [{**a, "stages": stages} for a in out]
@@ -1087,12 +1098,15 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: no step before {in_flight} has a snapshot "
                                  f"on every rank (they hold {dict(enumerate(held))}); the run "
                                  "cannot go on from memory: load the last checkpoint")
+        phase = _Phases(ft.phases)
         workers.broadcast("restore_snapshot", {"step": restored})
         workers.gather("restore_snapshot", self.timeout_s)
+        phase("snapshots read")
         for variant in sorted(self._variants.values(), key=lambda v: v.id):
             if variant.id != 0:
                 self._add_program(variant, new)
         self._rerun(ft.replay(restored, in_flight))
+        phase("kept steps re-run")
         return restored
 
     def _shrink(self, failure: WorkerFailure, in_flight: int, relocate: bool = False) -> int:
@@ -1301,12 +1315,15 @@ class DistributedStep:
         failed = sorted(set(failure.ranks) | set(workers.failed_ranks()))
         workers.kill(failed)
         survivors = [r for r in range(workers.n) if r not in failed]
+        phase = _Phases(ft.phases)
         if not workers.sync(survivors, max(_SYNC_S, 2 * self.hang_s)):
             logger.warning("meshplan: %s: a surviving rank did not come out of its step; "
                            "starting every rank again", self.__name__)
             return None, []
+        phase("survivors out of their step")
         try:
             workers.respawn(failed, self.timeout_s)
+            phase("replacement started")
             ft.generation += 1
             header, plans = self._setup_header(), self._plans_for_ranks(self.plan)
             for rank in failed:
@@ -1314,8 +1331,10 @@ class DistributedStep:
                     **header, **plans[rank], "state": [], "checkpoint": {}, "comm": False,
                     "snapshot": self._snapshot_header(rank, True)})
             workers.gather("setup", self.timeout_s, ranks=failed)
+            phase("replacement set up")
             workers.broadcast("rejoin", {"generation": ft.generation})
             replies = workers.gather("rejoin", self.timeout_s)
+            phase("communicator built")
         except (WorkerFailure, StepFailed) as exc:
             logger.warning("meshplan: %s: replacing %s failed (%s); starting every rank again",
                            self.__name__, _ranks_text(failed), str(exc).splitlines()[0])
@@ -1486,6 +1505,11 @@ class DistributedStep:
         logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: %s, every "
                        "rank went back to its snapshot after step %d and re-ran %d step%s",
                        self.__name__, took, how, restored, replayed, "s" * (replayed != 1))
+        if ft.phases:
+            logger.info("meshplan: %s: the recovery's parts: %s, then the interrupted step",
+                        self.__name__, ", ".join(f"{k} {v * 1e3:.0f} ms"
+                                                 for k, v in ft.phases.items()))
+            ft.phases = {}
         if self._tel is not None:
             self._tel.recovery(failure, step=step, restart=self.restarts, restored=restored,
                                replayed=replayed, took_s=took, plan=self.plan)
@@ -1804,6 +1828,18 @@ class RunCalibration:
         return (f"calibrated on run {self.run_id}: {got}estimated "
                 f"{self.before.estimated_step_time_s * 1e3:.1f} ms before, "
                 f"{self.after.estimated_step_time_s * 1e3:.1f} ms with the fitted machine; {what}")
+
+
+class _Phases:
+    """Times a recovery's parts into ``into`` (name -> seconds since the previous one)."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.last = into, time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.into[name] = self.into.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -75,6 +75,8 @@ class Recovery:
         self.restarts = 0
         self.generation = 0       # communicators built after a rank was replaced
         self.replaced: list[int] = []             # the ranks the last recovery started
+        # the last recovery's parts, seconds by name, in order (logged at INFO once it is over)
+        self.phases: dict[str, float] = {}
         # (rank, state name) -> the rank whose snapshot holds that piece (_snapshot_owners)
         self.owners: dict[tuple[int, str], int] | None = None
         # the last two snapshot steps every rank ran: a snapshot is copied while the next

@@ -35,11 +35,22 @@ What a forked worker inherits that a new interpreter would not, and what is done
 A zygote that dies (killed, out of memory) takes its workers along: each then reads as killed,
 its failure saying that its zygote ended first, and the next launch starts a new zygote.
 
+Every fork comes after ``gc.freeze()`` (as Python's ``gc`` documentation advises for a fork
+without exec): the objects the zygote made are left out of the child's collections, which
+otherwise write to every one of them and so copy every page they lie on. Measured on this
+2-core VM, a forked worker's first lowering of the fault benchmark's GPT plan: 236 ms and
+21,900 page faults without, 70 ms and 3,500 with (``benchmarks/README.md``, "Churn").
+
+Before its first fault-tolerance spare (``MESHPLAN_SPARE=1``), the zygote loads the CPU AdamW
+kernel (numba, serial: no thread starts), so no spare after it spends the ~0.9 s of a core that
+loading it takes, beside ranks that are running steps (``_warm_once``).
+
 ``MESHPLAN_ZYGOTE=0`` turns it off (every worker a new interpreter, as before).
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -63,7 +74,7 @@ PRELOAD = ("torch", "meshplan.runtime._worker", "meshplan.runtime._handlers")
 # environment variables read while those modules import: a worker whose values differ is started
 # as a new interpreter
 IMPORT_ENV = ("TORCH", "PYTORCH", "OMP_", "GOMP_", "KMP_", "MKL", "OPENBLAS", "LD_", "CUDA",
-              "NVIDIA", "HIP", "ROCM", "PYTHON", "MALLOC", "TRITON")
+              "NVIDIA", "HIP", "ROCM", "PYTHON", "MALLOC", "TRITON", "NUMBA")
 APPLIED_IN_CHILD = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH"})
 READY_TIMEOUT_S = 120.0
 _MAX_MSG = 1 << 20
@@ -461,8 +472,11 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], wake: tuple[int, i
         sock.send(json.dumps({"refused": path}).encode())
         return
     request["path"] = path
+    if request["env"].get("MESHPLAN_SPARE") == "1":
+        _warm_once(request["env"])
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()         # what is here now is never collected in the child (see the docstring)
     try:
         pid = os.fork()
     except OSError as exc:
@@ -485,6 +499,33 @@ def _fork(sock: socket.socket, request: dict, fds: list[int], wake: tuple[int, i
         pass                                    # the controller is gone: so is the child
     for fd in pidfd:
         os.close(fd)
+
+
+_WARMED: list[bool] = []
+
+
+def _warm_once(env: Mapping[str, str]) -> None:
+    """Load the CPU AdamW kernel here, once, before the first spare's fork, so that every later
+    spare inherits it compiled instead of loading it itself (``kernels.warm_cpu``: ~0.9 s of a
+    core per spare, taken from the ranks running beside it on a busy host). Only numba and
+    numpy run: no tensor op, so no thread pool is started in this process (numba's njit kernel
+    is serial). Best effort, and never again after a failure; the spare then loads it itself."""
+    if _WARMED:
+        return
+    _WARMED.append(True)
+    if env.get("MESHPLAN_KERNELS", "on").strip().lower() in ("off", "0", "false", "no"):
+        return
+    try:
+        import numpy as np
+
+        from meshplan.kernels import _cpu_optim
+
+        kernel = _cpu_optim._numba_kernel()
+        a, b, c, d = (np.zeros(8, dtype=np.float32) for _ in range(4))
+        one = np.float32(1.0)
+        kernel(a, b, c, d, one, one, one, False, one, one, one, one, one)
+    except Exception:  # noqa: BLE001 - numba missing or broken: each spare tries on its own
+        pass
 
 
 def _child(request: dict, fds: list[int], close: list[int]) -> None:

@@ -143,3 +143,17 @@ def test_warm_cpu_loads_the_optimizer_kernel_a_spare_would_otherwise_load_in_its
 
     warm_cpu()
     assert _cpu_optim._numba_kernel.cache_info().currsize == 1
+
+
+def test_the_zygote_loads_the_same_kernel_signature_its_spares_would_call(monkeypatch) -> None:
+    """The zygote loads the AdamW kernel once, before its first spare's fork, from numpy
+    arrays (no tensor op there); the types it passes must be those ``warm_cpu`` and the
+    lowering pass, or every spare would still compile its own."""
+    from meshplan.kernels import _cpu_optim, warm_cpu
+    from meshplan.runtime import _zygote
+
+    monkeypatch.setattr(_zygote, "_WARMED", [])
+    _zygote._warm_once({})
+    assert _zygote._WARMED == [True]
+    warm_cpu()
+    assert len(_cpu_optim._numba_kernel().signatures) == 1
