@@ -131,11 +131,12 @@ class Communicator(Protocol):
 
     def broadcast(self, t: torch.Tensor, src: int, group: tuple[int, ...]) -> torch.Tensor: ...
 
-    def send(self, t: torch.Tensor, dst: int) -> None: ...
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None: ...
 
-    def send_start(self, t: torch.Tensor, dst: int) -> PendingReduce: ...
+    def send_start(self, t: torch.Tensor, dst: int, tag: int = 0) -> PendingReduce: ...
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor: ...
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+             tag: int = 0) -> torch.Tensor: ...
 
     def barrier(self, group: tuple[int, ...] | None = None) -> None: ...
 
@@ -193,6 +194,15 @@ def check_peer(peer: int, rank: int, world_size: int, where: str) -> int:
         raise LoweringError(f"{where}: peer rank {peer!r} must be another rank in "
                             f"0..{world_size - 1} (this is rank {rank})")
     return peer
+
+
+MAX_TAG = (1 << 15) - 1          # MPI promises tags up to 32767 (MPI_TAG_UB >= 2**15 - 1)
+
+
+def check_tag(tag: int) -> int:
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+        raise LoweringError(f"point-to-point tag {tag!r} must be an int in 0..{MAX_TAG}")
+    return tag
 
 
 def contiguous_copy(t: torch.Tensor) -> torch.Tensor:
@@ -305,30 +315,38 @@ class CommBase:
         return self._timed(CollectiveKind.BROADCAST, g, t.nbytes,
                            lambda: self._broadcast(t, src, g))
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Blocks until the receiver has the data (or the timeout expires)."""
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Blocks until the receiver has the data (or the timeout expires). ``tag``: a
+        ``recv`` from this rank takes only what was sent with its tag (0 to 2**15 - 1)."""
         check_peer(dst, self.rank, self.world_size, "send")
-        self._timed(CollectiveKind.SEND, (self.rank, dst), t.nbytes, lambda: self._send(t, dst))
+        check_tag(tag)
+        self._timed(CollectiveKind.SEND, (self.rank, dst), t.nbytes,
+                    lambda: self._send(t, dst, tag))
 
-    def send_start(self, t: torch.Tensor, dst: int) -> PendingReduce:
+    def send_start(self, t: torch.Tensor, dst: int, tag: int = 0) -> PendingReduce:
         """``send`` without waiting for the receiver: ``wait()`` on the result blocks until it
-        has the data (``t`` must not change before). Sends to one peer arrive in the order
-        they were started. The record's time is from the start to the end of ``wait()``."""
+        has the data (``t`` must not change before). Sends to one peer with one tag arrive in
+        the order they were started. The record's time is from the start to the end of
+        ``wait()``."""
         check_peer(dst, self.rank, self.world_size, "send")
+        check_tag(tag)
         kind, g, nbytes = CollectiveKind.SEND, (self.rank, dst), int(t.nbytes)
         start, t0 = time.time(), time.perf_counter()
-        finish = self._guard(kind, g, lambda: self._send_start(t, dst))
+        finish = self._guard(kind, g, lambda: self._send_start(t, dst, tag))
 
         def record() -> None:
             self.records.append(CommRecord(kind, g, nbytes, start, time.perf_counter() - t0))
         return PendingReduce(lambda: self._guard(kind, g, lambda: (finish(), t)[1]), record)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+             tag: int = 0) -> torch.Tensor:
+        """The next tensor ``src`` sent this rank with ``tag``."""
         check_peer(src, self.rank, self.world_size, "recv")
+        check_tag(tag)
         shape = tuple(int(s) for s in shape)
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         return self._timed(CollectiveKind.RECV, (src, self.rank), nbytes,
-                           lambda: self._recv(shape, dtype, src))
+                           lambda: self._recv(shape, dtype, src, tag))
 
     def barrier(self, group: tuple[int, ...] | None = None) -> None:
         g = self._group(group, "barrier")
@@ -351,16 +369,16 @@ class CommBase:
         out = self._all_reduce(t, g, op)
         return lambda: out
 
-    def _send_start(self, t, dst):
-        self._send(t, dst)
+    def _send_start(self, t, dst, tag):
+        self._send(t, dst, tag)
         return lambda: None
 
     def _all_gather(self, t, g, dim): raise NotImplementedError
     def _reduce_scatter(self, t, g, dim, op): raise NotImplementedError
     def _all_to_all(self, t, g, split_dim, cat_dim): raise NotImplementedError
     def _broadcast(self, t, src, g): raise NotImplementedError
-    def _send(self, t, dst): raise NotImplementedError
-    def _recv(self, shape, dtype, src): raise NotImplementedError
+    def _send(self, t, dst, tag): raise NotImplementedError
+    def _recv(self, shape, dtype, src, tag): raise NotImplementedError
     def _barrier(self, g): raise NotImplementedError
 
 
@@ -653,17 +671,17 @@ class TorchCommunicator(CommBase):
         dist.broadcast(_wire(out), src=src, group=self._pgs[g])
         return out
 
-    def _send(self, t, dst):
-        dist.send(_wire(t.contiguous()), dst)
+    def _send(self, t, dst, tag):
+        dist.send(_wire(t.contiguous()), dst, tag=tag)
 
-    def _send_start(self, t, dst):
+    def _send_start(self, t, dst, tag):
         src = _wire(t.contiguous())
-        work = dist.isend(src, dst)
+        work = dist.isend(src, dst, tag=tag)
         return lambda: (work.wait(timedelta(seconds=self.timeout_s)), src)
 
-    def _recv(self, shape, dtype, src):
+    def _recv(self, shape, dtype, src, tag):
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(_wire(out), src)
+        dist.recv(_wire(out), src, tag=tag)
         return out
 
     def _barrier(self, g):
@@ -738,11 +756,12 @@ class HostStagedCommunicator(TorchCommunicator):
     def broadcast(self, t: torch.Tensor, src: int, group: tuple[int, ...]) -> torch.Tensor:
         return super().broadcast(t.cpu(), src, group).to(t.device)
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        super().send(t.cpu(), dst)
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        super().send(t.cpu(), dst, tag)
 
-    def send_start(self, t: torch.Tensor, dst: int) -> PendingReduce:
-        return super().send_start(t.cpu(), dst)
+    def send_start(self, t: torch.Tensor, dst: int, tag: int = 0) -> PendingReduce:
+        return super().send_start(t.cpu(), dst, tag)
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        return super().recv(shape, dtype, src).to(self.gpu)
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+             tag: int = 0) -> torch.Tensor:
+        return super().recv(shape, dtype, src, tag).to(self.gpu)

@@ -96,11 +96,13 @@ class Free:
 @dataclass(frozen=True, slots=True)
 class Send:
     """Send this rank's piece of a value (``layout`` None: as made; else its copy in that
-    layout) to rank ``peer``: a pipeline stage's value another stage reads."""
+    layout) to rank ``peer``: a pipeline stage's value another stage reads. ``tag``: the part
+    of the step it belongs to (``_pipeline_run.TAGS``); the receiver takes it by that tag."""
 
     ref: Ref
     layout: Layout | None
     peer: int
+    tag: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,7 @@ class Recv:
     peer: int
     shape: tuple[int, ...]
     dtype: str
+    tag: int = 0
 
 
 Instruction = Reshard | Compute | Free | Drop | Bucket | KernelCall | Send | Recv
@@ -546,17 +549,17 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                     v = (v.contiguous() if isinstance(v, Tensor) else
                          torch.tensor(v, dtype=torch.float64))
                     if sends is None:
-                        comm.send(v, ins.peer)
+                        comm.send(v, ins.peer, ins.tag)
                     else:
-                        sends.append(comm.send_start(v, ins.peer))
+                        sends.append(comm.send_start(v, ins.peer, ins.tag))
                 elif isinstance(ins, Recv):
                     if ins.dtype.startswith("scalar:"):      # a host scalar: sent as float64
-                        got = comm.recv((), torch.float64, ins.peer).item()
+                        got = comm.recv((), torch.float64, ins.peer, ins.tag).item()
                         kind = ins.dtype[len("scalar:"):]
                         v = int(got) if kind.startswith("int") else (
                             bool(got) if kind == "bool" else got)
                     else:
-                        v = comm.recv(ins.shape, getattr(torch, ins.dtype), ins.peer)
+                        v = comm.recv(ins.shape, getattr(torch, ins.dtype), ins.peer, ins.tag)
                     _put(env, copies, ins.ref.node, ins.ref.index, ins.layout, v)
                 else:
                     raise LoweringError(f"rank {program.rank}: unknown instruction {ins!r}")

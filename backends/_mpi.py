@@ -201,18 +201,18 @@ class MPICommunicator(CommBase):
                   out)
         return out
 
-    def _send(self, t, dst):
-        self._send_start(t, dst)()
+    def _send(self, t, dst, tag):
+        self._send_start(t, dst, tag)()
 
-    def _send_start(self, t, dst):
+    def _send_start(self, t, dst, tag):
         src = t.contiguous()
-        req = self.world.Issend(_bytes(src), dst, tag=0)
+        req = self.world.Issend(_bytes(src), dst, tag=tag)
         return lambda: self.wait(req, f"send to rank {dst}", src)
 
-    def _recv(self, shape, dtype, src):
+    def _recv(self, shape, dtype, src, tag):
         out = torch.empty(shape, dtype=dtype)
         status = self._MPI.Status()
-        self.wait(self.world.Irecv(_bytes(out), src, tag=0), f"recv from rank {src}", out,
+        self.wait(self.world.Irecv(_bytes(out), src, tag=tag), f"recv from rank {src}", out,
                   status=status)
         got = status.Get_count(self._MPI.BYTE)
         if got != out.nbytes:

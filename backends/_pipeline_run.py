@@ -12,22 +12,27 @@ of the partial gradients). Here each part is cut again by stage, and in three:
 - the **step** part, once.
 
 A value one stage makes and another reads travels between the two ranks of the same inner
-coordinates (``Send`` / ``Recv`` in both programs, at the place in the part where it is made:
-the pairs of ranks meet their transfers in the same order, so blocking sends cannot
-deadlock within a part). State one stage owns and another reads (a tied embedding's weight
-in the head) is sent once per step, before the micro-batches. The stages run the parts in
-the schedule's order (``device_orders``): GPipe, every forward before any backward.
+coordinates (``Send`` / ``Recv`` in both programs, at the place in the part where it is made,
+tagged with the part: ``TAGS``). State one stage owns and another reads (a tied embedding's
+weight in the head) is sent once per step, before the micro-batches. The stages run the parts
+in the schedule's order (``device_orders``): GPipe (every forward before any backward) or
+1F1B (forward ``j + 1`` before backward ``j`` where the warm-up is over).
 
 Sends do not wait for their receiver (``Communicator.send_start``): a stage runs on while its
-neighbour is busy, and waits for its sends at the end of the step. Ops of the step part
-outside the layers (gradient clipping's norms and scaling) run where most of what they read
-is made (``_follow_the_bytes``), so only scalars cross stages there.
+neighbour is busy, and waits for its sends at the end of the step. A receive takes only what
+was sent with its part's tag, so the interleaved parts of 1F1B never take each other's
+values; in each part, the two stages of a pair meet their transfers in the same order. The
+lowering runs every stage's transfers on paper in the schedule's order (``_check_order``) and
+refuses, by name, an order that would wait forever or deliver a value for another.
+
+Ops of the step part outside the layers (gradient clipping's norms and scaling) run where
+most of what they read is made (``_follow_the_bytes``), so only scalars cross stages there.
 
 ``distribute`` runs these programs on a mesh with a ``pp`` axis (``Stages``: what a rank's
 setup carries; the controller splits the state by each tensor's stage).
 
-Not yet: 1F1B, interleaved and zero-bubble orders (they need the transfers that go against
-the order of the stages inside a part refused or moved); the all-or-nothing vote of a step
+Not yet: interleaved and zero-bubble orders (several chunks per rank; a weight-gradient part
+of its own); the all-or-nothing vote of a step
 (a failing op on one stage leaves its peers waiting until the communicator's timeout);
 kernels, gradient buckets and early frees in the stage programs.
 """
@@ -55,9 +60,15 @@ from ._microbatch import (Sums, _cut, _Hoist, _inputs_read, _stand_ins, _with_fr
 Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
 
 # the schedules the stages run: each stage's order of forwards and backwards
-# (``device_orders``); the transfers between two stages go one way each, in micro-batch order
-# on both sides, and sends do not wait for their receiver, so no order of them deadlocks
+# (``device_orders``); sends do not wait for their receiver, and ``_check_order`` makes sure
+# that a step's transfers neither wait forever nor cross in the schedule's order
 RUNS = ("gpipe", "1f1b")
+# the tag of each part's transfers (``Communicator.send_start(tag=)``): the state a stage
+# sends before the micro-batches (0), each micro-batch's forward and backward, the step part.
+# A receive takes only its part's values, so parts that a schedule interleaves (1F1B: forward
+# j + 1 before backward j) never take each other's; within a part, the two sides of a pair
+# of stages meet their transfers in the same order (``_check_order`` checks it)
+TAGS = {"F": 1, "B": 2, "S": 3}
 
 
 @dataclass(frozen=True)
@@ -285,27 +296,37 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                                             for st in ins.steps))
         return ins
 
+    def moves(i: int, at: int, read_by: dict[tuple, set[int]]) -> list[tuple[str, int, tuple]]:
+        """Stage ``at``'s transfers of what instruction ``i`` makes: ``("S", to, k)`` where
+        ``at`` makes it (the lowest of the stages that do), ``("R", from, k)`` where ``at``
+        reads it and does not make it."""
+        where = runs_on(i)
+        sender = min(where)
+        out: list[tuple[str, int, tuple]] = []
+        for k in made(i):
+            need = read_by.get(k, set()) - where
+            if at == sender:
+                out.extend(("S", u, k) for u in sorted(need))
+            elif at in need:
+                out.append(("R", sender, k))
+        return out
+
     def stream(indices: Sequence[int], raw_instrs: Sequence[Any],
-               read_by: dict[tuple, set[int]], modify: Any = None) -> list[Any]:
+               read_by: dict[tuple, set[int]], tag: int, modify: Any = None) -> list[Any]:
         """Stage ``s``'s instructions of ``indices`` with the transfers at their makers."""
         out: list[Any] = []
         for i in indices:
-            where = runs_on(i)
-            sender = min(where)
-            keys = made(i)
-            if s in where:
+            if s in runs_on(i):
                 ins = raw_instrs[i] if modify is None else modify(i, raw_instrs[i])
                 if ins is not None:
                     out.append(on_stage(ins))
-            for k in keys:
-                need = read_by.get(k, set()) - where
-                if s == sender:
-                    out.extend(Send(Ref(k[1], k[2]), key_of(k)[2], real(u, c))
-                               for u in sorted(need))
-                elif s in need:
+            for way, peer, k in moves(i, s, read_by):
+                if way == "S":
+                    out.append(Send(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), tag))
+                else:
                     shape, dtype = meta_shape(k)
-                    out.append(Recv(Ref(k[1], k[2]), key_of(k)[2], real(sender, c), shape,
-                                    dtype))
+                    out.append(Recv(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), shape,
+                                    dtype, tag))
         return out
 
     # the parts of micro-batch j: forward before the first backward instruction
@@ -321,8 +342,12 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     first_b = next((k for k, i in enumerate(per_mb) if phase(i) is Phase.BACKWARD), len(per_mb))
     f_idx, b_idx = per_mb[:first_b], per_mb[first_b:]
     mb_readers = readers(per_mb)
-    if pplan.schedule != "gpipe":
-        _check_one_way(pplan.schedule, graph, f_idx, b_idx, made, runs_on, mb_readers)
+    st_readers = readers(cut.per_step)
+    _check_order(pipe.schedule, graph.info.name, p, m, [
+        {part: [(way, peer, key_of(k)) for i in idx for way, peer, k in moves(i, t, by)]
+         for part, idx, by in (("F", f_idx, mb_readers), ("B", b_idx, mb_readers),
+                               ("S", cut.per_step, st_readers))}
+        for t in range(p)])
     mine = lambda idx: [i for i in idx if s in runs_on(i)]    # noqa: E731
     partial_here = [(instrs0[i].ref, cut.reduce_ops[i], maker_of_partial[i])
                     for i in sorted(cut.reductions) if i not in cut.hoisted
@@ -372,8 +397,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
 
     forward, backward, kept_keys = [], [], None
     for j, raw in enumerate(raws):
-        f = stream(f_idx, raw.instrs, mb_readers)
-        b = stream(b_idx, raw.instrs, mb_readers)
+        f = stream(f_idx, raw.instrs, mb_readers, TAGS["F"])
+        b = stream(b_idx, raw.instrs, mb_readers, TAGS["B"])
         if kept_keys is None:
             have: set[Key] = set()
             for ins in f:
@@ -409,8 +434,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
             return Reshard(ins.ref, src, ins.dst, steps, exact, ins.consumer)
         return ins
 
-    st_readers = readers(cut.per_step)
-    st = stream(cut.per_step, raws[0].instrs, st_readers, modify)
+    st = stream(cut.per_step, raws[0].instrs, st_readers, TAGS["S"], modify)
     raw0 = raws[0]
     owned = {n: v for n, v in raw0.state_out.items()
              if node_stage(by_target[n]) == s}
@@ -443,30 +467,66 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                         hoist_inputs, stand, device)
 
 
-def _check_one_way(schedule: str, graph: Any, f_idx: Sequence[int], b_idx: Sequence[int],
-                   made: Any, runs_on: Any, read_by: Mapping[tuple, set[int]]) -> None:
-    """Transfers from one stage to another arrive in the order they were sent. In GPipe's
-    order every stage runs its forwards before its backwards, so that order is the
-    receiver's; in 1F1B's, a stage runs forward ``j + 1`` before backward ``j`` where its
-    neighbour may not, so a pair of stages that exchanges values one way in both the forward
-    and the backward parts would take one part's values for the other's: refused, naming
-    them (GPipe runs such a step)."""
-    kinds: dict[tuple[int, int], dict[str, str]] = {}
-    for kind, idx in (("forward", f_idx), ("backward", b_idx)):
-        for i in idx:
-            where = runs_on(i)
-            for k in made(i):
-                for u in read_by.get(k, set()) - where:
-                    kinds.setdefault((min(where), u), {}).setdefault(
-                        kind, k[1] if k[0] == "v" else f"a copy of {k[1]}")
-    both = {pair: got for pair, got in kinds.items() if len(got) == 2}
-    if both:
-        (a, b), got = sorted(both.items())[0]
-        raise LoweringError(
-            f"pipeline schedule {schedule!r}: stage {a} sends stage {b} values in both the "
-            f"forward and the backward parts (e.g. {got['forward']} and {got['backward']} of "
-            f"{graph.info.name!r}), which {schedule}'s order would deliver out of turn; run it "
-            "with schedule='gpipe'")
+def _check_order(schedule: str, step: str, p: int, m: int,
+                 moves: Sequence[Mapping[str, list[tuple[str, int, Key]]]]) -> None:
+    """Run the stages' transfers on paper, in the schedule's order, before any rank does.
+    ``moves[t][part]``: stage ``t``'s sends ``("S", to, key)`` and receives ``("R", from,
+    key)`` of one forward (``"F"``), one backward (``"B"``) and the step part (``"S"``), in
+    program order. Sends never wait (``send_start``); a receive takes the oldest value its
+    peer sent with the part's tag (``TAGS``). Raises, naming the stages and values, where the
+    order would leave a stage waiting forever, or where a receive would take another value
+    than the one its program reads there (neither happens in GPipe's or 1F1B's order for the
+    steps tried so far; the check makes sure of it for every step)."""
+    from collections import deque
+
+    def part_name(part: str, j: int) -> str:
+        return ("the step part" if part == "S" else
+                f"micro-batch {j}'s {'forward' if part == 'F' else 'backward'}")
+
+    events: list[list[tuple[str, int, int, Key, str]]] = []
+    for t, order in enumerate(device_orders(schedule, p, m)):
+        seq = [(way, peer, TAGS[kind], (key, j), part_name(kind, j))
+               for kind, _, j in order for way, peer, key in moves[t][kind]]
+        seq += [(way, peer, TAGS["S"], (key, -1), part_name("S", -1))
+                for way, peer, key in moves[t]["S"]]
+        events.append(seq)
+    boxes: dict[tuple[int, int, int], deque] = {}
+    at = [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for t in range(p):
+            while at[t] < len(events[t]):
+                way, peer, tag, want, where = events[t][at[t]]
+                if way == "S":
+                    boxes.setdefault((t, peer, tag), deque()).append((want, where))
+                else:
+                    box = boxes.get((peer, t, tag))
+                    if not box:
+                        break
+                    got, sent_in = box.popleft()
+                    if got != want:
+                        raise LoweringError(
+                            f"pipeline schedule {schedule!r}: stage {t} would take "
+                            f"{_value_name(got)} that stage {peer} sent in {sent_in} for "
+                            f"{_value_name(want)} in {where} of {step!r}; run it with "
+                            "schedule='gpipe'")
+                at[t] += 1
+                moved = True
+    stuck = [t for t in range(p) if at[t] < len(events[t])]
+    if stuck:
+        waits = "; ".join(
+            f"stage {t} waits in {events[t][at[t]][4]} for {_value_name(events[t][at[t]][3])} "
+            f"from stage {events[t][at[t]][1]}" for t in stuck)
+        raise LoweringError(f"pipeline schedule {schedule!r}: the stages would wait for each "
+                            f"other forever in {step!r} ({waits}); run it with "
+                            "schedule='gpipe'")
+
+
+def _value_name(key: tuple[Key, int]) -> str:
+    (node, index, layout), _ = key
+    name = node if index == 0 else f"{node}[{index}]"
+    return name if layout is None else f"a copy of {name}"
 
 
 def _follow_the_bytes(cut: Any, instrs: Sequence[Any], graph: Any, stage: dict[int, Any],

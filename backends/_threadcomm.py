@@ -140,14 +140,14 @@ class _ThreadCommunicator(CommBase):
     def _barrier(self, g):
         self._collective(CollectiveKind.BARRIER, g, (), None)
 
-    def _send(self, t, dst):
-        self.mesh._send(self.rank, dst, t)
+    def _send(self, t, dst, tag):
+        self.mesh._send(self.rank, dst, t, tag)
 
-    def _send_start(self, t, dst):
-        return self.mesh._send_start(self.rank, dst, t)
+    def _send_start(self, t, dst, tag):
+        return self.mesh._send_start(self.rank, dst, t, tag)
 
-    def _recv(self, shape, dtype, src):
-        return self.mesh._recv(self.rank, src, shape, dtype)
+    def _recv(self, shape, dtype, src, tag):
+        return self.mesh._recv(self.rank, src, shape, dtype, tag)
 
     def __repr__(self) -> str:
         return f"ThreadMesh communicator(rank={self.rank}, world_size={self.world_size})"
@@ -169,7 +169,7 @@ class ThreadMesh:
         self.world_size, self.timeout_s = world_size, float(timeout_s)
         self._cond = threading.Condition()
         self._slots: dict[tuple[tuple[int, ...], int], _Slot] = {}
-        self._mail: dict[tuple[int, int], deque[_Message]] = {}
+        self._mail: dict[tuple[int, int, int], deque[_Message]] = {}   # (src, dst, tag)
         self._aborted: BaseException | None = None
         self.communicators: list[_ThreadCommunicator] = [
             _ThreadCommunicator(self, r) for r in range(world_size)]
@@ -257,22 +257,23 @@ class ThreadMesh:
 
     # ---- point to point ---------------------------------------------------------------------
 
-    def _send(self, src: int, dst: int, t: torch.Tensor) -> None:
-        self._send_start(src, dst, t)()
+    def _send(self, src: int, dst: int, t: torch.Tensor, tag: int = 0) -> None:
+        self._send_start(src, dst, t, tag)()
 
-    def _send_start(self, src: int, dst: int, t: torch.Tensor) -> Callable[[], None]:
-        """Post ``t`` in ``dst``'s box from ``src``; the function returned waits for it to be
-        taken."""
+    def _send_start(self, src: int, dst: int, t: torch.Tensor,
+                    tag: int = 0) -> Callable[[], None]:
+        """Post ``t`` in ``dst``'s box for ``tag`` from ``src``; the function returned waits
+        for it to be taken."""
         msg = _Message(t)
         with self._cond:
-            self._mail.setdefault((src, dst), deque()).append(msg)
+            self._mail.setdefault((src, dst, tag), deque()).append(msg)
             self._cond.notify_all()
-        return lambda: self._taken(src, dst, t, msg)
+        return lambda: self._taken(src, dst, tag, t, msg)
 
-    def _taken(self, src: int, dst: int, t: torch.Tensor, msg: _Message) -> None:
+    def _taken(self, src: int, dst: int, tag: int, t: torch.Tensor, msg: _Message) -> None:
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            box = self._mail.setdefault((src, dst), deque())
+            box = self._mail.setdefault((src, dst, tag), deque())
             try:
                 self._wait(lambda: msg.result is not None or msg.error is not None, deadline,
                            src, f"send to rank {dst}",
@@ -285,10 +286,11 @@ class ThreadMesh:
             if msg.error is not None:
                 raise LoweringError(msg.error)
 
-    def _recv(self, dst: int, src: int, shape: tuple[int, ...], dtype: torch.dtype):
+    def _recv(self, dst: int, src: int, shape: tuple[int, ...], dtype: torch.dtype,
+              tag: int = 0):
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
-            box = self._mail.setdefault((src, dst), deque())
+            box = self._mail.setdefault((src, dst, tag), deque())
             self._wait(lambda: bool(box), deadline, dst, f"recv from rank {src}",
                        lambda: f"rank {src} sent nothing to rank {dst}")
             msg = box.popleft()

@@ -202,8 +202,8 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
     """The step's units in forward order (``<pre>``, its repeated layers, ``<post>``) and the
     unit of every input and op node: a layer's forward and backward ops by their module;
     the state and the optimizer's ops by the parameter they update; ops outside the layers
-    with the parameter they read, else by where they run (before the first layer, or
-    after)."""
+    with the parameter they read, else with the layer they follow when they run between two
+    (``_between_layers``), else by where they run (before the first layer, or after)."""
     layers = repeated_layers(graph)
     if not layers:
         raise PlanError(f"{graph.info.name!r} has no repeated layers (modules numbered under one "
@@ -235,6 +235,11 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
             if isinstance(meta, TensorMeta) and meta.role is Role.OPT_STATE and ".state." in path:
                 path = path.split(".state.", 1)[1]     # "<optimizer>.state.<param>.<name>"
             unit[n.name] = by_path(path)
+    in_layer = [i for i, n in enumerate(nodes) if n.kind is NodeKind.OP and n.module_path
+                and _layer_key(n.module_path) in layer_set]
+    last_f = max((i for i in in_layer if nodes[i].phase is Phase.FORWARD), default=-1)
+    layer_b = [i for i in in_layer if nodes[i].phase is Phase.BACKWARD]
+    rank = {u: k for k, u in enumerate(order)}
     for i, n in enumerate(nodes):
         if n.kind is not NodeKind.OP or n.phase is Phase.UPDATE:
             continue
@@ -250,6 +255,8 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
                       and graph.node(r.node).outputs[0].role is not Role.DATA), None)
         if state is None and n.module_path and by_path(n.module_path) == PRE:
             state = PRE
+        if state is None:
+            state = _between_layers(n, i, first, last_f, layer_b, unit, rank)
         unit[n.name] = state or (PRE if n.phase is Phase.FORWARD and i < first else POST)
     for n in nodes:             # the update: the unit of the state (or update op) it reads
         if n.name in unit:
@@ -260,6 +267,28 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
         unit[n.name] = owner or (unit[refs[0]] if refs else POST)
 
     return order, unit
+
+
+def _between_layers(n: Any, i: int, first: int, last_f: int, layer_b: Sequence[int],
+                    unit: Mapping[str, str], rank: Mapping[str, int]) -> str | None:
+    """The layer an op of the parent module's code between two layers goes with (``x =
+    torch.relu(block(x))``: the activation is the parent's, not the block's): in the
+    forward, between the first layer's first op and the last layer's last, the latest layer
+    it reads from; in the backward, between the layers' backward ops, the earliest (its
+    gradient comes from the next layer, what it saved from this one). Without it the op would
+    go with the head, on the last stage, and every layer's output would travel there and
+    back (and 1F1B's order could not run it)."""
+    if n.phase is Phase.FORWARD:
+        if not first <= i < last_f:
+            return None
+        pick = max
+    elif n.phase is Phase.BACKWARD and layer_b and layer_b[0] < i < layer_b[-1]:
+        pick = min
+    else:
+        return None
+    layers = [unit[r.node] for r in n.refs()
+              if unit.get(r.node) not in (None, PRE, POST)]
+    return pick(layers, key=rank.__getitem__) if layers else None
 
 
 def units_of(plan: Plan) -> tuple[list[Unit], list[float]]:

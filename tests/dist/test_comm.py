@@ -122,6 +122,14 @@ def _program(comm) -> dict:
             comm.send(x, nxt)
         out["results"][f"p2p/{i}"] = got
         out["unmutated"] &= _bitequal(x, _input(1000 + i, r, dt, (3, 4), noncontig=i % 2 == 1))
+    # tags: two sends started to the next rank (tag 3, then tag 1), taken by tag in the other
+    # order (a pipeline stage's forward and backward values), then waited for
+    started = [comm.send_start(_input(1100, r, torch.float32, (2, 3)), nxt, tag=3),
+               comm.send_start(_input(1101, r, torch.float32, (5,)), nxt, tag=1)]
+    out["results"]["tag/1"] = comm.recv((5,), torch.float32, prv, tag=1)
+    out["results"]["tag/3"] = comm.recv((2, 3), torch.float32, prv, tag=3)
+    for pending in started:
+        pending.wait()
     _overlapped(comm, out)
     comm.barrier()
     solo, n = torch.arange(8.0).reshape(2, 4), len(comm.records)
@@ -240,6 +248,12 @@ def _check(outs: list[dict], world: int, exact: bool) -> None:
             nbytes = 12 * dt.itemsize
             send, recv = ("send", (r, nxt), nbytes), ("recv", (prv, r), nbytes)
             expected_records[r] += [send, recv] if r % 2 == 0 else [recv, send]
+    for r in range(world):
+        prv, nxt = (r - 1) % world, (r + 1) % world
+        assert _bitequal(outs[r]["results"]["tag/1"], _input(1101, prv, torch.float32, (5,)))
+        assert _bitequal(outs[r]["results"]["tag/3"], _input(1100, prv, torch.float32, (2, 3)))
+        expected_records[r] += [("recv", (prv, r), 20), ("recv", (prv, r), 24),
+                                ("send", (r, nxt), 24), ("send", (r, nxt), 20)]
     full = tuple(range(world))
     for r in range(world):
         want = torch.cat([_case_input(0, q) for q in full], 0)
@@ -373,6 +387,10 @@ def test_bad_arguments_are_lowering_errors() -> None:
         comm.all_reduce(torch.ones(2), (0, 0))
     with pytest.raises(LoweringError, match="peer rank 0 must be another rank"):
         comm.send(torch.ones(2), 0)
+    with pytest.raises(LoweringError, match=r"tag 32768 must be an int in 0..32767"):
+        comm.send_start(torch.ones(2), 1, tag=1 << 15)
+    with pytest.raises(LoweringError, match=r"tag -1 must be"):
+        comm.recv((2,), torch.float32, 1, tag=-1)
     with pytest.raises(LoweringError, match="source rank 1 is not in group"):
         comm.broadcast(torch.ones(2), 1, (0,))
     with pytest.raises(LoweringError, match="rank 5 is not in 0..1"):

@@ -249,29 +249,38 @@ class _Wrapped(torch.nn.Module):
         return self.out(x)
 
 
-@pytest.mark.timeout(120)
-def test_1f1b_refuses_a_step_its_order_cannot_run() -> None:
+@pytest.mark.timeout(180)
+def test_1f1b_runs_a_step_whose_stages_exchange_values_both_ways() -> None:
     """Two stages that exchange values one way in both the forward and the backward parts
-    would take one part's values for the other's in 1F1B's order (found by a user trial:
-    wrong parameters on pp=2, a hang on pp=4): ``schedule="1f1b"`` is refused naming them, and
-    the planner's choice falls back to GPipe, which runs it. Planned only: no rank starts."""
+    (found by a user trial: before the transfers carried their part's tag, 1F1B gave wrong
+    parameters on pp=2 and hung on pp=4): on ``pp=4`` in 1F1B's order, losses and parameters
+    as one process after 3 steps (``rtol=1e-5, atol=1e-6``: the micro-batches' gradients
+    summed in another order than one matmul)."""
+    import copy
+
     torch.manual_seed(0)
-    model = _Wrapped()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    plain = _Wrapped()
+    mine = copy.deepcopy(plain)
 
-    def train_step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum")
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    def stepper(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    batch = (torch.randn(16, 16), torch.randn(16, 10))
-    asked = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2, schedule="1f1b",
-                                example_inputs=batch)
-    with pytest.raises(meshplan.RuntimeFailure, match="sends stage [01] values in both the "
-                                                      "forward and the backward parts"):
-        asked.plan
-    chosen = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2,
-                                 example_inputs=batch)
-    assert chosen.pipeline.schedule == "gpipe"
+        def train_step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return train_step
+
+    one, step_fn = stepper(plain), stepper(mine)
+    batches = [(torch.randn(16, 16), torch.randn(16, 10)) for _ in range(3)]
+    with meshplan.distribute(step_fn, mesh={"pp": 4}, microbatches=4, schedule="1f1b",
+                             telemetry=False) as step:
+        for x, y in batches:
+            torch.testing.assert_close(step(x, y).detach(), one(x, y).detach(), rtol=1e-5,
+                                       atol=1e-6)
+        assert step.pipeline.schedule == "1f1b"
+        step.sync()
+    for (name, a), b in zip(plain.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)

@@ -186,3 +186,75 @@ def test_gathered_parameters_are_kept_through_the_step_unless_they_do_not_fit(gr
     assert not _price(*args, limit, link, keep=True).fits
     tight = _price(*args, limit, link, keep=False)
     assert tight.fits and "again for every micro-batch" in tight.summary()
+
+
+def test_the_transfer_check_finds_an_order_that_waits_forever_or_crosses_values() -> None:
+    """``_check_order`` runs the stages' transfers on paper in the schedule's order: a receive
+    no send can satisfy in that order is a wait forever, and a receive that would take
+    another value than its program reads is refused too; the plain chain passes."""
+    from meshplan.backends._pipeline_run import _check_order
+    from meshplan import LoweringError
+
+    x, g, y = ("x", 0, None), ("g", 0, None), ("y", 0, None)
+    chain = [{"F": [("S", 1, x)], "B": [("R", 1, g)], "S": []},
+             {"F": [("R", 0, x)], "B": [("S", 0, g)], "S": []}]
+    for schedule in ("gpipe", "1f1b"):
+        _check_order(schedule, "step", 2, 4, chain)
+    # stage 1's backward waits for a value stage 0 makes only after it has heard from it
+    cycle = [{"F": [("S", 1, x)], "B": [("R", 1, g), ("S", 1, y)], "S": []},
+             {"F": [("R", 0, x)], "B": [("R", 0, y), ("S", 0, g)], "S": []}]
+    with pytest.raises(LoweringError, match=r"'gpipe': the stages would wait for each other "
+                       r"forever in 'step' \(stage 0 waits in micro-batch 0's backward for g "
+                       r"from stage 1; stage 1 waits in micro-batch 0's backward for y"):
+        _check_order("gpipe", "step", 2, 2, cycle)
+    # two values sent in one order and read in the other
+    crossed = [{"F": [("S", 1, x), ("S", 1, y)], "B": [], "S": []},
+               {"F": [("R", 0, y), ("R", 0, x)], "B": [], "S": []}]
+    with pytest.raises(LoweringError, match="stage 1 would take x that stage 0 sent in "
+                       "micro-batch 0's forward for y in micro-batch 0's forward"):
+        _check_order("1f1b", "step", 2, 2, crossed)
+
+
+def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> None:
+    """``x = torch.relu(block(x))`` in the parent's forward: the activation and its backward
+    are the parent module's ops, yet they belong with the block whose output they read (the
+    head's unit would put them on the last stage, every layer's output going there and back);
+    the loss and the ops after the last layer stay with the head."""
+    import torch
+
+    from meshplan.planner._pipeline import unit_map
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+            self.out = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = torch.relu(block(x))
+            return self.out(x)
+
+    model = Wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    g = meshplan.trace(train_step, torch.randn(4, 8), torch.randn(4, 4)).graph
+    order, unit = unit_map(g)
+    assert order == [PRE, "model.blocks.0", "model.blocks.1", "model.blocks.2", POST]
+    relus = [n for n in g.nodes if "relu" in n.name or "threshold_backward" in n.name]
+    assert len(relus) == 6
+    # the last relu comes after the last layer's ops, and its backward before any layer's:
+    # both stay with the head (the last stage, where the last block runs too)
+    for phase in ("forward", "backward"):
+        assert sorted(unit[n.name] for n in relus if n.phase.value == phase) == [
+            POST, "model.blocks.0", "model.blocks.1"], phase
+    assert unit[next(n.name for n in g.nodes if "mse_loss" in n.name)] == POST
