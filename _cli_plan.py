@@ -75,6 +75,8 @@ def _table(title: str, cols: tuple[str, ...], rows: list[tuple], right: tuple[st
 def cmd_plan_show(args: argparse.Namespace) -> int:
     from .planner import plan_report, render_html
 
+    if _is_pipeline(args.plan):
+        return _show_pipeline(args)
     plan = _load(args.plan)
     if args.html:
         folder = os.path.dirname(os.path.abspath(args.html))
@@ -93,6 +95,41 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=2, allow_nan=False))
         return 0
     print_report(rep)
+    return 0
+
+
+def _is_pipeline(path: str) -> bool:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return False          # Plan.load names what is wrong with it
+    return isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan"
+
+
+def _show_pipeline(args: argparse.Namespace) -> int:
+    """A pipeline plan: its stages, schedule and estimates, then the report of the inner
+    plan (every stage's layouts on the mesh without ``pp``)."""
+    from .backends._kernels import kernels_report
+    from .planner import PipelinePlan, plan_report
+
+    pplan = PipelinePlan.load(args.plan)
+    if args.html:
+        raise PlanError(f"--html {args.html}: {args.plan} is a pipeline plan, and the HTML "
+                        "view shows one mesh's layouts only yet; drop --html for its summary")
+    rep = plan_report(pplan.inner)
+    rep["kernels"] = kernels_report(pplan.inner)
+    if args.json:
+        body = pplan.to_dict()
+        del body["inner_plan"]
+        print(json.dumps({"pipeline": body, "inner": rep}, indent=2, allow_nan=False))
+        return 0
+    console = _console()
+    console.print(pplan.summary())
+    console.print(pplan.schedule_text())
+    console.print(f"\nevery stage's layouts (the plan on "
+                  f"{','.join(f'{a}={n}' for a, n in pplan.inner.mesh.axes)}):")
+    print_report(rep, console)
     return 0
 
 

@@ -235,7 +235,7 @@ def parse_size(text: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import meshplan
 
-    from .planner import Plan, parse_mesh
+    from .planner import PipelinePlan, Plan, parse_mesh
 
     if args.launcher not in ("local", "mpi", "slurm", "k8s"):
         raise RuntimeFailure(f"launcher {args.launcher!r} is not available; use "
@@ -248,29 +248,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise RuntimeFailure("--slurm sets the Slurm launcher's options; add --launcher slurm")
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
-    stages = _pipeline_file(args.plan)                # a pipeline plan: its stages' options
-    plan = Plan.load(args.plan) if stages is None else None   # truncated, tampered: PlanError
+    # a pipeline plan (format meshplan.pipeline-plan) or a plan; truncated, tampered: PlanError
+    stages = PipelinePlan.load(args.plan) if _is_pipeline_file(args.plan) else None
+    plan = Plan.load(args.plan) if stages is None else None
     module, fn, name = load_step(args.target)
     opts = _decorator_options(fn)
     if stages is not None:
         from .backends._pipeline_run import RUNS
 
-        mesh = {str(a): int(n) for a, n in stages["mesh"]}
+        mesh = dict(stages.mesh.axes)
         if args.mesh and parse_mesh(args.mesh) != mesh:
             raise RuntimeFailure(f"--mesh {args.mesh}: {args.plan} holds pipeline stages for "
                                  f"mesh {_mesh_str(mesh)}; drop --mesh or compile again")
-        if stages["schedule"] not in RUNS or stages["virtual_stages"] != 1:
+        if stages.schedule not in RUNS or stages.virtual_stages != 1:
             raise RuntimeFailure(
-                f"{args.plan}: pipeline schedule {stages['schedule']!r}: the stages run "
+                f"{args.plan}: pipeline schedule {stages.schedule!r}: the stages run "
                 f"{' and '.join(RUNS)} only yet; compile with --schedule "
                 f"{' or --schedule '.join(RUNS)}")
-        opts.update(topology=stages["topology"], strategy=stages["inner"]["strategy"],
-                    schedule=stages["schedule"],
-                    memory_limit_bytes=stages["memory_limit_bytes"],
-                    microbatches=stages["microbatches"])
-        chosen = {"topology": opts["topology"], "strategy": opts["strategy"],
-                  "memory_limit_bytes": opts["memory_limit_bytes"],
-                  "schedule": opts["schedule"]}
+        opts["microbatches"] = stages.microbatches
+        chosen = {"plan": stages}
     elif args.mesh:
         mesh = parse_mesh(args.mesh)
     elif isinstance(fn, meshplan.DistributedStep):
@@ -294,8 +290,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     done = 0
     with step:
         _ = step.plan                                 # traces; checks graph, mesh and torch
-        if stages is not None:
-            _check_stages(step.pipeline, stages, args.plan)
         table = None if args.json else _LossTable(name, step.plan, step.pipeline)
         for i, batch in enumerate(itertools.islice(data, args.steps)):
             loss = step(*(batch if isinstance(batch, (tuple, list)) else (batch,)))
@@ -347,34 +341,15 @@ def _loss_value(result: Any) -> float:
     return float(result)
 
 
-def _pipeline_file(path: str) -> dict[str, Any] | None:
-    """The body of a pipeline plan file (``PipelinePlan.save``), None for any other file
-    (``Plan.load`` then says what it is)."""
+def _is_pipeline_file(path: str) -> bool:
+    """Whether ``path`` holds a pipeline plan (``PipelinePlan.save``); any other file,
+    readable or not, is for ``Plan.load`` to judge and name."""
     try:
         with open(path) as f:
             d = json.load(f)
     except (OSError, ValueError):
-        return None
-    if isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan":
-        if d.get("version") != 1 or not isinstance(d.get("body"), dict):
-            raise PlanError(f"{path}: pipeline plan format version {d.get('version')!r}; this "
-                            "meshplan reads version 1: compile it again")
-        return d["body"]
-    return None
-
-
-def _check_stages(pplan: Any, body: dict[str, Any], path: str) -> None:
-    """``distribute`` plans a pipeline's stages itself, from the options the file was
-    compiled with: what it chose must be what the file holds (another meshplan, or a step
-    changed since, may choose otherwise), or the run would not be the plan's."""
-    got = {"chunks": [list(c) for c in pplan.chunks], "microbatches": pplan.microbatches,
-           "schedule": pplan.schedule}
-    want = {"chunks": [list(c) for c in body["chunks"]], "microbatches": body["microbatches"],
-            "schedule": body["schedule"]}
-    if got != want:
-        raise RuntimeFailure(
-            f"{path}: the stages planned for this step now ({got}) are not the file's "
-            f"({want}): the step or meshplan changed since it was compiled; compile it again")
+        return False
+    return isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan"
 
 
 class _LossTable:

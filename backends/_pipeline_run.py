@@ -40,6 +40,7 @@ kernels, gradient buckets and early frees in the stage programs.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -475,15 +476,13 @@ def _check_order(schedule: str, step: str, p: int, m: int,
     program order. Sends never wait (``send_start``); a receive takes the oldest value its
     peer sent with the part's tag (``TAGS``). Raises, naming the stages and values, where the
     order would leave a stage waiting forever, or where a receive would take another value
-    than the one its program reads there (neither happens in GPipe's or 1F1B's order for the
-    steps tried so far; the check makes sure of it for every step)."""
-    from collections import deque
-
+    than the one its program reads there (stages that pass a part's values back and forth,
+    as when the layers' activations ran with the head, can wait forever in 1F1B's order)."""
     def part_name(part: str, j: int) -> str:
         return ("the step part" if part == "S" else
                 f"micro-batch {j}'s {'forward' if part == 'F' else 'backward'}")
 
-    events: list[list[tuple[str, int, int, Key, str]]] = []
+    events: list[list[tuple[str, int, int, tuple[Key, int], str]]] = []
     for t, order in enumerate(device_orders(schedule, p, m)):
         seq = [(way, peer, TAGS[kind], (key, j), part_name(kind, j))
                for kind, _, j in order for way, peer, key in moves[t][kind]]

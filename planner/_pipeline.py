@@ -63,7 +63,10 @@ the head's share of the embedding's gradient every micro-batch).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,17 +169,60 @@ class PipelinePlan:
     def schedule_text(self, width: int = 96) -> str:
         return schedule_text(self, width)
 
-    def save(self, path: str) -> None:
-        """Write the plan as JSON (format ``meshplan.pipeline-plan``), atomically: for
-        reading, and for ``meshplan run --plan`` (a GPipe or 1F1B one: the stages are planned
-        again from its options and checked against it)."""
-        import json
-
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON (format ``meshplan.pipeline-plan``, with the whole inner
+        plan and a hash of its content), atomically: ``PipelinePlan.load``, ``meshplan run
+        --plan``, ``meshplan plan show`` and ``distribute(plan=)`` read it."""
         from ..ir import atomic_write_text
 
-        atomic_write_text(path, json.dumps({"format": "meshplan.pipeline-plan", "version": 1,
-                                            "body": self.to_dict()}, indent=1,
+        body = self.to_dict()
+        atomic_write_text(path, json.dumps({"format": PIPELINE_FORMAT,
+                                            "version": PIPELINE_VERSION,
+                                            "sha256": _body_hash(body), "body": body},
                                            allow_nan=False))
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> PipelinePlan:
+        """A plan ``save`` wrote; ``PlanError`` naming the file for anything else (another
+        format or version, a modified or damaged file)."""
+        from ..ir._serialize import read_text
+
+        where = os.fspath(path)
+        text = read_text(path, "pipeline plan", PlanError)
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{where} is not a meshplan pipeline plan (not JSON: {e})") from None
+        if not isinstance(d, dict) or d.get("format") != PIPELINE_FORMAT:
+            raise PlanError(f"{where} is not a pipeline plan; make one with `meshplan compile "
+                            "FILE.py:STEP --mesh pp=2,dp=2 -o step.plan`")
+        if d.get("version") != PIPELINE_VERSION:
+            raise PlanError(f"{where} has pipeline plan format version {d.get('version')!r}; "
+                            f"this meshplan reads version {PIPELINE_VERSION}: compile it again")
+        body = d.get("body")
+        if not isinstance(body, dict) or _body_hash(body) != d.get("sha256"):
+            raise PlanError(f"{where} does not match its content hash: the file was modified "
+                            "or damaged; compile the plan again")
+        try:
+            return PipelinePlan.from_dict(body, where)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"{where} is corrupt ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def from_dict(d: dict[str, Any], where: str = "pipeline plan") -> PipelinePlan:
+        inner = Plan.from_json(json.dumps(d["inner_plan"]), where=f"{where} (its inner plan)")
+        return PipelinePlan(
+            mesh=Mesh(tuple((str(a), int(n)) for a, n in d["mesh"]), inner.mesh.topology),
+            inner=inner, schedule=str(d["schedule"]), microbatches=int(d["microbatches"]),
+            virtual_stages=int(d["virtual_stages"]), keep_params=bool(d["keep_params"]),
+            chunks=tuple(tuple(c) for c in d["chunks"]),
+            stages=tuple(Stage(**{**st, "units": tuple(st["units"])}) for st in d["stages"]),
+            estimated_step_time_s=float(d["estimated_step_time_s"]),
+            bubble_s=float(d["bubble_s"]), p2p_s=float(d["p2p_s"]),
+            update_s=float(d["update_s"]), peak_memory_bytes=float(d["peak_memory_bytes"]),
+            memory_limit_bytes=int(d["memory_limit_bytes"]),
+            boundary_bytes=tuple(float(b) for b in d["boundary_bytes"]),
+            tried=tuple(PipelineEstimate(**t) for t in d["tried"]))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -192,8 +238,20 @@ class PipelinePlan:
             "inner": {"mesh": [list(a) for a in self.inner.mesh.axes],
                       "strategy": self.inner.strategy,
                       "estimated_step_time_s": self.inner.estimated_step_time_s},
+            "boundary_bytes": list(self.boundary_bytes),
             "tried": [dataclasses.asdict(t) for t in self.tried],
+            "inner_plan": self.inner.to_dict(),
         }
+
+
+PIPELINE_FORMAT = "meshplan.pipeline-plan"
+# 2: the whole inner plan in the file (``inner_plan``), a content hash, the boundary bytes
+PIPELINE_VERSION = 2
+
+
+def _body_hash(body: Any) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---- units ----------------------------------------------------------------------------------

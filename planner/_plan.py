@@ -250,10 +250,10 @@ class Plan:
         except json.JSONDecodeError as e:
             raise PlanError(f"{where} is not a meshplan plan (not JSON: {e})") from None
         if isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan":
-            raise PlanError(f"{where} is a pipeline plan (a 'pp' mesh axis): `meshplan run "
-                            "--plan` runs it, and `meshplan compile` prints its summary; "
-                            "`plan show`, `plan diff` and plan= of distribute do not read one "
-                            "(distribute(mesh={'pp': ...}) plans the stages itself)")
+            raise PlanError(f"{where} is a pipeline plan (a 'pp' mesh axis): read it with "
+                            "PipelinePlan.load; `meshplan run --plan`, `meshplan plan show` "
+                            "and distribute(mesh={'pp': ...}, plan=) take it; `plan diff` "
+                            "and `plan explain` do not read one yet")
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise PlanError(f"{where} is not a meshplan plan; make one with `meshplan compile "
                             "FILE.py:STEP --mesh dp=2 -o step.plan`")

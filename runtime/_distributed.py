@@ -117,8 +117,14 @@ class DistributedStep:
         self._pp = dict(mesh).get(PP_AXIS, 1) > 1
         if self._pp:
             _refuse_in_pipeline(mesh, fault_tolerance=fault_tolerance, elastic=elastic,
-                                calibrate=calibrate, plan=plan)
+                                calibrate=calibrate)
+            plan = _pipeline_plan_arg(plan, mesh)
             fault_tolerance, self._ft_note = False, PP_FT_OFF
+        elif isinstance(plan, PipelinePlan):
+            raise RuntimeFailure(
+                f"distribute(plan=...) on mesh {_mesh_text(mesh)}: the plan is a pipeline's, "
+                f"for mesh {_mesh_text(dict(plan.mesh.axes))}; pass that mesh (with its "
+                f"'{PP_AXIS}' axis), or a plan of this mesh")
         else:
             fault_tolerance, self._ft_note = _fault_tolerance_default(
                 fault_tolerance, elastic, launcher, self.device)
@@ -485,7 +491,7 @@ class DistributedStep:
         self._primary_key = self._traced.call_key(*args, **dict(kwargs or {}))
         if isinstance(self._plan_arg, Plan):
             self._plan = self._plan_arg
-        elif self._plan_arg is not None:
+        elif self._plan_arg is not None and not self._pp:
             self._plan = Plan.load(self._plan_arg)
         if self._pp:
             self._plan_pipeline(self._traced.graph)
@@ -510,7 +516,7 @@ class DistributedStep:
         from ..kernels import kernels_disabled
 
         m = None if self._mb_asked is None else self.microbatches
-        named = ",".join(f"{a}={n}" for a, n in self.mesh.items())
+        named = _mesh_text(self.mesh)
         fallback = None
         if m == 1:
             raise RuntimeFailure(
@@ -518,6 +524,11 @@ class DistributedStep:
                 "in micro-batches (one would leave every stage but one idle, and the stage "
                 "programs are cut by micro-batch); pass microbatches=2 or more (a divisor of "
                 "each data-parallel rank's batch), or None for the planner's choice")
+
+        given = self._plan_arg if isinstance(self._plan_arg, PipelinePlan) else None
+        if given is not None:
+            self._given_pipeline(graph, given)
+            return
 
         def planned(m: int | None, schedule: Any = self._schedule or RUNS) -> PipelinePlan:
             with contextlib.nullcontext() if self.kernels else kernels_disabled():
@@ -548,17 +559,45 @@ class DistributedStep:
                     pplan = planned(pplan.microbatches, "gpipe")
         except (PlanError, LoweringError) as e:
             raise RuntimeFailure(f"{self.__name__}: {e}") from None
+        self._use_pipeline(pplan, f"{pplan.schedule}, as asked, " if self._schedule else
+                           f"gpipe ({fallback}), " if fallback else
+                           f"{pplan.schedule} (the faster of {' and '.join(RUNS)}, the "
+                           "schedules the ranks run), ")
+
+    def _given_pipeline(self, graph: Any, pplan: PipelinePlan) -> None:
+        """``plan=`` a pipeline plan (``PipelinePlan`` or its file): run it as compiled, once
+        it is known to fit this step, this mesh and what the ranks run."""
+        named = _mesh_text(self.mesh)
+        problems = []
+        if dict(pplan.mesh.axes) != dict(self.mesh):
+            problems.append(f"it is for mesh {_mesh_text(dict(pplan.mesh.axes))}")
+        if pplan.schedule not in RUNS or pplan.virtual_stages != 1:
+            problems.append(f"its schedule {pplan.schedule!r} is not one the stages run "
+                            f"({' and '.join(RUNS)})")
+        if self._schedule is not None and self._schedule != pplan.schedule:
+            problems.append(f"it runs {pplan.schedule!r}, not schedule={self._schedule!r}")
+        if self._mb_asked is not None and self._mb_asked != pplan.microbatches:
+            problems.append(f"it runs {pplan.microbatches} micro-batches, not "
+                            f"microbatches={self._mb_asked}")
+        if problems:
+            raise RuntimeFailure(f"{self.__name__}: distribute(plan=...) on mesh {named}: "
+                                 f"{'; '.join(problems)}: compile it again for this mesh and "
+                                 "these options, or drop plan= (distribute plans the stages)")
+        try:
+            pplan.inner.check_compatible(graph=graph)
+            lower_pipeline(Stages.of(pplan), 0)     # what the ranks would refuse, here
+        except (PlanError, LoweringError) as e:
+            raise RuntimeFailure(f"{self.__name__}: the pipeline plan given: {e}") from None
+        self._use_pipeline(pplan, f"{pplan.schedule}, as compiled (plan=), ")
+
+    def _use_pipeline(self, pplan: PipelinePlan, chosen: str) -> None:
         self._pipeline, self._stages = pplan, Stages.of(pplan)
         self._plan = pplan.inner
         self.microbatches = pplan.microbatches
         sizes = " / ".join(str(sum(1 for u in s.units if u not in (PRE, POST)))
                            for s in pplan.stages)
         self._plan.solver["pipeline"] = (
-            f"{pplan.pp} stages on mesh {pplan.mesh} (layers per stage {sizes}), "
-            + (f"{pplan.schedule}, as asked, " if self._schedule else
-               f"gpipe ({fallback}), " if fallback else
-               f"{pplan.schedule} (the faster of {' and '.join(RUNS)}, the schedules the "
-               "ranks run), ") +
+            f"{pplan.pp} stages on mesh {pplan.mesh} (layers per stage {sizes}), " + chosen +
             f"{pplan.microbatches} micro-batches, estimated step "
             f"{pplan.estimated_step_time_s * 1e3:.3f} ms (bubble "
             f"{pplan.bubble_s * 1e3:.3f} ms); this plan is every stage's layouts, each stage "
@@ -1691,7 +1730,7 @@ def gpu_topology() -> str:
 
 def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
                launcher: str = "local", topology: Any = None, strategy: str = "auto",
-               plan: str | Plan | None = None, example_inputs: Any = None,
+               plan: str | Plan | PipelinePlan | None = None, example_inputs: Any = None,
                memory_limit_bytes: int | None = None, timeout_s: float = 300.0,
                telemetry: Any = None, kernels: bool | None = None,
                checkpoint: str | os.PathLike | None = None, seed: int | None = None,
@@ -1707,7 +1746,8 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
 
     ``strategy``: ``"auto"`` (the planner's search) or a hand family (``"dp"``, ``"fsdp"``,
     ``"megatron_tp"``); ``plan``: a saved plan (path) or a ``Plan`` to run instead of
-    planning; ``topology``: the cost model's machine (default ``"cpu"``); ``timeout_s``: how
+    planning (on a mesh with a ``pp`` axis: a ``PipelinePlan`` or its file, run as
+    compiled); ``topology``: the cost model's machine (default ``"cpu"``); ``timeout_s``: how
     long any rank may take to answer before the run is stopped with ``RuntimeFailure``;
     ``telemetry``: where and how much every rank records (``telemetry/SCHEMA.md``): None (the
     default: level ``collectives`` into ``.meshplan/telemetry.duckdb``, or wherever
@@ -1865,10 +1905,10 @@ PP_FT_OFF = ("off: snapshots and recovery of pipeline stages are not built yet (
 
 
 def _refuse_in_pipeline(mesh: Mapping[str, int], *, fault_tolerance: Any, elastic: Any,
-                        calibrate: Any, plan: Any) -> None:
+                        calibrate: Any) -> None:
     """What ``distribute`` does not do yet on a mesh with a ``pp`` axis: one error each,
     before tracing."""
-    named = ",".join(f"{a}={n}" for a, n in dict(mesh).items())
+    named = _mesh_text(mesh)
     if fault_tolerance is True or (elastic is not None and elastic is not False):
         asked = "fault_tolerance=True" if fault_tolerance is True else f"elastic={elastic!r}"
         raise RuntimeFailure(
@@ -1881,12 +1921,30 @@ def _refuse_in_pipeline(mesh: Mapping[str, int], *, fault_tolerance: Any, elasti
             f"distribute(calibrate={calibrate!r}) on mesh {named}: the calibration fits the "
             "cost model to whole-batch op times and the stages run micro-batches; calibrate a "
             f"run without '{PP_AXIS}' and pass its topology")
-    if plan is not None:
+
+
+def _pipeline_plan_arg(plan: Any, mesh: Mapping[str, int]) -> PipelinePlan | None:
+    """``plan=`` on a mesh with a ``pp`` axis: a ``PipelinePlan``, or the path of one's file
+    (``PipelinePlan.save``, ``meshplan compile --mesh pp=...``), read now; a plan of a mesh
+    without stages is refused by name."""
+    if plan is None or isinstance(plan, PipelinePlan):
+        return plan
+    named = _mesh_text(mesh)
+    if isinstance(plan, Plan):
         raise RuntimeFailure(
-            f"distribute(plan=...) on mesh {named}: a saved plan holds one mesh's layouts, "
-            f"not a pipeline's stages; drop plan= (distribute plans the stages itself; "
-            f"`meshplan compile FILE.py:STEP --mesh {named}` shows what it will choose, and "
-            "`meshplan run --plan` runs the pipeline plan it writes)")
+            f"distribute(plan=...) on mesh {named}: the plan holds one mesh's layouts "
+            f"({plan.mesh}), not a pipeline's stages; pass a pipeline plan (`meshplan compile "
+            f"FILE.py:STEP --mesh {named} -o step.plan` writes one) or drop plan= "
+            "(distribute plans the stages itself)")
+    try:
+        return PipelinePlan.load(plan)
+    except PlanError as e:
+        raise RuntimeFailure(f"distribute(plan={os.fspath(plan)!r}) on mesh {named}: {e}") \
+            from None
+
+
+def _mesh_text(mesh: Mapping[str, int]) -> str:
+    return ",".join(f"{a}={n}" for a, n in dict(mesh).items())
 
 
 def _fault_tolerance_default(on: Any, elastic: Any, launcher: str,

@@ -315,8 +315,9 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
     JSON; ``run`` runs a 1F1B one (losses equal one process's: rtol 1e-5, the summation
     order of the micro-batches' gradients, as in ``test_run_matches_the_eager_step``) and
-    refuses by name a schedule the ranks do not run yet; ``plan show`` says it does not read
-    one; ``--schedule`` without a pp axis is refused."""
+    refuses by name a schedule the ranks do not run yet; ``plan show`` prints the stages and
+    every stage's layouts; a modified file is refused by its content hash; ``--schedule``
+    without a pp axis is refused."""
     from meshplan.examples import gpt
 
     for name in ("gpt_distributed.py", "gpt.py", "_common.py"):    # outside the package:
@@ -328,8 +329,10 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     assert rc == 0, err
     assert "2 stages, zb-h1" in text and "stage   1 |" in text
     assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
-    rc, _, err = _main("plan", "show", str(out))
-    assert rc != 0 and "is a pipeline plan" in err and "`plan show`" in err
+    rc, text, err = _main("plan", "show", str(out))
+    assert rc == 0 and "2 stages, zb-h1" in text and "every stage's layouts" in text, err
+    rc, _, err = _main("plan", "diff", str(out), str(out))
+    assert rc != 0 and "`plan diff` and `plan explain` do not read one yet" in err
     rc, _, err = _main("run", target, "--plan", str(out))
     assert rc != 0 and "'zb-h1': the stages run gpipe and 1f1b only yet" in err
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
@@ -342,6 +345,11 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     eager = [float(ex.step(*ex.batch(i)).detach()) for i in range(2)]
     assert torch.allclose(torch.tensor(losses), torch.tensor(eager), rtol=1e-5, atol=0), (
         losses, eager)
+    body = json.loads(gp.read_text())
+    body["body"]["microbatches"] = 4
+    gp.write_text(json.dumps(body))
+    rc, _, err = _main("run", target, "--plan", str(gp), "--steps", "1")
+    assert rc != 0 and "does not match its content hash" in err
     rc, _, err = _main("compile", target, "--mesh", "dp=2", "--schedule", "1f1b",
                        "-o", str(tmp_path / "x.plan"))
     assert rc != 0 and "--schedule and --microbatches are for a mesh with a pp axis" in err

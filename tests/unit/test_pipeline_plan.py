@@ -155,7 +155,8 @@ def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> 
     for kw, what in (({"fault_tolerance": True}, "snapshots and recovery of pipeline"),
                      ({"elastic": True}, "drop elastic="),
                      ({"calibrate": True}, "calibrate a run without 'pp'"),
-                     ({"plan": "x.plan"}, "not a pipeline's stages"),
+                     ({"plan": plan_graph(graph, {"dp": 2})}, "not a pipeline's stages"),
+                     ({"plan": "x.plan"}, "x.plan"),
                      ({"schedule": "zb-h1"}, "the stages run 'gpipe' or '1f1b'")):
         with pytest.raises(meshplan.RuntimeFailure, match=what):
             meshplan.distribute(ex.step, mesh={"pp": 2}, **kw)
@@ -258,3 +259,32 @@ def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> Non
         assert sorted(unit[n.name] for n in relus if n.phase.value == phase) == [
             POST, "model.blocks.0", "model.blocks.1"], phase
     assert unit[next(n.name for n in g.nodes if "mse_loss" in n.name)] == POST
+
+
+def test_distribute_runs_a_given_pipeline_plan_as_compiled(tmp_path) -> None:
+    """``plan=`` a pipeline plan (the object, or the file ``save`` wrote) on its mesh: the
+    stages are not planned again; a plan for other options than those asked is refused by
+    name, as is a pipeline plan on a mesh without ``pp``. Planned only: no rank starts."""
+    from meshplan.planner import PipelinePlan
+
+    ex = gpt.build(config=CONFIG, optimizer="adamw")
+    batch = ex.batch(0)
+    first = meshplan.distribute(ex.step, mesh={"pp": 2}, microbatches=2, schedule="gpipe",
+                                example_inputs=batch)
+    pplan = first.pipeline
+    pplan.save(tmp_path / "pp.plan")
+    again = PipelinePlan.load(tmp_path / "pp.plan")
+    assert again.to_dict() == pplan.to_dict()
+    for given in (pplan, str(tmp_path / "pp.plan")):
+        step = meshplan.distribute(ex.step, mesh={"pp": 2}, plan=given, example_inputs=batch)
+        assert step.pipeline.to_dict() == pplan.to_dict()
+        assert "as compiled (plan=)" in step.plan.solver["pipeline"]
+    with pytest.raises(meshplan.RuntimeFailure, match="it runs 2 micro-batches, not "
+                                                      "microbatches=4"):
+        meshplan.distribute(ex.step, mesh={"pp": 2}, plan=pplan, microbatches=4,
+                            example_inputs=batch).plan
+    with pytest.raises(meshplan.RuntimeFailure, match="it is for mesh pp=2"):
+        meshplan.distribute(ex.step, mesh={"pp": 2, "dp": 2}, plan=pplan,
+                            example_inputs=batch).plan
+    with pytest.raises(meshplan.RuntimeFailure, match="the plan is a pipeline's"):
+        meshplan.distribute(ex.step, mesh={"dp": 2}, plan=pplan)
