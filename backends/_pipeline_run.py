@@ -230,7 +230,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         j = maker_of_partial.get(i)
         if j is not None:
             stage[i] = stage[j] if stage[j] != -1 else p - 1
-    _follow_the_bytes(cut, instrs0, graph, stage, unit, inputs, node_stage)
+    new_state = {ref.node for ref, _ in raws[0].state_out.values()}
+    _follow_the_bytes(cut, instrs0, graph, stage, unit, inputs, node_stage, new_state)
     all_stages = frozenset(range(p))
 
     def made(i: int) -> list[tuple]:
@@ -439,6 +440,15 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     raw0 = raws[0]
     owned = {n: v for n, v in raw0.state_out.items()
              if node_stage(by_target[n]) == s}
+    made_at = {ins.node.name: i for i, ins in enumerate(instrs0) if isinstance(ins, Compute)}
+    for name, (ref, _) in owned.items():      # what a stage keeps, it makes or receives
+        i = made_at.get(ref.node)
+        if i is not None and s not in runs_on(i) and not any(
+                s in by.get(k, ()) for k in made(i) for by in (st_readers, mb_readers)):
+            raise LoweringError(
+                f"pipeline stage {s} keeps {name!r} of {graph.info.name!r}, but its new value "
+                f"({ref.node}) is made on stage {sorted(runs_on(i))} and not sent to it "
+                "(a meshplan bug: please report it with the step)")
     step = program(raw0, st, [], owned, raw0.results if s == p - 1 else ())
     hoisted, hoist_inputs = [], {}
     for i in cut.hoisted:
@@ -529,19 +539,21 @@ def _value_name(key: tuple[Key, int]) -> str:
 
 
 def _follow_the_bytes(cut: Any, instrs: Sequence[Any], graph: Any, stage: dict[int, Any],
-                      unit: Mapping[str, str], inputs: Mapping[str, Any], node_stage: Any) -> None:
+                      unit: Mapping[str, str], inputs: Mapping[str, Any], node_stage: Any,
+                      new_state: set[str]) -> None:
     """Ops of the step part outside the layers (``unit_map`` puts them before the first
     layer or after the last: gradient clipping's per-gradient norms and scaling, the step
     counters read to the host) run on the stage that makes the most bytes of what they read,
     not on the first or last stage, which would receive every other stage's gradients and
     send them back scaled. A redistribution moves with the op it feeds. In order, so that a
-    chain follows its start."""
+    chain follows its start. An op that makes new state (``new_state``) stays with its
+    state's stage, which keeps it."""
     maker = {ins.node.name: i for i, ins in enumerate(instrs) if isinstance(ins, Compute)}
     at: dict[str, int] = {}
     for i in cut.per_step:
         ins = instrs[i]
         if isinstance(ins, Compute) and unit.get(ins.node.name) in (PRE, POST) \
-                and i not in cut.shapes:
+                and i not in cut.shapes and ins.node.name not in new_state:
             weight: dict[int, int] = {}
             for k, j in cut.reads_of.get(i, ()):
                 while j is not None and isinstance(instrs[j], Reshard) \

@@ -63,7 +63,6 @@ the head's share of the embedding's gradient every micro-batch).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -72,12 +71,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import PlanError
-from ..ir import Graph, NodeKind, Phase, Ref, Role, TensorMeta, repeated_layers
+from ..ir import (STATE_ROLES, Graph, NodeKind, Phase, Ref, Role, TensorMeta,
+                  repeated_layers)
 from ..ir._recompute import _layer_key
 from ._comm import Collective, collective_time
 from ._mesh import Mesh, Topology
 from ._placement import layout_fraction
-from ._plan import Plan
+from ._plan import Plan, body_hash, checked_body
 from ._planning import reduction_buckets
 from ._summary import format_bytes
 
@@ -178,7 +178,7 @@ class PipelinePlan:
         body = self.to_dict()
         atomic_write_text(path, json.dumps({"format": PIPELINE_FORMAT,
                                             "version": PIPELINE_VERSION,
-                                            "sha256": _body_hash(body), "body": body},
+                                            "sha256": body_hash(body), "body": body},
                                            allow_nan=False))
 
     @staticmethod
@@ -193,16 +193,8 @@ class PipelinePlan:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"{where} is not a meshplan pipeline plan (not JSON: {e})") from None
-        if not isinstance(d, dict) or d.get("format") != PIPELINE_FORMAT:
-            raise PlanError(f"{where} is not a pipeline plan; make one with `meshplan compile "
-                            "FILE.py:STEP --mesh pp=2,dp=2 -o step.plan`")
-        if d.get("version") != PIPELINE_VERSION:
-            raise PlanError(f"{where} has pipeline plan format version {d.get('version')!r}; "
-                            f"this meshplan reads version {PIPELINE_VERSION}: compile it again")
-        body = d.get("body")
-        if not isinstance(body, dict) or _body_hash(body) != d.get("sha256"):
-            raise PlanError(f"{where} does not match its content hash: the file was modified "
-                            "or damaged; compile the plan again")
+        body = checked_body(d, where, PIPELINE_FORMAT, PIPELINE_VERSION, "pipeline plan",
+                            "--mesh pp=2,dp=2")
         try:
             return PipelinePlan.from_dict(body, where)
         except (KeyError, TypeError, ValueError) as e:
@@ -247,11 +239,6 @@ class PipelinePlan:
 PIPELINE_FORMAT = "meshplan.pipeline-plan"
 # 2: the whole inner plan in the file (``inner_plan``), a content hash, the boundary bytes
 PIPELINE_VERSION = 2
-
-
-def _body_hash(body: Any) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ---- units ----------------------------------------------------------------------------------
@@ -316,15 +303,24 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
         if state is None:
             state = _between_layers(n, i, first, last_f, layer_b, unit, rank)
         unit[n.name] = state or (PRE if n.phase is Phase.FORWARD and i < first else POST)
-    for n in nodes:             # the update: the unit of the state (or update op) it reads
-        if n.name in unit:
+    for n in nodes:             # the update: the unit of the state it reads, else of its
+        if n.name in unit:      # largest operand
             continue
-        refs = [r.node for r in n.refs() if r.node in unit]
-        owner = next((unit[r] for r in refs if graph.node(r).kind is NodeKind.INPUT
-                      or graph.node(r).phase is Phase.UPDATE), None)
-        unit[n.name] = owner or (unit[refs[0]] if refs else POST)
+        refs = [r for r in n.refs() if r.node in unit]
+        owner = next((unit[r.node] for r in refs if graph.node(r.node).kind is NodeKind.INPUT
+                      and graph.node(r.node).outputs[0].role in STATE_ROLES), None)
+        if owner is None and refs:
+            # a gradient scaled by clipping's coefficient goes with the gradient's parameter:
+            # the coefficient, a scalar made from every gradient's norm, goes with the first
+            # parameter's, and the parameter's update (on its own stage) reads the product
+            owner = unit[max(refs, key=lambda r: _numel(graph.meta(r))).node]
+        unit[n.name] = owner or POST
 
     return order, unit
+
+
+def _numel(meta: Any) -> int:
+    return math.prod(meta.shape) if isinstance(meta, TensorMeta) else 0
 
 
 def _between_layers(n: Any, i: int, first: int, last_f: int, layer_b: Sequence[int],

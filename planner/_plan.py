@@ -254,17 +254,7 @@ class Plan:
                             "PipelinePlan.load; `meshplan run --plan`, `meshplan plan show` "
                             "and distribute(mesh={'pp': ...}, plan=) take it; `plan diff` "
                             "and `plan explain` do not read one yet")
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise PlanError(f"{where} is not a meshplan plan; make one with `meshplan compile "
-                            "FILE.py:STEP --mesh dp=2 -o step.plan`")
-        if d.get("version") != VERSION:
-            raise PlanError(f"{where} has plan format version {d.get('version')!r}; this "
-                            f"meshplan reads version {VERSION}: compile the plan again")
-        body = d.get("body")
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        if hashlib.sha256(text.encode()).hexdigest() != d.get("sha256"):
-            raise PlanError(f"{where} does not match its content hash: the file was modified "
-                            "or damaged; compile the plan again")
+        body = checked_body(d, where, FORMAT, VERSION, "plan", "--mesh dp=2")
         try:
             return _plan_from_body(body)
         except (KeyError, TypeError, ValueError, IRError) as e:
@@ -290,6 +280,29 @@ def _enc(layout: Layout | None) -> list[str] | None:
 
 def _dec(v: list[str] | None) -> Layout | None:
     return None if v is None else tuple(parse_placement(p) for p in v)
+
+
+def body_hash(body: Any) -> str:
+    """The ``sha256`` a plan file keeps of its body (canonical JSON)."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def checked_body(d: Any, where: str, fmt: str, version: int, what: str,
+                 mesh_example: str) -> dict[str, Any]:
+    """The body of a plan file's JSON ``d`` (format ``fmt``, ``version``, a content hash), or
+    one ``PlanError`` naming the file and what to do."""
+    if not isinstance(d, dict) or d.get("format") != fmt:
+        raise PlanError(f"{where} is not a meshplan {what}; make one with `meshplan compile "
+                        f"FILE.py:STEP {mesh_example} -o step.plan`")
+    if d.get("version") != version:
+        raise PlanError(f"{where} has {what} format version {d.get('version')!r}; this "
+                        f"meshplan reads version {version}: compile the plan again")
+    body = d.get("body")
+    if not isinstance(body, dict) or body_hash(body) != d.get("sha256"):
+        raise PlanError(f"{where} does not match its content hash: the file was modified "
+                        "or damaged; compile the plan again")
+    return body
 
 
 def _plan_from_body(b: dict[str, Any]) -> Plan:

@@ -1542,8 +1542,9 @@ class DistributedStep:
             how = (f"every rank started again, those of {', '.join(ft.moved)} on spare "
                    f"{'nodes' if self.launcher == 'slurm' else 'hosts'} ({now})")
         logger.warning("meshplan: %s: recovered %.1f s after the failure was seen: %s, every "
-                       "rank went back to its snapshot after step %d and re-ran %d step%s",
-                       self.__name__, took, how, restored, replayed, "s" * (replayed != 1))
+                       "rank went back to its snapshot after step %d and re-ran %d step%s%s",
+                       self.__name__, took, how, restored, replayed, "s" * (replayed != 1),
+                       "" if step is None else " (the interrupted one included)")
         if ft.phases:
             logger.info("meshplan: %s: the recovery's parts: %s, then the interrupted step",
                         self.__name__, ", ".join(f"{k} {v * 1e3:.0f} ms"
