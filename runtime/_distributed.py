@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -543,10 +544,12 @@ class DistributedStep:
                 pplan = planned(2)
             try:
                 check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
-            except PlanError as e:
-                raise PlanError(f"{e} (on mesh {named} the stages always run in micro-batches, "
-                                "so microbatches=1 is not a way out there: change that op, or "
-                                f"run without '{PP_AXIS}')") from None
+            except PlanError as e:           # microbatches=1 is no way out on stages
+                why = re.sub(r"\. Use microbatches=1, or change that op$|; use microbatches=1$",
+                             "", str(e))
+                raise PlanError(f"{why}. On mesh {named} the stages always run in "
+                                f"micro-batches: change that op, or run without '{PP_AXIS}'"
+                                ) from None
             if pplan.schedule != "gpipe":     # what its order cannot run, said here
                 try:
                     lower_pipeline(Stages.of(pplan), 0)

@@ -288,3 +288,29 @@ def test_distribute_runs_a_given_pipeline_plan_as_compiled(tmp_path) -> None:
                             example_inputs=batch).plan
     with pytest.raises(meshplan.RuntimeFailure, match="the plan is a pipeline's"):
         meshplan.distribute(ex.step, mesh={"dp": 2}, plan=pplan)
+
+
+def test_a_step_that_does_not_split_over_micro_batches_is_refused_on_stages() -> None:
+    """A mean loss reads a sum over the whole batch before any micro-batch can go on: on a
+    ``pp`` mesh, where the stages always run micro-batches, the refusal names the op and
+    says what to do there, without the ``microbatches=1`` a mesh without stages offers."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(
+        *(torch.nn.Linear(8, 8) for _ in range(2))), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2,
+                               example_inputs=(torch.randn(8, 8), torch.randn(8, 1)))
+    with pytest.raises(meshplan.RuntimeFailure) as got:
+        step.plan
+    text = str(got.value)
+    assert "mse_loss" in text and "microbatches=1" not in text, text
+    assert "On mesh pp=2 the stages always run in micro-batches: change that op" in text, text
