@@ -239,14 +239,7 @@ def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> Non
             return self.out(x)
 
     model = Wrapped()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def train_step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = _sgd_mse_step(model)
 
     g = meshplan.trace(train_step, torch.randn(4, 8), torch.randn(4, 4)).graph
     order, unit = unit_map(g)
@@ -298,14 +291,7 @@ def test_a_step_that_does_not_split_over_micro_batches_is_refused_on_stages() ->
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(
         *(torch.nn.Linear(8, 8) for _ in range(2))), torch.nn.Linear(8, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def train_step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    train_step = _sgd_mse_step(model)
 
     step = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2,
                                example_inputs=(torch.randn(8, 8), torch.randn(8, 1)))
@@ -314,3 +300,18 @@ def test_a_step_that_does_not_split_over_micro_batches_is_refused_on_stages() ->
     text = str(got.value)
     assert "mse_loss" in text and "microbatches=1" not in text, text
     assert "On mesh pp=2 the stages always run in micro-batches: change that op" in text, text
+
+
+def _sgd_mse_step(model):
+    """A plain training step of ``model``: a mean mse loss, SGD."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
