@@ -342,8 +342,13 @@ def _plan_from_body(b: dict[str, Any]) -> Plan:
 
 
 def graph_hash(graph: Graph) -> str:
-    """sha256 of ``graph`` as canonical JSON (sorted keys)."""
-    text = json.dumps(graph_to_dict(graph), sort_keys=True, separators=(",", ":"))
+    """sha256 of ``graph`` as canonical JSON (sorted keys), without where its ops were
+    written (file, line, code): a comment added above the step, or the step's file moved,
+    runs the same ops, and a compiled plan stays good for it."""
+    d = graph_to_dict(graph)
+    d["info"] = {**d["info"], "source": None}
+    d["nodes"] = [{**n, "source": None} for n in d["nodes"]]
+    text = json.dumps(d, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -588,8 +588,14 @@ class DistributedStep:
                                  "these options, or drop plan= (distribute plans the stages)")
         try:
             pplan.inner.check_compatible(graph=graph)
+        except PlanError as e:
+            raise RuntimeFailure(
+                f"{self.__name__}: the pipeline plan given: {e} (this plan's options: --mesh "
+                f"{_mesh_text(dict(pplan.mesh.axes))} --schedule {pplan.schedule} "
+                f"--microbatches {pplan.microbatches})") from None
+        try:
             lower_pipeline(Stages.of(pplan), 0)     # what the ranks would refuse, here
-        except (PlanError, LoweringError) as e:
+        except LoweringError as e:
             raise RuntimeFailure(f"{self.__name__}: the pipeline plan given: {e}") from None
         self._use_pipeline(pplan, f"{pplan.schedule}, as compiled (plan=), ")
 

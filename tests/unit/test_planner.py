@@ -125,6 +125,47 @@ def test_plan_round_trips_exactly_and_checks_its_hash(tmp_path) -> None:  # noqa
         Plan.load(path)
 
 
+_STEP = """
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train_step(x, y):
+    loss = torch.nn.functional.mse_loss(torch.ACT(model(x)), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+"""
+
+
+def test_a_compiled_plan_stays_good_where_only_the_steps_source_moved(tmp_path) -> None:
+    """The graph hash ``check_compatible`` compares leaves out where each op was written:
+    the same step with comments above it, in another file, is the same graph (a user trial:
+    a comment line made the compiled plan 'changed since'); another op is not."""
+    import importlib.util
+
+    import torch
+
+    from meshplan.planner._plan import graph_hash
+
+    def traced(name: str, text: str) -> Graph:
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        return meshplan.trace(module.train_step, torch.randn(4, 4), torch.randn(4, 1)).graph
+
+    first = traced("first", _STEP.replace("ACT", "tanh"))
+    moved = traced("moved", "# a comment\n# and another\n" + _STEP.replace("ACT", "tanh"))
+    other = traced("other", _STEP.replace("ACT", "sigmoid"))
+    assert [n.source.line for n in first.nodes if n.source] != [
+        n.source.line for n in moved.nodes if n.source]
+    assert graph_hash(first) == graph_hash(moved) != graph_hash(other)
+    plan_graph(first, {"dp": 2}).check_compatible(graph=moved)
+
+
 @pytest.mark.parametrize("text, match", [
     ("not json", "not JSON"),
     ('{"format": "something"}', "not a meshplan plan"),
