@@ -499,6 +499,9 @@ class K8sLauncher:
         return workers
 
 
+TERM_SETTLE_S = 2.0   # how long a rank's SIGTERM exit waits for its pod's end to be watched
+
+
 class _AgentRank:
     """What :class:`Workers` sees of one rank that a pod's agent runs (``K8sPods``): its
     exit and whether it is stopped, which the controller on another host learns from the
@@ -551,7 +554,17 @@ class _AgentRank:
 
     @property
     def ended(self) -> str | None:
-        return self.pods.pod_ended(self.index)
+        """How this rank's pod ended, or None. A rank ended by SIGTERM is what the kubelet
+        does to a pod that is evicted, preempted or deleted, and its agent may report the
+        rank's exit before the pod's watch event comes: wait for that event up to
+        ``TERM_SETTLE_S``, so the failure (and a recovery's choice) knows the pod is gone."""
+        why = self.pods.pod_ended(self.index)
+        if why is None and self.returncode in (143, -15):
+            deadline = time.monotonic() + TERM_SETTLE_S
+            while why is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                why = self.pods.pod_ended(self.index)
+        return why
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -576,9 +576,11 @@ class Workers:
         code = self._group.procs[first].returncode
         host = self._host_of(first)
         on = f" (on {host})" if host else ""
+        why = getattr(self._group.procs[first], "ended", None)   # what the launcher knows
         return WorkerFailure(
             f"rank {first}{on} {_describe_exit(code)} while the controller waited for {kind!r} "
-            f"(rank {rank} then failed talking to it)\n  all {self.n} workers were stopped",
+            f"(rank {rank} then failed talking to it)" + (f"\n  {why}" if why else "")
+            + f"\n  all {self.n} workers were stopped",
             reason="exit", ranks=[first], kind=kind, exit_code=code,
             hosts=[host] if host else [])
 
