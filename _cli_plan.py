@@ -75,7 +75,9 @@ def _table(title: str, cols: tuple[str, ...], rows: list[tuple], right: tuple[st
 def cmd_plan_show(args: argparse.Namespace) -> int:
     from .planner import plan_report, render_html
 
-    if _is_pipeline(args.plan):
+    from .planner._pipeline import is_pipeline_file
+
+    if is_pipeline_file(args.plan):
         return _show_pipeline(args)
     plan = _load(args.plan)
     if args.html:
@@ -96,15 +98,6 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         return 0
     print_report(rep)
     return 0
-
-
-def _is_pipeline(path: str) -> bool:
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, ValueError):
-        return False          # Plan.load names what is wrong with it
-    return isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan"
 
 
 def _show_pipeline(args: argparse.Namespace) -> int:

@@ -236,6 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import meshplan
 
     from .planner import PipelinePlan, Plan, parse_mesh
+    from .planner._pipeline import is_pipeline_file
 
     if args.launcher not in ("local", "mpi", "slurm", "k8s"):
         raise RuntimeFailure(f"launcher {args.launcher!r} is not available; use "
@@ -249,7 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise RuntimeFailure(f"--steps {args.steps}: run at least one step")
     # a pipeline plan (format meshplan.pipeline-plan) or a plan; truncated, tampered: PlanError
-    stages = PipelinePlan.load(args.plan) if _is_pipeline_file(args.plan) else None
+    stages = PipelinePlan.load(args.plan) if is_pipeline_file(args.plan) else None
     plan = Plan.load(args.plan) if stages is None else None
     module, fn, name = load_step(args.target)
     opts = _decorator_options(fn)
@@ -339,17 +340,6 @@ def _loss_value(result: Any) -> float:
     if hasattr(result, "detach"):
         return float(result.detach().reshape(-1)[0])
     return float(result)
-
-
-def _is_pipeline_file(path: str) -> bool:
-    """Whether ``path`` holds a pipeline plan (``PipelinePlan.save``); any other file,
-    readable or not, is for ``Plan.load`` to judge and name."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return isinstance(d, dict) and d.get("format") == "meshplan.pipeline-plan"
 
 
 class _LossTable:

@@ -237,6 +237,17 @@ class PipelinePlan:
 
 
 PIPELINE_FORMAT = "meshplan.pipeline-plan"
+
+
+def is_pipeline_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a pipeline plan (``PipelinePlan.save``); any other file,
+    readable or not, is for ``Plan.load`` to judge and name."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("format") == PIPELINE_FORMAT
 # 2: the whole inner plan in the file (``inner_plan``), a content hash, the boundary bytes
 PIPELINE_VERSION = 2
 
