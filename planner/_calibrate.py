@@ -109,8 +109,19 @@ def measure(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: 
            "dtypes": list(DTYPES), "copy_bytes": 64 * MiB, "matmul_target_s": 0.05,
            "collectives": [c.value for c in COLLECTIVES]}
     start = time.perf_counter()
-    ranks = _run_workers(cfg)
-    return _combine(ranks, cfg, time.perf_counter() - start)
+    for attempt in range(1, FLAT_ATTEMPTS + 1):
+        ranks = _run_workers(cfg)
+        try:
+            return _combine(ranks, cfg, time.perf_counter() - start)
+        except _FlatTimes as e:
+            # a busy machine can make a 1 KiB collective as slow as a 4 MiB one: measure
+            # again before giving up
+            if attempt == FLAT_ATTEMPTS:
+                raise RuntimeFailure(f"{e} (measured {FLAT_ATTEMPTS} times; is the machine "
+                                     "busy? run it again when it is quieter)") from None
+            logger.warning("calibrate: %s; measuring again (%d of %d)", str(e).split(" (")[0],
+                           attempt + 1, FLAT_ATTEMPTS)
+    raise AssertionError("unreachable")
 
 
 def _usable_cpus() -> int:
@@ -279,6 +290,14 @@ def _total_ram() -> int:
         return 8 << 30
 
 
+class _FlatTimes(RuntimeFailure):
+    """The collective times did not grow with message size: no bandwidth to fit."""
+
+
+# measurements taken before collective times that do not grow with size are an error
+FLAT_ATTEMPTS = 3
+
+
 def fit_link(samples: Sequence[Sample], world_size: int | Sequence[int]) -> Link:
     """Least-squares latency and bandwidth such that ``collective_time(kind, nbytes, n, link)``
     matches the measured seconds, in relative terms (each sample weighs by 1/time, so small
@@ -301,7 +320,7 @@ def fit_link(samples: Sequence[Sample], world_size: int | Sequence[int]) -> Link
         alpha = 0.0
         inv_bw = float(np.sum(b * w * t * w) / np.sum((b * w) ** 2))
     if not inv_bw > 0:
-        raise RuntimeFailure("calibrate: collective times do not grow with message size, so no "
+        raise _FlatTimes("calibrate: collective times do not grow with message size, so no "
                              f"bandwidth can be fitted (samples: {list(samples)})")
     return Link(bandwidth=float(1.0 / inv_bw), latency=float(alpha))
 

@@ -203,3 +203,26 @@ def test_cli_checks_the_out_folder_before_measuring(monkeypatch, capsys, tmp_pat
     assert main(["calibrate", "--out", str(tmp_path / "missing" / "t.json")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("PlanError: --out") and "does not exist; create it first" in err
+
+
+def test_flat_collective_times_are_measured_again(monkeypatch) -> None:
+    """A busy machine can make a 1 KiB collective as slow as a 4 MiB one (the fit then has
+    no bandwidth): ``measure`` runs the workers again, up to ``FLAT_ATTEMPTS`` times, and
+    only then fails, saying it measured that often."""
+    runs, flat = [], [2]
+
+    def combine(ranks, cfg, wall_s):
+        runs.append(1)
+        if len(runs) <= flat[0]:
+            raise _calibrate._FlatTimes("calibrate: collective times do not grow with message "
+                                        "size, so no bandwidth can be fitted (samples: [])")
+        return "the calibration"
+
+    monkeypatch.setattr(_calibrate, "_run_workers", lambda cfg: [])
+    monkeypatch.setattr(_calibrate, "_combine", combine)
+    assert measure(world_size=2, sizes=SMALL) == "the calibration" and len(runs) == 3
+    runs.clear()
+    flat[0] = 3                        # every attempt is flat
+    with pytest.raises(RuntimeFailure, match=r"do not grow with message size.*measured 3 "
+                                             r"times; is the machine busy"):
+        measure(world_size=2, sizes=SMALL)
