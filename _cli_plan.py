@@ -25,9 +25,11 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--html", metavar="OUT.html", help="write one self-contained offline page")
     show.set_defaults(func=cmd_plan_show)
 
-    ex = ps.add_parser("explain", help="why a node runs with its layout, and its alternatives")
+    ex = ps.add_parser("explain", help="why a node runs with its layout, and its alternatives; "
+                                       "for a pipeline plan, why its stage split")
     ex.add_argument("plan")
-    ex.add_argument("--node", required=True, help="node name (see `plan show --json`)")
+    ex.add_argument("--node", help="node name (see `plan show --json`); required but for a "
+                                   "pipeline plan, whose split is explained without it")
     ex.add_argument("--json", action="store_true")
     ex.set_defaults(func=cmd_plan_explain)
 
@@ -108,8 +110,15 @@ def _show_pipeline(args: argparse.Namespace) -> int:
 
     pplan = PipelinePlan.load(args.plan)
     if args.html:
-        raise PlanError(f"--html {args.html}: {args.plan} is a pipeline plan, and the HTML "
-                        "view shows one mesh's layouts only yet; drop --html for its summary")
+        from .ir import atomic_write_text
+        from .planner._pipeline_explain import render_pipeline_html
+
+        folder = os.path.dirname(os.path.abspath(args.html))
+        if not os.path.isdir(folder):
+            raise PlanError(f"--html {args.html}: folder {folder} does not exist; create it first")
+        atomic_write_text(args.html, render_pipeline_html(pplan))
+        _console().print(f"wrote {args.html}")
+        return 0
     rep = plan_report(pplan.inner)
     rep["kernels"] = kernels_report(pplan.inner)
     if args.json:
@@ -196,12 +205,36 @@ def print_report(rep: dict[str, Any], console: Any = None) -> None:
 
 def cmd_plan_explain(args: argparse.Namespace) -> int:
     from .planner import explain
+    from .planner._pipeline import is_pipeline_file
 
-    ex = explain(_load(args.plan), args.node)
+    where = ""
+    if is_pipeline_file(args.plan):
+        from .planner import PipelinePlan
+        from .planner._pipeline_explain import explain_pipeline, explain_pipeline_text
+
+        pplan = PipelinePlan.load(args.plan)
+        if not args.node:
+            got = explain_pipeline(pplan)
+            print(json.dumps(got, indent=2, allow_nan=False) if args.json
+                  else explain_pipeline_text(got), flush=True)
+            return 0
+        plan = pplan.inner
+        where = _stage_of_node(pplan, args.node)
+    elif not args.node:
+        raise PlanError(f"meshplan plan explain {args.plan}: name the node to explain with "
+                        "--node NAME (`meshplan plan show --json` lists them); only a pipeline "
+                        "plan is explained without one (its stage split)")
+    else:
+        plan = _load(args.plan)
+    ex = explain(plan, args.node)
+    if where:
+        ex["stage"] = where
     if args.json:
         print(json.dumps(ex, indent=2, allow_nan=False))
         return 0
     con = _console()
+    if where:
+        con.print(f"  {where}", markup=False)
     con.print(f"[bold]{ex['node']}[/bold] ({ex['target']}, {ex['phase']}"
               f"{', ' + ex['module'] if ex['module'] else ''}) at {ex['source'] or '?'}")
     con.print(f"  {ex['why']}")
@@ -228,6 +261,20 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_of_node(pplan: Any, node: str) -> str:
+    """Where a node of a pipeline plan's inner plan runs: its chunk and stage."""
+    from .planner._pipeline import unit_map
+
+    _, unit = unit_map(pplan.inner.graph)
+    u = unit.get(node)
+    for c, chunk in enumerate(pplan.chunks):
+        if u in chunk:
+            return (f"on stage {c % pplan.pp}" + (f" (chunk {c})" if pplan.virtual_stages > 1
+                                                  else "") + f", with unit {u}; its layout is "
+                    "the inner plan's, on every stage's ranks alike")
+    return "on every stage (the step's data, hyper-parameters or constants)"
+
+
 # ---- diff ----------------------------------------------------------------------------------------
 
 def _arrow(x: object, y: object) -> str:
@@ -242,8 +289,11 @@ def _listed(n: int, what: str, cap: int | None) -> str:
 
 def cmd_plan_diff(args: argparse.Namespace) -> int:
     from .planner import diff
-    from .planner._summary import format_bytes as fb
+    from .planner._pipeline import is_pipeline_file
 
+    pipes = [is_pipeline_file(args.a), is_pipeline_file(args.b)]
+    if any(pipes):
+        return _diff_pipelines(args, pipes)
     d = diff(_load(args.a), _load(args.b))
     if args.json:
         print(json.dumps(d, indent=2, allow_nan=False))
@@ -252,6 +302,62 @@ def cmd_plan_diff(args: argparse.Namespace) -> int:
     if d["identical"]:
         con.print("plans are identical in placements, collectives, time and memory")
         return 0
+    _print_diff(d, con, None if args.all else LIST_ROWS)
+    return 0
+
+
+def _diff_pipelines(args: argparse.Namespace, pipes: list[bool]) -> int:
+    """``plan diff`` of two pipeline plans: the stages and schedule, then the layouts."""
+    from .planner import PipelinePlan
+    from .planner._pipeline_explain import diff_pipeline
+    from .planner._summary import format_bytes as fb
+
+    if not all(pipes):
+        one, other = (args.a, args.b) if pipes[0] else (args.b, args.a)
+        raise PlanError(f"meshplan plan diff: {one} is a pipeline plan (a 'pp' mesh axis) and "
+                        f"{other} is not; compare pipeline plans with each other, or compile "
+                        "both for the same kind of mesh")
+    d = diff_pipeline(PipelinePlan.load(args.a), PipelinePlan.load(args.b))
+    if args.json:
+        print(json.dumps(d, indent=2, allow_nan=False))
+        return 0
+    con = _console()
+    if d["identical"]:
+        con.print("pipeline plans are identical in stages, schedule, layouts, time and memory")
+        return 0
+    for key in ("mesh", "schedule", "microbatches", "virtual_stages", "keep_params"):
+        if d[key]:
+            con.print(f"  {key.replace('_', ' ')}: {d[key]['before']} -> {d[key]['after']}",
+                      markup=False)
+    for key, label in (("estimated_step_time_s", "step time"), ("bubble_s", "bubble"),
+                       ("p2p_s", "p2p"), ("update_s", "once a step")):
+        v = d[key]
+        con.print(f"  {label}: {_ms(v['a'])} -> {_ms(v['b'])} ({v['delta'] * 1e3:+.4f} ms)")
+    v = d["peak_memory_bytes"]
+    sign = "+" if v["delta"] >= 0 else "-"
+    con.print(f"  peak memory per device: {fb(int(v['a']))} -> {fb(int(v['b']))} "
+              f"({sign}{fb(int(abs(v['delta'])))})")
+    if d["units_moved"]:
+        con.print(_table(f"{len(d['units_moved'])} units on another stage",
+                         ("unit", "stage before", "stage after"),
+                         [(m["unit"], "-" if m["before"] is None else m["before"],
+                           "-" if m["after"] is None else m["after"])
+                          for m in d["units_moved"]]))
+    elif d["chunks"]:
+        con.print("  the same units on each stage, in other chunks")
+    if d["inner"] is None:
+        con.print(f"  every stage's layouts: not compared ({d['inner_not_compared']})",
+                  markup=False)
+    elif d["inner"]["identical"]:
+        con.print("  every stage's layouts: identical")
+    else:
+        con.print("every stage's layouts (the inner plans):")
+        _print_diff(d["inner"], con, None if args.all else LIST_ROWS)
+    return 0
+
+
+def _print_diff(d: dict[str, Any], con: Any, cap: int | None) -> None:
+    from .planner._summary import format_bytes as fb
     for key in ("mesh", "strategy", "bucket_bytes"):
         if d[key]:
             con.print(f"  {key}: {d[key]['before']} -> {d[key]['after']}")
@@ -277,7 +383,6 @@ def cmd_plan_diff(args: argparse.Namespace) -> int:
                            _arrow(fb(t["bytes_a"]), fb(t["bytes_b"])),
                            _arrow(_ms(t["time_a_s"]), _ms(t["time_b_s"])))
                           for t in d["collective_totals"]], right=("count", "bytes", "time")))
-    cap = None if args.all else LIST_ROWS
     if d["placements"]:
         con.print(_table(_listed(len(d["placements"]), "placements changed", cap),
                          ("node", "op", "before", "after"),
@@ -295,4 +400,3 @@ def cmd_plan_diff(args: argparse.Namespace) -> int:
         if d[key]:
             con.print(f"  {key.replace('_', ' ')}: {', '.join(d[key][:20])}"
                       + (" ..." if len(d[key]) > 20 else ""))
-    return 0

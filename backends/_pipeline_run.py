@@ -11,12 +11,23 @@ of the partial gradients). Here each part is cut again by stage, and in three:
 - **backward** of micro-batch ``j`` (the rest; it reads what the forward kept),
 - the **step** part, once.
 
+Under interleaved 1F1B a device holds several chunks (virtual stage ``k`` on device
+``k % pp``), and its forward and backward are cut once more, by chunk: a device's parts of a
+micro-batch are ``(F, 0) .. (F, v - 1), (B, v - 1) .. (B, 0)``, each a program of its own. An
+instruction that runs on several devices (the data's, an op of the state alone) goes with
+the chunk of the next of the device's own instructions. A value one part makes and a later
+part of the same micro-batch reads is a result of the first (``StageProgram.carry``), held
+until the last part that reads it (``after``).
+
 A value one stage makes and another reads travels between the two ranks of the same inner
 coordinates (``Send`` / ``Recv`` in both programs, at the place in the part where it is made,
-tagged with the part: ``TAGS``). State one stage owns and another reads (a tied embedding's
+tagged with the sender's part and chunk: ``TAGS``); the receiver takes what one part of its
+peer sends in one part of its own (the first that reads any of it), so both meet a tag's
+values in one order. State one stage owns and another reads (a tied embedding's
 weight in the head) is sent once per step, before the micro-batches. The stages run the parts
-in the schedule's order (``device_orders``): GPipe (every forward before any backward) or
-1F1B (forward ``j + 1`` before backward ``j`` where the warm-up is over).
+in the schedule's order (``device_orders``): GPipe (every forward before any backward),
+1F1B (forward ``j + 1`` before backward ``j`` where the warm-up is over) or interleaved 1F1B
+(Megatron's: micro-batches in groups of ``pp``, each group through every chunk).
 
 Sends do not wait for their receiver (``Communicator.send_start``): a stage runs on while its
 neighbour is busy, and waits for its sends at the end of the step. A receive takes only what
@@ -31,8 +42,8 @@ most of what they read is made (``_follow_the_bytes``), so only scalars cross st
 ``distribute`` runs these programs on a mesh with a ``pp`` axis (``Stages``: what a rank's
 setup carries; the controller splits the state by each tensor's stage).
 
-Not yet: interleaved and zero-bubble orders (several chunks per rank; a weight-gradient part
-of its own); the all-or-nothing vote of a step
+Not yet: zero-bubble orders (ZB-H1: a weight-gradient part of its own); the all-or-nothing
+vote of a step
 (a failing op on one stage leaves its peers waiting until the communicator's timeout);
 kernels, gradient buckets and early frees in the stage programs.
 """
@@ -63,12 +74,13 @@ Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a
 # the schedules the stages run: each stage's order of forwards and backwards
 # (``device_orders``); sends do not wait for their receiver, and ``_check_order`` makes sure
 # that a step's transfers neither wait forever nor cross in the schedule's order
-RUNS = ("gpipe", "1f1b")
+RUNS = ("gpipe", "1f1b", "interleaved")
 # the tag of each part's transfers (``Communicator.send_start(tag=)``): the state a stage
-# sends before the micro-batches (0), each micro-batch's forward and backward, the step part.
-# A receive takes only its part's values, so parts that a schedule interleaves (1F1B: forward
-# j + 1 before backward j) never take each other's; within a part, the two sides of a pair
-# of stages meet their transfers in the same order (``_check_order`` checks it)
+# sends before the micro-batches (0), each micro-batch's forward and backward (the kind's
+# number plus len(TAGS) times the sender's virtual stage), the step part. A receive takes only
+# its part's values, so parts that a schedule interleaves (1F1B: forward j + 1 before
+# backward j) never take each other's; within a part, the two sides of a pair of stages meet
+# their transfers in the same order (``_check_order`` checks it)
 TAGS = {"F": 1, "B": 2, "S": 3}
 
 
@@ -125,6 +137,11 @@ class Stages:
         """The rank whose step results the controller reads: the last stage's first."""
         return self.rank(self.pp - 1, 0)
 
+    def vstage_of_unit(self) -> dict[str, int]:
+        """Each unit's virtual stage: the index of its chunk (chunk ``k`` on device
+        ``k % pp``)."""
+        return {u: k for k, chunk in enumerate(self.chunks) for u in chunk}
+
     def stage_of_unit(self) -> dict[str, int]:
         """Each unit's stage (``unit_map``'s units): the device of its chunk."""
         return {u: k % self.pp for k, chunk in enumerate(self.chunks) for u in chunk}
@@ -143,18 +160,21 @@ class Stages:
 
 @dataclass(frozen=True)
 class StageProgram:
-    """What rank ``rank`` (stage ``stage`` of ``stages``) runs for one step."""
+    """What rank ``rank`` (stage ``stage`` of ``stages``) runs for one step: the programs of
+    its parts of each micro-batch (``parts[(kind, chunk)][j]``, kind ``F`` or ``B``; one chunk
+    per device but under interleaved 1F1B), then the step part once."""
 
     rank: int
     stage: int
     stages: int
     m: int
+    v: int                                # chunks per device
     schedule: str
-    forward: tuple[Program, ...]          # per micro-batch
-    backward: tuple[Program, ...]
+    parts: dict[tuple[str, int], tuple[Program, ...]]
     step: Program
-    kept: tuple[Key, ...]                 # what a forward returns for its backward
-    partials: tuple[tuple[Ref, ReduceOp, str], ...]   # this stage's, and "F" or "B": made in
+    carry: dict[tuple[str, int], tuple[Key, ...]]    # what a part returns for later parts
+    after: dict[tuple[str, int], frozenset[Key]]     # what later parts of its micro-batch read
+    partials: tuple[tuple[Ref, ReduceOp, tuple[str, int]], ...]   # this stage's, the part
     prologue: tuple[tuple[str, str, int, tuple[int, ...], tuple[int, ...], str], ...]
     split: dict[str, int]
     hoisted: tuple[_Hoist, ...]
@@ -166,14 +186,20 @@ class StageProgram:
 def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                    device: str = "cpu") -> StageProgram:
     """Rank ``rank``'s programs (ranks row-major over ``pplan.mesh``, ``pp`` included)."""
-    if pplan.virtual_stages != 1:
-        raise LoweringError(f"pipeline schedule {pplan.schedule!r} with {pplan.virtual_stages} "
-                            "chunks per device: not lowered yet; plan with schedule='gpipe'")
     if pplan.schedule not in RUNS:
         raise LoweringError(f"pipeline schedule {pplan.schedule!r}: not lowered yet (only "
-                            f"{' and '.join(map(repr, RUNS))} run); plan with one of them")
+                            f"{', '.join(map(repr, RUNS))} run); plan with one of them")
     pipe = pplan if isinstance(pplan, Stages) else Stages.of(pplan)
-    p, m = pipe.pp, pipe.microbatches
+    p, m, v = pipe.pp, pipe.microbatches, pipe.virtual_stages
+    if pipe.schedule != "interleaved" and v != 1:
+        raise LoweringError(f"pipeline schedule {pipe.schedule!r} with {v} chunks per device: "
+                            "only 'interleaved' runs several chunks on a device")
+    if pipe.schedule == "interleaved" and m % p:
+        raise LoweringError(f"interleaved 1F1B runs the micro-batches in groups of {PP_AXIS}="
+                            f"{p}; {m} micro-batches is not a multiple: plan a multiple of {p}")
+    if len(pipe.chunks) != p * v:
+        raise LoweringError(f"pipeline plan with {len(pipe.chunks)} chunks for {PP_AXIS}={p} "
+                            f"and {v} chunks per device (it needs {p * v})")
     s, c = pipe.stage(rank), pipe.inner_rank(rank)
     inner = pipe.inner
     world = math.prod(inner.mesh.sizes)
@@ -189,17 +215,23 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     cut = _cut(plan, raws[0], 0)
     instrs0 = raws[0].instrs
     _, unit = unit_map(graph)
-    stage_of_unit = pipe.stage_of_unit()
+    vstage_of_unit = pipe.vstage_of_unit()
+    last = p * v - 1
     inputs = {n.name: n for n in graph.inputs}
     by_target = {n.target: n.name for n in graph.inputs}
 
-    def node_stage(name: str) -> int:
+    def node_vstage(name: str) -> int:
+        """The virtual stage (chunk ``k``, on device ``k % p``) of a node, -1 for every one."""
         n = graph.node(name)
         if n.kind in (NodeKind.HOST, NodeKind.CONSTANT):
             return -1                         # cheap, and maybe not a tensor: everywhere
         if n.kind is NodeKind.INPUT and n.outputs[0].role in (Role.DATA, Role.HYPER):
             return -1                         # every rank gets the step's data
-        return stage_of_unit[unit[name]]
+        return vstage_of_unit[unit[name]]
+
+    def node_stage(name: str) -> int:
+        k = node_vstage(name)
+        return k if k < 0 else k % p
 
     # a backward op outside the layers that reads nothing of the head (the position
     # embedding's gradient, summed over the batch from the first layer's) runs where what it
@@ -213,23 +245,25 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
             if units and POST not in units:
                 unit[ins.node.name] = units[0]
     maker_of_partial = {i: cut.reads_of[i][0][1] for i in cut.reductions}
-    stage: dict[int, int] = {}
+    vst: dict[int, Any] = {}                  # instruction -> its virtual stage (-1: everywhere)
     for i, ins in enumerate(instrs0):
         if isinstance(ins, Compute):
-            stage[i] = node_stage(ins.node.name)
+            vst[i] = node_vstage(ins.node.name)
         elif isinstance(ins, Reshard):
             if i in cut.reductions and maker_of_partial.get(i) is not None:
-                stage[i] = None               # type: ignore[assignment]  (below)
+                vst[i] = None                 # below: where its partials are made
             elif ins.consumer == "<result>":
-                stage[i] = p - 1
+                vst[i] = last
             elif ins.consumer.startswith("<state "):
-                stage[i] = node_stage(by_target[ins.consumer[len("<state "):-1]])
+                vst[i] = node_vstage(by_target[ins.consumer[len("<state "):-1]])
             else:
-                stage[i] = node_stage(ins.consumer)
+                vst[i] = node_vstage(ins.consumer)
     for i in cut.reductions:                  # a sum is taken where its partials are made
         j = maker_of_partial.get(i)
         if j is not None:
-            stage[i] = stage[j] if stage[j] != -1 else p - 1
+            vst[i] = vst[j] if vst[j] != -1 else last
+    # the device of each instruction: an int (-1: every device), or (below) a set of them
+    stage: dict[int, Any] = {i: k if k is None or k < 0 else k % p for i, k in vst.items()}
     new_state = {ref.node for ref, _ in raws[0].state_out.values()}
     _follow_the_bytes(cut, instrs0, graph, stage, unit, inputs, node_stage, new_state)
     all_stages = frozenset(range(p))
@@ -283,13 +317,15 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         st = stage[i]
         return all_stages if st == -1 else st if isinstance(st, frozenset) else frozenset((st,))
 
-    def readers(indices: Sequence[int]) -> dict[tuple, set[int]]:
-        out: dict[tuple, set[int]] = {}
+    def readers(indices: Sequence[int]) -> dict[tuple[tuple, int | None], set[int]]:
+        """The devices that read each value as one instruction makes it: ``(key, maker)``
+        (a parameter's copy is made once for the forward and again for the backward)."""
+        out: dict[tuple[tuple, int | None], set[int]] = {}
         for i in indices:
             if i in cut.shapes:
                 continue
-            for k, _ in cut.reads_of.get(i, ()):
-                out.setdefault(k, set()).update(runs_on(i))
+            for k, j in cut.reads_of.get(i, ()):
+                out.setdefault((k, j), set()).update(runs_on(i))
         return out
 
     def on_stage(ins: Any) -> Any:
@@ -306,7 +342,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         sender = min(where)
         out: list[tuple[str, int, tuple]] = []
         for k in made(i):
-            need = read_by.get(k, set()) - where
+            need = read_by.get((k, i), set()) - where
             if at == sender:
                 out.extend(("S", u, k) for u in sorted(need))
             elif at in need:
@@ -331,7 +367,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                                     dtype, tag))
         return out
 
-    # the parts of micro-batch j: forward before the first backward instruction
+    # the parts of micro-batch j: forward before the first backward instruction, and each
+    # cut by chunk (virtual stage) on its device
     def phase(i: int) -> Phase:
         ins = instrs0[i]
         if isinstance(ins, Compute):
@@ -345,10 +382,59 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     f_idx, b_idx = per_mb[:first_b], per_mb[first_b:]
     mb_readers = readers(per_mb)
     st_readers = readers(cut.per_step)
-    _check_order(pipe.schedule, graph.info.name, p, m, [
-        {part: [(way, peer, key_of(k)) for i in idx for way, peer, k in moves(i, t, by)]
-         for part, idx, by in (("F", f_idx, mb_readers), ("B", b_idx, mb_readers),
-                               ("S", cut.per_step, st_readers))}
+    # a device's parts of one micro-batch, in the order it runs them (``device_orders``)
+    order = [("F", k) for k in range(v)] + [("B", k) for k in reversed(range(v))]
+    rank_of_part = {part: n for n, part in enumerate(order)}
+    part_of = [_parts_of(f_idx, b_idx, t, p, v, runs_on, vst) for t in range(p)]
+    # which parts of each device read each value (the reads of a shape only: stand-ins)
+    reader_parts: list[dict[tuple[tuple, int], set[tuple[str, int]]]] = [{} for _ in range(p)]
+    for i in per_mb:
+        if i in cut.shapes:
+            continue
+        for t in runs_on(i):
+            for k, j in cut.reads_of.get(i, ()):
+                reader_parts[t].setdefault((k, j), set()).add(part_of[t][i])
+    # what a part sends to one device, that device receives in one part: the first of its
+    # parts that reads any of it (so that both sides meet a tag's values in one order)
+    recv_part: dict[tuple[int, tuple[str, int], int], tuple[str, int]] = {}
+    for i in per_mb:
+        for way, peer, k in moves(i, min(runs_on(i)), mb_readers):
+            src = min(runs_on(i))
+            at = min(reader_parts[peer].get((k, i), ()), key=rank_of_part.__getitem__,
+                     default=None)
+            if at is None:
+                raise LoweringError(f"pipeline stage {peer} is sent {k[1]} of "
+                                    f"{graph.info.name!r} and reads it nowhere (a meshplan "
+                                    "bug: please report it with the step)")
+            ch = (src, part_of[src][i], peer)
+            if ch not in recv_part or rank_of_part[at] < rank_of_part[recv_part[ch]]:
+                recv_part[ch] = at
+
+    def tag_of(part: tuple[str, int], device: int) -> int:
+        """The tag of what a part of chunk ``part[1]`` of ``device`` sends: its kind and its
+        virtual stage, so that a receive takes only that part's values."""
+        return TAGS[part[0]] + len(TAGS) * (part[1] * p + device)
+
+    def part_moves(t: int, part: tuple[str, int]) -> list[tuple[int, str, int, int, tuple]]:
+        """Device ``t``'s transfers in ``part`` of a micro-batch, in program order:
+        ``(at, way, peer, tag, value key)``, ``at`` the instruction that makes the value."""
+        out = []
+        for i in per_mb:
+            if t in runs_on(i) and part_of[t][i] == part:
+                out.extend((i, "S", u, tag_of(part, t), k)
+                           for way, u, k in moves(i, t, mb_readers) if way == "S")
+            elif t not in runs_on(i):
+                src = min(runs_on(i))
+                for way, u, k in moves(i, t, mb_readers):
+                    if way == "R" and recv_part[(src, part_of[src][i], t)] == part:
+                        out.append((i, "R", u, tag_of(part_of[src][i], src), k))
+        return out
+
+    _check_order(pipe.schedule, graph.info.name, p, m, v, [
+        {**{part: [(way, peer, tag, key_of(k)) for _, way, peer, tag, k in part_moves(t, part)]
+            for part in order},
+         "S": [(way, peer, TAGS["S"], key_of(k)) for i in cut.per_step
+               for way, peer, k in moves(i, t, st_readers)]}
         for t in range(p)])
     mine = lambda idx: [i for i in idx if s in runs_on(i)]    # noqa: E731
     partial_here = [(instrs0[i].ref, cut.reduce_ops[i], maker_of_partial[i])
@@ -357,8 +443,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     seen: dict[Ref, tuple[ReduceOp, int]] = {}
     for ref, op, maker in partial_here:
         seen.setdefault(ref, (op, maker))
-    f_set = set(f_idx)
-    partials = tuple((ref, op, "F" if maker in f_set else "B") for ref, (op, maker) in seen.items())
+    partials = tuple((ref, op, part_of[s][maker]) for ref, (op, maker) in seen.items())
 
     # state other stages own, read here: sent once per step before the micro-batches
     state_readers: dict[str, set[int]] = {}
@@ -397,33 +482,67 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                       result_layouts=layouts, input_nodes=input_nodes(instrs, keep), kernels=False,
                       bucket_bytes=0, free_early=False)
 
-    forward, backward, kept_keys = [], [], None
-    for j, raw in enumerate(raws):
-        f = stream(f_idx, raw.instrs, mb_readers, TAGS["F"])
-        b = stream(b_idx, raw.instrs, mb_readers, TAGS["B"])
-        if kept_keys is None:
-            have: set[Key] = set()
-            for ins in f:
-                if isinstance(ins, Compute):
-                    have.update((ins.node.name, k, None) for k in range(len(ins.node.outputs)))
-                elif isinstance(ins, Reshard):
-                    have.add((ins.ref.node, ins.ref.index, ins.dst))
-                elif isinstance(ins, Recv):
-                    have.add((ins.ref.node, ins.ref.index, ins.layout))
-            wanted: set[Key] = set()
-            for i in mine(b_idx):
-                if i in cut.shapes:
-                    continue
-                for k, _ in cut.reads_of.get(i, ()):
-                    wanted.add(key_of(k))
-            for ins in b:
-                if isinstance(ins, Send):
-                    wanted.add((ins.ref.node, ins.ref.index, ins.layout))
-            kept_keys = tuple(sorted(have & wanted, key=str))
-        f_parts = [(ref, None) for ref, _, where in partials if where == "F"]
-        b_parts = [(ref, None) for ref, _, where in partials if where == "B"]
-        forward.append(program(raw, f, [(Ref(k[0], k[1]), k[2]) for k in kept_keys] + f_parts))
-        backward.append(program(raw, b, b_parts))
+    # what each part makes (or receives) and reads, on this device: a value a later part of
+    # the micro-batch reads is a result of the part that makes it, kept until its last part
+    my_moves = {part: part_moves(s, part) for part in order}
+    in_mb = set(per_mb)
+
+    def made_in(j: int) -> tuple[str, int]:
+        """The part of this device where instruction ``j``'s values are: made, or received."""
+        if s in runs_on(j):
+            return part_of[s][j]
+        src = min(runs_on(j))
+        return recv_part[(src, part_of[src][j], s)]
+
+    ext: dict[tuple[str, int], set[Key]] = {part: set() for part in order}
+    carry_: dict[tuple[str, int], set[Key]] = {part: set() for part in order}
+    for i in per_mb:
+        if s not in runs_on(i) or i in cut.shapes:
+            continue
+        part = part_of[s][i]
+        for k, j in cut.reads_of.get(i, ()):
+            if j not in in_mb:               # an input, or a count hoisted before the parts
+                continue
+            at = made_in(j)
+            if at == part:
+                continue
+            if rank_of_part[at] > rank_of_part[part]:
+                raise LoweringError(
+                    f"pipeline stage {s} of {graph.info.name!r}: its {_part_name(part, 0, v)} "
+                    f"reads {_value_name((key_of(k), 0))}, which it has only in its "
+                    f"{_part_name(at, 0, v)} (a meshplan bug: please report it with the step)")
+            ext[part].add(key_of(k))
+            carry_[at].add(key_of(k))
+    after: dict[tuple[str, int], frozenset[Key]] = {}
+    later: set[Key] = set()
+    for part in reversed(order):
+        after[part] = frozenset(later)
+        later |= ext[part]
+    carry = {part: tuple(sorted(carry_[part], key=str)) for part in order}
+
+    def part_instrs(part: tuple[str, int], raw_instrs: Sequence[Any]) -> list[Any]:
+        out: list[Any] = []
+        moved: dict[int, list] = {}
+        for i, way, peer, tag, k in my_moves[part]:
+            moved.setdefault(i, []).append((way, peer, tag, k))
+        for i in per_mb:
+            if s in runs_on(i) and part_of[s][i] == part:
+                out.append(on_stage(raw_instrs[i]))
+            for way, peer, tag, k in moved.get(i, ()):
+                if way == "S":
+                    out.append(Send(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), tag))
+                else:
+                    shape, dtype = meta_shape(k)
+                    out.append(Recv(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), shape,
+                                    dtype, tag))
+        return out
+
+    parts: dict[tuple[str, int], tuple[Program, ...]] = {}
+    for part in order:
+        results = [(Ref(k[0], k[1]), k[2]) for k in carry[part]] + [
+            (ref, None) for ref, _, where in partials if where == part]
+        parts[part] = tuple(program(raw, part_instrs(part, raw.instrs), results)
+                            for raw in raws)
 
     def modify(i: int, ins: Any) -> Any:
         if i in cut.hoisted:
@@ -444,7 +563,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     for name, (ref, _) in owned.items():      # what a stage keeps, it makes or receives
         i = made_at.get(ref.node)
         if i is not None and s not in runs_on(i) and not any(
-                s in by.get(k, ()) for k in made(i) for by in (st_readers, mb_readers)):
+                s in by.get((k, i), ()) for k in made(i) for by in (st_readers, mb_readers)):
             raise LoweringError(
                 f"pipeline stage {s} keeps {name!r} of {graph.info.name!r}, but its new value "
                 f"({ref.node}) is made on stage {sorted(runs_on(i))} and not sent to it "
@@ -452,8 +571,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     step = program(raw0, st, [], owned, raw0.results if s == p - 1 else ())
     hoisted, hoist_inputs = [], {}
     for i in cut.hoisted:
-        readers_ = mb_readers.get(("c", instrs0[i].ref.node, instrs0[i].ref.index,
-                                   instrs0[i].dst), set())
+        readers_ = mb_readers.get((("c", instrs0[i].ref.node, instrs0[i].ref.index,
+                                    instrs0[i].dst), i), set())
         if s not in readers_:
             continue
         r = instrs0[i]
@@ -473,31 +592,35 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     split = {n.target: lay[0].dim for n in graph.inputs
              if hasattr((lay := plan.input_layouts[n.target])[0], "dim")}
     stand = stand_in_spec(cut, mine([*per_mb, *cut.per_step]), plan, raws[0])
-    return StageProgram(rank, s, p, m, pplan.schedule, tuple(forward), tuple(backward), step,
-                        kept_keys or (), partials, tuple(prologue), split, tuple(hoisted),
-                        hoist_inputs, stand, device)
+    return StageProgram(rank, s, p, m, v, pipe.schedule, parts, step, carry, after, partials,
+                        tuple(prologue), split, tuple(hoisted), hoist_inputs, stand, device)
 
 
-def _check_order(schedule: str, step: str, p: int, m: int,
-                 moves: Sequence[Mapping[str, list[tuple[str, int, Key]]]]) -> None:
+def _part_name(part: tuple[str, int] | str, j: int, v: int) -> str:
+    if part == "S":
+        return "the step part"
+    kind, chunk = part
+    return (f"micro-batch {j}'s {'forward' if kind == 'F' else 'backward'}"
+            + (f" of chunk {chunk}" if v > 1 else ""))
+
+
+def _check_order(schedule: str, step: str, p: int, m: int, v: int,
+                 moves: Sequence[Mapping[Any, list[tuple[str, int, int, Key]]]]) -> None:
     """Run the stages' transfers on paper, in the schedule's order, before any rank does.
-    ``moves[t][part]``: stage ``t``'s sends ``("S", to, key)`` and receives ``("R", from,
-    key)`` of one forward (``"F"``), one backward (``"B"``) and the step part (``"S"``), in
-    program order. Sends never wait (``send_start``); a receive takes the oldest value its
-    peer sent with the part's tag (``TAGS``). Raises, naming the stages and values, where the
-    order would leave a stage waiting forever, or where a receive would take another value
-    than the one its program reads there (stages that pass a part's values back and forth,
-    as when the layers' activations ran with the head, can wait forever in 1F1B's order)."""
-    def part_name(part: str, j: int) -> str:
-        return ("the step part" if part == "S" else
-                f"micro-batch {j}'s {'forward' if part == 'F' else 'backward'}")
-
+    ``moves[t][part]``: device ``t``'s sends ``("S", to, tag, key)`` and receives ``("R",
+    from, tag, key)`` in one micro-batch's part ``(kind, chunk)`` (kind ``F`` or ``B``) and in
+    the step part (``"S"``), in program order. Sends never wait (``send_start``); a receive
+    takes the oldest value its peer sent with its tag. Raises, naming the stages and values,
+    where the order would leave a stage waiting forever, or where a receive would take another
+    value than the one its program reads there (stages that pass a part's values back and
+    forth, as when the layers' activations ran with the head, can wait forever in 1F1B's
+    order)."""
     events: list[list[tuple[str, int, int, tuple[Key, int], str]]] = []
-    for t, order in enumerate(device_orders(schedule, p, m)):
-        seq = [(way, peer, TAGS[kind], (key, j), part_name(kind, j))
-               for kind, _, j in order for way, peer, key in moves[t][kind]]
-        seq += [(way, peer, TAGS["S"], (key, -1), part_name("S", -1))
-                for way, peer, key in moves[t]["S"]]
+    for t, order in enumerate(device_orders(schedule, p, m, v)):
+        seq = [(way, peer, tag, (key, j), _part_name((kind, chunk), j, v))
+               for kind, chunk, j in order for way, peer, tag, key in moves[t][(kind, chunk)]]
+        seq += [(way, peer, tag, (key, -1), _part_name("S", -1, v))
+                for way, peer, tag, key in moves[t]["S"]]
         events.append(seq)
     boxes: dict[tuple[int, int, int], deque] = {}
     at = [0] * p
@@ -530,6 +653,31 @@ def _check_order(schedule: str, step: str, p: int, m: int,
         raise LoweringError(f"pipeline schedule {schedule!r}: the stages would wait for each "
                             f"other forever in {step!r} ({waits}); run it with "
                             "schedule='gpipe'")
+
+
+def _parts_of(f_idx: Sequence[int], b_idx: Sequence[int], t: int, p: int, v: int,
+              runs_on: Any, vst: Mapping[int, Any]) -> dict[int, tuple[str, int]]:
+    """Device ``t``'s part ``(kind, chunk)`` of each micro-batch instruction it runs: a
+    layer's, its chunk's; one that runs on several devices (the data's, the state's alone),
+    the chunk of the next of ``t``'s own instructions (the previous one's at the end), which
+    on one device never runs before what it reads."""
+    out: dict[int, tuple[str, int]] = {}
+    for kind, idx in (("F", f_idx), ("B", b_idx)):
+        on = [i for i in idx if t in runs_on(i)]
+        own = {i: vst[i] // p for i in on
+               if isinstance(vst.get(i), int) and vst[i] >= 0 and vst[i] % p == t
+               and runs_on(i) == {t}}
+        chunk = None
+        for i in reversed(on):
+            chunk = own.get(i, chunk)
+            if chunk is not None:
+                out[i] = (kind, chunk)
+        chunk = 0 if kind == "F" else v - 1     # nothing of its own: its first part
+        for i in on:
+            if i in own:
+                chunk = own[i]
+            out.setdefault(i, (kind, chunk))
+    return out
 
 
 def _value_name(key: tuple[Key, int]) -> str:
@@ -603,24 +751,20 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
         base[(h.node.name, 1, h.dst)] = base[(h.node.name, 1, None)] = tw
     sums = Sums({ref: op for ref, op, _ in sp.partials}, m)
 
-    f_refs = [ref for ref, _, where in sp.partials if where == "F"]
-    b_refs = [ref for ref, _, where in sp.partials if where == "B"]
-    n_kept = len(sp.kept)
-    kept: dict[int, list[Tensor]] = {}
+    made_in = {part: [ref for ref, _, where in sp.partials if where == part] for part in sp.parts}
+    env: dict[int, dict[Key, Tensor]] = {j: {} for j in range(m)}    # a micro-batch's values
     # sends do not wait for their receiver (a stage runs on while its neighbour is busy);
     # they are waited for at the end of the step, so what they read stays alive until then
     sends: list[Any] = []
-    for kind, _, j in device_orders(sp.schedule, sp.stages, m)[sp.stage]:
-        if kind == "F":
-            got, _ = run(sp.forward[j], comm, state, pieces[j], observer, rng=rng,
-                         preset=base, vote=False, sends=sends)
-            kept[j] = got[:n_kept]
-            sums.add(f_refs, got[n_kept:])
-        else:
-            preset = {**base, **dict(zip(sp.kept, kept.pop(j)))}
-            got, _ = run(sp.backward[j], comm, state, pieces[j], observer, rng=rng,
-                         preset=preset, vote=False, sends=sends)
-            sums.add(b_refs, got)
+    for kind, chunk, j in device_orders(sp.schedule, sp.stages, m, sp.v)[sp.stage]:
+        part = (kind, chunk)
+        got, _ = run(sp.parts[part][j], comm, state, pieces[j], observer, rng=rng,
+                     preset={**base, **env[j]}, vote=False, sends=sends)
+        n = len(sp.carry[part])
+        keep = sp.after[part]
+        env[j] = {k: t for k, t in (*env[j].items(), *zip(sp.carry[part], got[:n]))
+                  if k in keep}
+        sums.add(made_in[part], got[n:])
     step_preset = {**base, **sums.whole()}
     out = run(sp.step, comm, state, data, observer, rng=rng, preset=step_preset,
               donate=donate, vote=False, sends=sends)

@@ -3,21 +3,25 @@
 
     python benchmarks/pipeline.py [--pp 2] [--microbatches 4] [--steps 8] [--warmup 2]
                                   [--rounds 2] [--only torch-gpipe,torch-1f1b,meshplan-1f1b]
+                                  [--chunks 2]
 
 The GPT example of ``benchmarks/step_time.py`` (d_model 256, 4 layers, 4 heads, vocab 2048,
 seq 64, global batch 16, AdamW, gradient clipping at 1.0), on ``pp`` CPU processes, the same
 global batches for every variant:
 
-- ``torch-gpipe`` / ``torch-1f1b``: ``torch.distributed.pipelining``'s ``PipelineStage`` with
-  ``ScheduleGPipe`` / ``Schedule1F1B`` on gloo, the stages written by hand as torchtitan does:
-  the layers split evenly, the embeddings with the first stage, the final norm and the head
-  with the last. The GPT ties its head to its token embedding, which torch's stages cannot
-  share: the last stage holds a copy, and after the backward the two halves of its gradient
-  are summed between the first and the last stage (one all-reduce, as Megatron does).
+- ``torch-gpipe`` / ``torch-1f1b`` / ``torch-interleaved``:
+  ``torch.distributed.pipelining``'s ``PipelineStage`` with ``ScheduleGPipe`` /
+  ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (``--chunks`` stages per rank, stage ``k``
+  on rank ``k % pp``) on gloo, the stages written by hand as torchtitan does: the layers
+  split evenly, the embeddings with the first stage, the final norm and the head with the
+  last. The GPT ties its head to its token embedding, which torch's stages cannot share:
+  the last stage holds a copy, and after the backward the two halves of its gradient are
+  summed between the first and the last stage (one all-reduce, as Megatron does).
   Gradient clipping takes the norm over every stage (one all-reduce of the squared sums).
-- ``meshplan-gpipe`` / ``meshplan-1f1b``: ``meshplan.distribute(step, mesh={"pp": P},
-  microbatches=M, schedule=...)``: the user's unchanged step, the stages planned by
-  ``plan_pipeline``.
+- ``meshplan-gpipe`` / ``meshplan-1f1b`` / ``meshplan-interleaved``:
+  ``meshplan.distribute(step, mesh={"pp": P}, microbatches=M, schedule=...)``: the user's
+  unchanged step, the stages planned by ``plan_pipeline`` (for interleaved, the chunks per
+  device too: with the benchmark's 4 layers on 2 ranks, 2, as ``--chunks``).
 
 Times: the baselines time each step on every rank after a barrier and keep the slowest;
 meshplan is timed around each call on the controller (split the batch, the round trip,
@@ -48,13 +52,14 @@ from meshplan.benchmarks.step_time import (CLIP, CONFIG, SEED, TIMEOUT_S, Result
 from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
 
-VARIANTS = ("torch-gpipe", "torch-1f1b", "meshplan-gpipe", "meshplan-1f1b")
+VARIANTS = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "meshplan-gpipe", "meshplan-1f1b",
+            "meshplan-interleaved")
 
 
 class _Stage(nn.Module):
-    """Stage ``s`` of ``p`` of the example GPT, by hand: its share of the blocks, the
-    embeddings on the first stage, the final norm and the head on the last (with its own
-    copy of the tied weight)."""
+    """Stage ``s`` of ``p`` (virtual stages, under interleaved) of the example GPT, by hand:
+    its share of the blocks, the embeddings on the first stage, the final norm and the head on
+    the last (with its own copy of the tied weight)."""
 
     def __init__(self, model: nn.Module, s: int, p: int) -> None:
         super().__init__()
@@ -83,11 +88,13 @@ def _loss(logits: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
-def _torch_rank(rank: int, schedule: str, p: int, m: int, port: int, threads: int, skip: int,
-                steps: int, out: Any) -> None:
-    """One stage of the ``torch.distributed.pipelining`` baseline (spawned)."""
+def _torch_rank(rank: int, schedule: str, p: int, m: int, v: int, port: int, threads: int,
+                skip: int, steps: int, out: Any) -> None:
+    """One rank of the ``torch.distributed.pipelining`` baseline (spawned): its stage, or
+    under interleaved its ``v`` stages ``rank``, ``rank + p``, ..."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
 
     faulthandler.dump_traceback_later(TIMEOUT_S - 5)
     base = _rss_kib("VmRSS")
@@ -96,11 +103,20 @@ def _torch_rank(rank: int, schedule: str, p: int, m: int, port: int, threads: in
                             world_size=p)
     tied = dist.new_group([0, p - 1]) if p > 1 else None
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
-    mod = _Stage(ex.model, rank, p)
+    v = v if schedule == "torch-interleaved" else 1
+    n = p * v
+    mods = [_Stage(ex.model, k, n) for k in range(rank, n, p)]
+    first = mods[0] if mods[0].first else None
+    last = mods[-1] if mods[-1].last else None
+    mod = nn.ModuleList(mods)
     opt = make_optimizer(decay_groups(mod, 0.1), "adamw", foreach=False, lrs=gpt._LR)
-    stage = PipelineStage(mod, rank, p, torch.device("cpu"))
-    kind = ScheduleGPipe if schedule == "torch-gpipe" else Schedule1F1B
-    sched = kind(stage, m, loss_fn=_loss)
+    stages = [PipelineStage(md, k, n, torch.device("cpu"))
+              for md, k in zip(mods, range(rank, n, p))]
+    if schedule == "torch-interleaved":
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=_loss)
+    else:
+        kind = ScheduleGPipe if schedule == "torch-gpipe" else Schedule1F1B
+        sched = kind(stages[0], m, loss_fn=_loss)
     params = [q for q in mod.parameters()]
     times, loss = [], torch.zeros(())
     for i, (x, y) in enumerate(_batches(skip + steps)):
@@ -114,11 +130,11 @@ def _torch_rank(rank: int, schedule: str, p: int, m: int, port: int, threads: in
         else:
             sched.step()
         if tied is not None:                    # the tied weight's two halves, summed
-            w = mod.wte.weight if rank == 0 else mod.head.weight if rank == p - 1 else None
+            w = first.wte.weight if rank == 0 else last.head.weight if rank == p - 1 else None
             if w is not None:
                 dist.all_reduce(w.grad, group=tied)
         # clipping by the whole model's norm: the tied weight counted once (on stage 0)
-        own = [q for q in params if not (rank == p - 1 and p > 1 and q is mod.head.weight)]
+        own = [q for q in params if not (last is not None and p > 1 and q is last.head.weight)]
         sq = torch.stack([q.grad.pow(2).sum() for q in own if q.grad is not None]).sum()
         dist.all_reduce(sq)
         coef = torch.clamp(CLIP / (sq.sqrt() + 1e-6), max=1.0)
@@ -136,10 +152,10 @@ def _torch_rank(rank: int, schedule: str, p: int, m: int, port: int, threads: in
     dist.destroy_process_group()
 
 
-def run_torch(schedule: str, p: int, m: int, skip: int, steps: int) -> Result:
+def run_torch(schedule: str, p: int, m: int, v: int, skip: int, steps: int) -> Result:
     port, threads = _free_port(), _threads(p)
     reps = spawn_ranks(schedule, p, _torch_rank,
-                       lambda q: (schedule, p, m, port, threads, skip, steps, q))
+                       lambda q: (schedule, p, m, v, port, threads, skip, steps, q))
     if isinstance(reps, Result):
         return reps
     return Result(variant=schedule, ranks=p,
@@ -148,13 +164,18 @@ def run_torch(schedule: str, p: int, m: int, skip: int, steps: int) -> Result:
                   loss=reps[-1]["loss"])
 
 
-def run_meshplan(variant: str, p: int, m: int, warmup: int, steps: int) -> Result:
+def run_meshplan(variant: str, p: int, m: int, v: int, warmup: int, steps: int) -> Result:
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
     batches = _batches(2 + warmup + steps)
     step = meshplan.distribute(ex.step, mesh={"pp": p}, microbatches=m, topology="cpu",
                                schedule=variant.split("-")[1], example_inputs=batches[0],
                                timeout_s=TIMEOUT_S, telemetry=False)
-    return measure_mesh(step, batches, warmup, variant, p)
+    r = measure_mesh(step, batches, warmup, variant, p)
+    got = step.pipeline
+    if not r.error and variant.endswith("interleaved") and got.virtual_stages != v:
+        return Result(variant=variant, ranks=p, error=f"planned {got.virtual_stages} chunks "
+                      f"per device, not --chunks {v}")
+    return r
 
 
 def _merge(a: Result | None, b: Result) -> Result:
@@ -172,6 +193,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--chunks", type=int, default=2, help="stages per rank, interleaved")
     ap.add_argument("--only", default=",".join(VARIANTS))
     args = ap.parse_args()
     only = [v.strip() for v in args.only.split(",") if v.strip()]
@@ -183,9 +205,9 @@ def main() -> None:
     for rnd in range(args.rounds):
         for v in only:
             if v.startswith("meshplan"):
-                r = run_meshplan(v, p, m, args.warmup, args.steps)
+                r = run_meshplan(v, p, m, args.chunks, args.warmup, args.steps)
             else:
-                r = run_torch(v, p, m, 2 + args.warmup, args.steps)
+                r = run_torch(v, p, m, args.chunks, 2 + args.warmup, args.steps)
             if not r.error:
                 r = replace(r, round_s=(statistics.median(r.step_s),))
             results[v] = _merge(results.get(v), r)
@@ -193,7 +215,8 @@ def main() -> None:
             print(f"  round {rnd + 1}: {v}: {said}", file=sys.stderr, flush=True)
     ref_name = next((v for v in ("torch-1f1b", "torch-gpipe") if v in results), None)
     ref = results.get(ref_name) if ref_name else None
-    print(f"GPT {CONFIG}, AdamW, clip {CLIP}; pp={p}, {m} micro-batches; median of "
+    print(f"GPT {CONFIG}, AdamW, clip {CLIP}; pp={p}, {m} micro-batches, interleaved with "
+          f"{args.chunks} chunks per rank; median of "
           f"{args.steps} steps after {args.warmup + 2}, {args.rounds} rounds")
     print(f"| variant | step (median) | x {ref_name or '-'} (rounds) | in workers | peak RSS "
           "growth per rank | last loss |")

@@ -734,12 +734,13 @@ def _held(us: Sequence[Unit], keep: bool) -> float:
 
 def _price(mesh: Mesh, inner: Plan, units: list[Unit], crossing: list[float], p: int,
            schedule: str, m: int, v: int, limit: int, link, keep: bool = True,
-           exact: bool = False) -> PipelinePlan | None:
+           exact: bool = False, cuts: Sequence[int] | None = None) -> PipelinePlan | None:
     """The plan for one schedule, micro-batch count, chunks per device and ``keep`` (the
     parameters cast and gathered once per step and kept, or gathered again for every
     micro-batch, as FSDP's reshard after forward does); its time by the closed forms
     (``pipeline_time``), or with ``exact`` by running the schedule (``simulate``: the closed
-    forms are exact for equal stages, within ~10 % otherwise)."""
+    forms are exact for equal stages, within ~10 % otherwise). ``cuts``: the split to price
+    (indices into ``units`` where chunks 1.. start; default: the best, ``_chunk_split``)."""
     chunks = p * v
     if not keep:            # paid by every micro-batch: part of its forward and backward
         units = [dataclasses.replace(u, fwd_s=u.fwd_s + m * u.fixed_fwd_s,
@@ -755,7 +756,8 @@ def _price(mesh: Mesh, inner: Plan, units: list[Unit], crossing: list[float], p:
         act = sum(u.act_bytes for u in us) / m
         return _held(us, keep) + act * in_flight(schedule, device_of(c), p, m, v) <= limit
 
-    cuts = _chunk_split(units, chunks, m, mem)
+    if cuts is None:
+        cuts = _chunk_split(units, chunks, m, mem)
     if cuts is None:
         cuts = _chunk_split(units, chunks, m, lambda c, us: True)   # the best that does not fit
         if cuts is None:

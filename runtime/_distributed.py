@@ -564,7 +564,7 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: {e}") from None
         self._use_pipeline(pplan, f"{pplan.schedule}, as asked, " if self._schedule else
                            f"gpipe ({fallback}), " if fallback else
-                           f"{pplan.schedule} (the faster of {' and '.join(RUNS)}, the "
+                           f"{pplan.schedule} (the fastest of {', '.join(RUNS)}, the "
                            "schedules the ranks run), ")
 
     def _given_pipeline(self, graph: Any, pplan: PipelinePlan) -> None:
@@ -574,9 +574,9 @@ class DistributedStep:
         problems = []
         if dict(pplan.mesh.axes) != dict(self.mesh):
             problems.append(f"it is for mesh {_mesh_text(dict(pplan.mesh.axes))}")
-        if pplan.schedule not in RUNS or pplan.virtual_stages != 1:
+        if pplan.schedule not in RUNS:
             problems.append(f"its schedule {pplan.schedule!r} is not one the stages run "
-                            f"({' and '.join(RUNS)})")
+                            f"({', '.join(RUNS)})")
         if self._schedule is not None and self._schedule != pplan.schedule:
             problems.append(f"it runs {pplan.schedule!r}, not schedule={self._schedule!r}")
         if self._mb_asked is not None and self._mb_asked != pplan.microbatches:
@@ -1835,12 +1835,13 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ops need the whole batch at once (a batch norm's statistics) is refused by name. None
     or 1: the whole batch at once.
     A ``pp`` axis in ``mesh`` (``{"pp": 2, "dp": 2}``): pipeline stages, ranges of the step's
-    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's or 1F1B's order
-    (the faster by the cost model), each
+    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's, 1F1B's or
+    interleaved 1F1B's order (the fastest by the cost model), each
     stage's ranks holding that stage's state (README, "Pipeline stages"); ``microbatches``
     is then the stages' micro-batch count (None: the planner's choice), ``schedule``
-    ``"gpipe"`` or ``"1f1b"`` (None: the faster by the cost model), ``step.pipeline`` the
-    pipeline plan. Not yet with fault tolerance, ``calibrate`` or a saved ``plan``.
+    ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (None: the fastest by the cost model; the
+    planner picks interleaved's chunks per device), ``step.pipeline`` the pipeline plan, and
+    ``plan=`` a compiled one. Not yet with fault tolerance or ``calibrate``.
     """
     def wrap(f: Callable[..., Any]) -> DistributedStep:
         return DistributedStep(f, mesh=mesh, launcher=launcher, topology=topology,

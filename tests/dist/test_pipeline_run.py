@@ -56,7 +56,8 @@ def _example(layers: int):
     (2, {"pp": 2, "tp": 2}, 2, "megatron_tp", "gpipe"),
     (4, {"pp": 4}, 2, "auto", "gpipe"),
     (4, {"pp": 4}, 4, "auto", "1f1b"),
-], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2", "pp4-m4-1f1b"])
+    (4, {"pp": 2, "dp": 2}, 4, "auto", "interleaved"),
+], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2", "pp4-m4-1f1b", "pp2dp2-m4-interleaved"])
 def test_stages_equal_one_process(layers, axes, m, strategy, schedule) -> None:
     """Every stage holds its own state only; the loss comes out of the last stage each step,
     and each state tensor, assembled from its stage's ranks, equals the interpreter's."""
@@ -64,18 +65,21 @@ def test_stages_equal_one_process(layers, axes, m, strategy, schedule) -> None:
     graph = traced.graph
     pp = plan_pipeline(graph, axes, topology="h100", schedule=schedule, microbatches=m,
                        strategy=strategy)
+    assert pp.schedule == schedule and (pp.virtual_stages > 1) == (schedule == "interleaved")
     inner, sizes = pp.inner, pp.mesh.sizes
     a, world = pp.mesh.index("pp"), int(torch.tensor(sizes).prod())
     programs = [lower_pipeline(pp, r) for r in range(world)]
     # in a micro-batch's forward and backward, stage s exchanges with stages s - 1 and s + 1
-    # only, but for the tied embedding: the head's share of its gradient, made on the last
-    # stage, goes to the first (the head's weight itself is sent once per step, before)
+    # only (and p - 1 with 0, where each device holds several chunks: interleaved), but for
+    # the tied embedding: the head's share of its gradient, made on the last stage, goes to
+    # the first (the head's weight itself is sent once per step, before)
     for sp in programs:
-        for prog in (*sp.forward, *sp.backward):
+        for prog in (x for progs in sp.parts.values() for x in progs):
             for i in prog.instructions:
                 if isinstance(i, (Send, Recv)):
                     peer = rank_coords(i.peer, sizes)[a]
                     assert abs(peer - sp.stage) == 1 or (
+                        pp.virtual_stages > 1 and {peer, sp.stage} == {0, pp.pp - 1}) or (
                         {peer, sp.stage} == {0, pp.pp - 1}
                         and graph.node(i.ref.node).module_path == "model.lm_head"), (sp.stage, i)
 
@@ -84,7 +88,7 @@ def test_stages_equal_one_process(layers, axes, m, strategy, schedule) -> None:
         return coords_rank(cs[:a] + cs[a + 1:], inner.mesh.sizes)
 
     _, unit = unit_map(graph)
-    stage_of = {u: k for k, chunk in enumerate(pp.chunks) for u in chunk}
+    stage_of = {u: k % pp.pp for k, chunk in enumerate(pp.chunks) for u in chunk}
     by_target = {n.target: n.name for n in graph.inputs}
     hyper = {n.target for n in graph.inputs if n.meta.role.value == "hyper"}
     owner = {k: stage_of[unit[by_target[k]]] for k in state if k not in hyper}
@@ -120,8 +124,8 @@ def test_what_is_not_lowered_yet_is_said() -> None:
     ex, traced, *_ = _example(2)
     pp = plan_pipeline(traced.graph, {"pp": 2}, topology="h100", schedule="zb-h1",
                        microbatches=2)
-    with pytest.raises(meshplan.LoweringError, match="'zb-h1': not lowered yet.*'gpipe' and "
-                                                     "'1f1b' run"):
+    with pytest.raises(meshplan.LoweringError, match="'zb-h1': not lowered yet.*'gpipe', "
+                                                     "'1f1b', 'interleaved' run"):
         lower_pipeline(pp, 0)
 
 
@@ -130,17 +134,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("axes", "launcher", "schedule"), [
-    ({"pp": 2, "dp": 2}, "local", None), ({"pp": 4}, "mpi", "1f1b")], ids=["pp2dp2", "pp4-mpi"])
+    ({"pp": 2, "dp": 2}, "local", "interleaved"), ({"pp": 4}, "mpi", "1f1b")],
+    ids=["pp2dp2-interleaved", "pp4-mpi"])
 def test_distribute_runs_stages_equal_to_one_process(axes, launcher, schedule) -> None:
-    """``distribute`` on a 4-layer GPT, ``pp=2 x dp=2`` on local processes (the schedule the
-    cost model picks) and ``pp=4`` in 1F1B's order under mpiexec: losses every step, the
+    """``distribute`` on a 4-layer GPT, ``pp=2 x dp=2`` on local processes in interleaved
+    1F1B's order (2 chunks of a layer each per device) and ``pp=4`` in 1F1B's order under
+    mpiexec: losses every step, the
     state gathered after 5 steps and the state written back equal one process's
     (``check_equal_to_one_process``'s tolerances); the transfers between stages are sends."""
     from test_distribute import check_equal_to_one_process
 
     def stages(step) -> None:
         assert step.pipeline.pp == axes["pp"] and step.pipeline.microbatches == 2
-        assert schedule is None or step.pipeline.schedule == schedule
+        assert step.pipeline.schedule == schedule
+        assert step.pipeline.virtual_stages == (2 if schedule == "interleaved" else 1)
         assert f"{axes['pp']} stages" in step.plan.summary()
         assert all(any(c["kind"] == "send" for c in rank) for rank in step.last_comm)
 

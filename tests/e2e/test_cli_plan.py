@@ -313,11 +313,13 @@ def test_golden_report_of_the_dp_plan(plans: dict) -> None:
 
 def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> None:
     """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
-    JSON; ``run`` runs a 1F1B one (losses equal one process's: rtol 1e-5, the summation
-    order of the micro-batches' gradients, as in ``test_run_matches_the_eager_step``) and
-    refuses by name a schedule the ranks do not run yet; ``plan show`` prints the stages and
-    every stage's layouts; a modified file is refused by its content hash; ``--schedule``
-    without a pp axis is refused."""
+    JSON; ``run`` runs one compiled without ``--schedule`` (losses equal one process's: rtol
+    1e-5, the summation order of the micro-batches' gradients, as in
+    ``test_run_matches_the_eager_step``) and refuses by name a schedule the ranks do not run
+    yet; ``plan show`` prints the stages and every stage's layouts (``--html``: the schedule
+    drawn), ``plan explain`` why this split, ``plan diff`` what changed between two; a
+    modified file is refused by its content hash; ``--schedule`` without a pp axis is
+    refused."""
     from meshplan.examples import gpt
 
     for name in ("gpt_distributed.py", "gpt.py", "_common.py"):    # outside the package:
@@ -331,13 +333,28 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
     rc, text, err = _main("plan", "show", str(out))
     assert rc == 0 and "2 stages, zb-h1" in text and "every stage's layouts" in text, err
-    rc, _, err = _main("plan", "diff", str(out), str(out))
-    assert rc != 0 and "`plan diff` and `plan explain` do not read one yet" in err
+    rc, text, err = _main("plan", "explain", str(out))      # why this split
+    assert rc == 0 and "why this split: 2 stages x 1 chunk per device" in text, err
+    assert "chunk  1 on stage  1: 1 layer (model.transformer.h.1) + <post>" in text
+    assert "schedules tried (fastest first; * the plan):\n  * zb-h1" in text
+    rc, text, err = _main("plan", "explain", str(out), "--node", "addmm", "--json")
+    assert rc == 0 and json.loads(text)["stage"].startswith("on stage 0, with unit "
+                                                            "model.transformer.h.0"), err
+    rc, text, err = _main("plan", "show", str(out), "--html", str(tmp_path / "pp.html"))
+    page = (tmp_path / "pp.html").read_text()
+    assert rc == 0 and "<svg id=schedule" in page and "every stage's layouts" in page, err
     rc, _, err = _main("run", target, "--plan", str(out))
-    assert rc != 0 and "'zb-h1': the stages run gpipe and 1f1b only yet" in err
+    assert rc != 0 and "'zb-h1': the stages run gpipe, 1f1b, interleaved only yet" in err
+    # without --schedule: the fastest of the schedules the ranks run
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
-                          "--schedule", "1f1b", "--microbatches", "2", "-o", str(gp))
+                          "--microbatches", "2", "-o", str(gp))
     assert rc == 0 and "`meshplan run` runs it" in text, err
+    rc, text, err = _main("plan", "diff", str(out), str(gp))
+    assert rc == 0 and "schedule: zb-h1 -> " in text, err
+    rc, text, err = _main("plan", "diff", str(gp), str(gp))
+    assert rc == 0 and "pipeline plans are identical" in text, err
+    rc, _, err = _main("plan", "diff", str(gp), target.split(":")[0])
+    assert rc != 0 and "is a pipeline plan (a 'pp' mesh axis) and" in err
     rc, text, err = _main("run", target, "--plan", str(gp), "--steps", "2", "--json")
     assert rc == 0, err
     losses = [json.loads(line)["loss"] for line in text.splitlines() if '"step"' in line]

@@ -157,7 +157,7 @@ def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> 
                      ({"calibrate": True}, "calibrate a run without 'pp'"),
                      ({"plan": plan_graph(graph, {"dp": 2})}, "not a pipeline's stages"),
                      ({"plan": "x.plan"}, "x.plan"),
-                     ({"schedule": "zb-h1"}, "the stages run 'gpipe' or '1f1b'")):
+                     ({"schedule": "zb-h1"}, "the stages run 'gpipe' or '1f1b' or 'interleaved'")):
         with pytest.raises(meshplan.RuntimeFailure, match=what):
             meshplan.distribute(ex.step, mesh={"pp": 2}, **kw)
     step = meshplan.distribute(ex.step, mesh={"pp": 2})        # the default: off, and said
@@ -197,23 +197,32 @@ def test_the_transfer_check_finds_an_order_that_waits_forever_or_crosses_values(
     from meshplan import LoweringError
 
     x, g, y = ("x", 0, None), ("g", 0, None), ("y", 0, None)
-    chain = [{"F": [("S", 1, x)], "B": [("R", 1, g)], "S": []},
-             {"F": [("R", 0, x)], "B": [("S", 0, g)], "S": []}]
+    F, B = ("F", 0), ("B", 0)
+    chain = [{F: [("S", 1, 1, x)], B: [("R", 1, 2, g)], "S": []},
+             {F: [("R", 0, 1, x)], B: [("S", 0, 2, g)], "S": []}]
     for schedule in ("gpipe", "1f1b"):
-        _check_order(schedule, "step", 2, 4, chain)
+        _check_order(schedule, "step", 2, 4, 1, chain)
+    # interleaved, 2 chunks per device: the activations go round (device 1's first chunk to
+    # device 0's second) and the gradients back, each part's with its own tag
+    F1, B1 = ("F", 1), ("B", 1)
+    ring = [{F: [("S", 1, 1, x)], F1: [("R", 1, 4, y), ("S", 1, 7, y)],
+             B1: [("R", 1, 11, g), ("S", 1, 8, g)], B: [("R", 1, 5, g)], "S": []},
+            {F: [("R", 0, 1, x), ("S", 0, 4, y)], F1: [("R", 0, 7, y)],
+             B1: [("S", 0, 11, g)], B: [("R", 0, 8, g), ("S", 0, 5, g)], "S": []}]
+    _check_order("interleaved", "step", 2, 4, 2, ring)
     # stage 1's backward waits for a value stage 0 makes only after it has heard from it
-    cycle = [{"F": [("S", 1, x)], "B": [("R", 1, g), ("S", 1, y)], "S": []},
-             {"F": [("R", 0, x)], "B": [("R", 0, y), ("S", 0, g)], "S": []}]
+    cycle = [{F: [("S", 1, 1, x)], B: [("R", 1, 2, g), ("S", 1, 2, y)], "S": []},
+             {F: [("R", 0, 1, x)], B: [("R", 0, 2, y), ("S", 0, 2, g)], "S": []}]
     with pytest.raises(LoweringError, match=r"'gpipe': the stages would wait for each other "
                        r"forever in 'step' \(stage 0 waits in micro-batch 0's backward for g "
                        r"from stage 1; stage 1 waits in micro-batch 0's backward for y"):
-        _check_order("gpipe", "step", 2, 2, cycle)
+        _check_order("gpipe", "step", 2, 2, 1, cycle)
     # two values sent in one order and read in the other
-    crossed = [{"F": [("S", 1, x), ("S", 1, y)], "B": [], "S": []},
-               {"F": [("R", 0, y), ("R", 0, x)], "B": [], "S": []}]
+    crossed = [{F: [("S", 1, 1, x), ("S", 1, 1, y)], B: [], "S": []},
+               {F: [("R", 0, 1, y), ("R", 0, 1, x)], B: [], "S": []}]
     with pytest.raises(LoweringError, match="stage 1 would take x that stage 0 sent in "
                        "micro-batch 0's forward for y in micro-batch 0's forward"):
-        _check_order("1f1b", "step", 2, 2, crossed)
+        _check_order("1f1b", "step", 2, 2, 1, crossed)
 
 
 def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> None:
@@ -315,3 +324,33 @@ def _sgd_mse_step(model):
         opt.zero_grad()
         return loss
     return train_step
+
+
+def test_explain_and_diff_say_why_this_split_and_what_changed(graph) -> None:
+    """``explain_pipeline``: the plan's chunks with their time per micro-batch (the slowest
+    named), each cut moved one unit either way and priced as the planner prices a split (no
+    neighbour has a slower chunk than the plan's slowest: the split minimises it), and the
+    schedules tried; ``diff_pipeline``: the schedule and the units that changed stage."""
+    from meshplan.planner._pipeline_explain import (diff_pipeline, explain_pipeline,
+                                                    explain_pipeline_text)
+
+    a = plan_pipeline(graph, {"pp": 2}, topology="h100", schedule="1f1b", microbatches=4)
+    b = plan_pipeline(graph, {"pp": 2}, topology="h100", schedule="interleaved",
+                      microbatches=4)
+    ex = explain_pipeline(a)
+    assert [u for c in ex["chunks"] for u in c["units"]] == [u for c in a.chunks for u in c]
+    slowest = ex["chunks"][ex["slowest_chunk"]]["time_per_microbatch_s"]
+    assert slowest == max(c["time_per_microbatch_s"] for c in ex["chunks"])
+    # one cut, 4 layers split 2 + 2: h.1 can move to stage 1, h.2 to stage 0
+    assert {(x["moves"], x["to_chunk"]) for x in ex["moves"]} == {
+        ("model.transformer.h.1", 1), ("model.transformer.h.2", 0)}
+    assert all(x["slowest_chunk_s"] >= slowest * (1 - 1e-9) for x in ex["moves"])
+    assert sum(t["chosen"] for t in ex["tried"]) == 1
+    text = explain_pipeline_text(ex)
+    assert "why this split: 2 stages x 1 chunk per device" in text and "<- slowest" in text
+    d = diff_pipeline(a, b)
+    assert d["schedule"] == {"before": "1f1b", "after": "interleaved"}
+    assert d["virtual_stages"] == {"before": 1, "after": 2} and not d["identical"]
+    assert {m["unit"] for m in d["units_moved"]} == {"model.transformer.h.1",
+                                                      "model.transformer.h.2"}
+    assert diff_pipeline(a, a)["identical"]
