@@ -201,8 +201,9 @@ def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], top
     with _quiet_stdout():
         plan = plan_pipeline(graph, mesh, topology=topology,
                              strategy=args.strategy or opts["strategy"],
-                             schedule=(list(RUNS) if args.schedule in (None, "auto")
-                                       else args.schedule), microbatches=args.microbatches,
+                             schedule=(list(RUNS) if (args.schedule or opts["schedule"])
+                                       in (None, "auto") else args.schedule or opts["schedule"]),
+                             microbatches=args.microbatches or opts["microbatches_asked"],
                              memory_limit_bytes=limit or opts["memory_limit_bytes"],
                              recompute=args.recompute or opts["recompute"])
     stage(f"writing {args.out}")
@@ -268,6 +269,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"{args.plan}: pipeline schedule {stages.schedule!r}: the stages run "
                 f"{', '.join(RUNS)} only yet; compile with --schedule "
                 f"{' or --schedule '.join(RUNS)}")
+        asked = [f"{k}={v!r}" for k, v, got in (
+            ("microbatches", opts["microbatches_asked"], stages.microbatches),
+            ("schedule", opts["schedule"], stages.schedule)) if v is not None and v != got]
+        if asked:                # as distribute(plan=) refuses it: the step asks otherwise
+            raise RuntimeFailure(
+                f"{args.plan} runs {stages.schedule} with {stages.microbatches} micro-batches, "
+                f"but {name}'s decorator asks {', '.join(asked)}: compile it again from the "
+                "decorated step (compile reads them), or change the decorator")
         opts["microbatches"] = stages.microbatches
         chosen = {"plan": stages}
     elif args.mesh:
@@ -460,9 +469,11 @@ def _decorator_options(fn: Any) -> dict[str, Any]:
         return {"topology": fn.topology, "strategy": fn.strategy,
                 "memory_limit_bytes": fn.memory_limit_bytes, "timeout_s": fn.timeout_s,
                 "precision": fn.precision, "recompute": fn.recompute,
-                "fault_tolerance": fn._ft_asked, "microbatches": fn.microbatches}
+                "fault_tolerance": fn._ft_asked, "microbatches": fn.microbatches,
+                "microbatches_asked": fn._mb_asked, "schedule": fn._schedule}
     return {"topology": "cpu", "strategy": "auto", "memory_limit_bytes": None, "timeout_s": 300.0,
-            "precision": None, "recompute": "auto", "fault_tolerance": None, "microbatches": 1}
+            "precision": None, "recompute": "auto", "fault_tolerance": None, "microbatches": 1,
+            "microbatches_asked": None, "schedule": None}
 
 
 # ---- output ----------------------------------------------------------------------------------

@@ -45,7 +45,8 @@ setup carries; the controller splits the state by each tensor's stage).
 Not yet: zero-bubble orders (ZB-H1: a weight-gradient part of its own); the all-or-nothing
 vote of a step
 (a failing op on one stage leaves its peers waiting until the communicator's timeout);
-kernels, gradient buckets and early frees in the stage programs.
+gradient buckets in the stage programs (each part runs ``lower``'s kernels and early frees:
+``kernels=``, ``free_early=``).
 """
 
 from __future__ import annotations
@@ -184,8 +185,11 @@ class StageProgram:
 
 
 def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
-                   device: str = "cpu") -> StageProgram:
-    """Rank ``rank``'s programs (ranks row-major over ``pplan.mesh``, ``pp`` included)."""
+                   device: str = "cpu", kernels: bool = True,
+                   free_early: bool = True) -> StageProgram:
+    """Rank ``rank``'s programs (ranks row-major over ``pplan.mesh``, ``pp`` included), each
+    part with ``lower``'s kernels and early frees unless ``kernels`` / ``free_early`` is
+    False (the transfers and their order are the same either way)."""
     if pplan.schedule not in RUNS:
         raise LoweringError(f"pipeline schedule {pplan.schedule!r}: not lowered yet (only "
                             f"{', '.join(map(repr, RUNS))} run); plan with one of them")
@@ -435,7 +439,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
             for part in order},
          "S": [(way, peer, TAGS["S"], key_of(k)) for i in cut.per_step
                for way, peer, k in moves(i, t, st_readers)]}
-        for t in range(p)])
+        for t in range(p)], {n.name: n.target + (f" at {n.source}" if n.source else "")
+                             for n in graph.nodes if n.kind is NodeKind.OP})
     mine = lambda idx: [i for i in idx if s in runs_on(i)]    # noqa: E731
     partial_here = [(instrs0[i].ref, cut.reduce_ops[i], maker_of_partial[i])
                     for i in sorted(cut.reductions) if i not in cut.hoisted
@@ -479,8 +484,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         layouts = tuple(lay for _, lay in results) + tuple(
             tuple(Replicate() for _ in plan.mesh.sizes) for _ in whole)
         return finish(plan, replace(raw, rank=rank), instrs, state_out or {}, refs,
-                      result_layouts=layouts, input_nodes=input_nodes(instrs, keep), kernels=False,
-                      bucket_bytes=0, free_early=False)
+                      result_layouts=layouts, input_nodes=input_nodes(instrs, keep),
+                      kernels=kernels, bucket_bytes=0, free_early=free_early)
 
     # what each part makes (or receives) and reads, on this device: a value a later part of
     # the micro-batch reads is a result of the part that makes it, kept until its last part
@@ -605,7 +610,8 @@ def _part_name(part: tuple[str, int] | str, j: int, v: int) -> str:
 
 
 def _check_order(schedule: str, step: str, p: int, m: int, v: int,
-                 moves: Sequence[Mapping[Any, list[tuple[str, int, int, Key]]]]) -> None:
+                 moves: Sequence[Mapping[Any, list[tuple[str, int, int, Key]]]],
+                 where_of: Mapping[str, str] | None = None) -> None:
     """Run the stages' transfers on paper, in the schedule's order, before any rank does.
     ``moves[t][part]``: device ``t``'s sends ``("S", to, tag, key)`` and receives ``("R",
     from, tag, key)`` in one micro-batch's part ``(kind, chunk)`` (kind ``F`` or ``B``) and in
@@ -614,7 +620,15 @@ def _check_order(schedule: str, step: str, p: int, m: int, v: int,
     where the order would leave a stage waiting forever, or where a receive would take another
     value than the one its program reads there (stages that pass a part's values back and
     forth, as when the layers' activations ran with the head, can wait forever in 1F1B's
-    order)."""
+    order). ``where_of``: a node's op and source line, named beside it."""
+    where_of = where_of or {}
+    instead = ("schedule='1f1b' or 'gpipe'" if schedule == "interleaved" else
+               "schedule='gpipe'")
+
+    def named(key: tuple[Key, int]) -> str:
+        at = where_of.get(key[0][0])
+        return _value_name(key) + (f" ({at})" if at else "")
+
     events: list[list[tuple[str, int, int, tuple[Key, int], str]]] = []
     for t, order in enumerate(device_orders(schedule, p, m, v)):
         seq = [(way, peer, tag, (key, j), _part_name((kind, chunk), j, v))
@@ -640,19 +654,17 @@ def _check_order(schedule: str, step: str, p: int, m: int, v: int,
                     if got != want:
                         raise LoweringError(
                             f"pipeline schedule {schedule!r}: stage {t} would take "
-                            f"{_value_name(got)} that stage {peer} sent in {sent_in} for "
-                            f"{_value_name(want)} in {where} of {step!r}; run it with "
-                            "schedule='gpipe'")
+                            f"{named(got)} that stage {peer} sent in {sent_in} for "
+                            f"{named(want)} in {where} of {step!r}; run it with {instead}")
                 at[t] += 1
                 moved = True
     stuck = [t for t in range(p) if at[t] < len(events[t])]
     if stuck:
         waits = "; ".join(
-            f"stage {t} waits in {events[t][at[t]][4]} for {_value_name(events[t][at[t]][3])} "
+            f"stage {t} waits in {events[t][at[t]][4]} for {named(events[t][at[t]][3])} "
             f"from stage {events[t][at[t]][1]}" for t in stuck)
         raise LoweringError(f"pipeline schedule {schedule!r}: the stages would wait for each "
-                            f"other forever in {step!r} ({waits}); run it with "
-                            "schedule='gpipe'")
+                            f"other forever in {step!r} ({waits}); run it with {instead}")
 
 
 def _parts_of(f_idx: Sequence[int], b_idx: Sequence[int], t: int, p: int, v: int,

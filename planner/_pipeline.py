@@ -278,11 +278,28 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
                    if n.kind is NodeKind.OP and n.phase is Phase.FORWARD and n.module_path
                    and not any(k.startswith(n.module_path + ".") for k in layers)}
 
+    # parameters of no embedding-side module (a learned position table on the model itself:
+    # ``h = self.emb(idx) + self.pos``) that the forward reads before the first layer go
+    # with the embedding side too, else their ops would run on the last stage and the first
+    # layer would wait for them there
+    at = {n.name: i for i, n in enumerate(nodes)}
+    early: set[str] = set()
+
     def by_path(path: str) -> str:
         key = _layer_key(path)
         if key in layer_set:
             return key
-        return PRE if any(path == m or path.startswith(m + ".") for m in pre_modules) else POST
+        return PRE if any(path == m or path.startswith(m + ".")
+                          for m in (*pre_modules, *early)) else POST
+
+    for n in nodes:
+        meta = n.outputs[0] if n.kind is NodeKind.INPUT and n.outputs else None
+        if isinstance(meta, TensorMeta) and meta.role is Role.PARAM \
+                and by_path(n.target) == POST:
+            reads = [at[u] for u in graph.users.get(n.name, ())
+                     if graph.node(u).phase is Phase.FORWARD]
+            if reads and min(reads) < first:
+                early.add(n.target)
 
     for n in nodes:                     # the state: by the module of its parameter
         if n.kind is NodeKind.INPUT:
@@ -468,8 +485,8 @@ def in_flight(schedule: str, stage: int, p: int, m: int, v: int = 1) -> float:
     if schedule == "gpipe":
         return float(m)
     held = float(min(m, p - stage))
-    if schedule == "interleaved":
-        held *= 1 + (p - 1) / (p * v)
+    if schedule == "interleaved":     # at most every micro-batch of every chunk it holds
+        held = min(held * (1 + (p - 1) / (p * v)), float(m))
     return held
 
 
@@ -615,6 +632,14 @@ def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
     link = m_.link(a)
     tried: list[PipelineEstimate] = []
     best: PipelinePlan | None = None
+    if tuple(schedules) == ("interleaved",) and n_layers and not any(
+            p * v <= n_layers for v in ([virtual_stages] if virtual_stages else VIRTUAL_STAGES)):
+        least = p * (virtual_stages or min(VIRTUAL_STAGES))
+        raise PlanError(f"interleaved 1F1B on {PP_AXIS}={p} holds {least // p} chunks of at "
+                        f"least one layer per device ({least} layers), and "
+                        f"{graph.info.name!r} has {n_layers}: use schedule='1f1b' (one chunk "
+                        f"per device), or {PP_AXIS}={max(1, n_layers // min(VIRTUAL_STAGES))} "
+                        "or fewer")
     for strat, (inner, units, crossing, batch) in inners.items():
         n_layers = sum(u.name not in (PRE, POST) for u in units)
         for sch in schedules:
@@ -846,7 +871,9 @@ def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], m: int, 
     its inputs exist (a forward after the previous virtual stage's forward of that
     micro-batch, a backward after the next one's backward and its own forward), ``transfer_s``
     between devices. ``fwd`` / ``bwd``: per device and micro-batch (a device's chunks share
-    them equally). Returns the makespan and, per device, ``(start, end, label)``."""
+    them equally). Returns the makespan and, per device, ``(start, end, label)`` (``F3``: the
+    forward of micro-batch 3; ``F3 (chunk 2)`` with several chunks per device, virtual stage
+    2)."""
     p = len(fwd)
     orders = device_orders(schedule, p, m, v)
     last = p * v - 1
@@ -879,7 +906,8 @@ def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], m: int, 
                 end = start + dur
                 done[(kind, k, i)] = end
                 free[d] = end
-                timeline[d].append((start, end, f"{kind}{i}"))
+                timeline[d].append((start, end, f"{kind}{i}" + (f" (chunk {k})" if v > 1
+                                                               else "")))
                 pos[d] += 1
                 remaining -= 1
                 progressed = True

@@ -552,18 +552,28 @@ class DistributedStep:
                                 ) from None
             if pplan.schedule != "gpipe":     # what its order cannot run, said here
                 try:
-                    lower_pipeline(Stages.of(pplan), 0)
+                    lower_pipeline(Stages.of(pplan), 0, kernels=False, free_early=False)
                 except LoweringError as e:
                     if self._schedule is not None:
                         raise
                     fallback = str(e).split("; run it")[0]
-                    logger.warning("meshplan: %s: %s; planning GPipe instead", self.__name__,
-                                   fallback)
-                    pplan = planned(pplan.microbatches, "gpipe")
+                    # interleaved's failure may be its chunks': 1F1B, then GPipe
+                    alts = ("1f1b", "gpipe") if pplan.schedule == "interleaved" else ("gpipe",)
+                    for alt in alts:
+                        pplan = planned(pplan.microbatches, alt)
+                        try:
+                            lower_pipeline(Stages.of(pplan), 0, kernels=False,
+                                           free_early=False)
+                            break
+                        except LoweringError:
+                            if alt == alts[-1]:
+                                raise
+                    logger.warning("meshplan: %s: %s; planning %s instead", self.__name__,
+                                   fallback, pplan.schedule)
         except (PlanError, LoweringError) as e:
             raise RuntimeFailure(f"{self.__name__}: {e}") from None
         self._use_pipeline(pplan, f"{pplan.schedule}, as asked, " if self._schedule else
-                           f"gpipe ({fallback}), " if fallback else
+                           f"{pplan.schedule} ({fallback}), " if fallback else
                            f"{pplan.schedule} (the fastest of {', '.join(RUNS)}, the "
                            "schedules the ranks run), ")
 
@@ -594,7 +604,8 @@ class DistributedStep:
                 f"{_mesh_text(dict(pplan.mesh.axes))} --schedule {pplan.schedule} "
                 f"--microbatches {pplan.microbatches})") from None
         try:
-            lower_pipeline(Stages.of(pplan), 0)     # what the ranks would refuse, here
+            lower_pipeline(Stages.of(pplan), 0, kernels=False,   # what the ranks would
+                           free_early=False)                 # refuse, here
         except LoweringError as e:
             raise RuntimeFailure(f"{self.__name__}: the pipeline plan given: {e}") from None
         self._use_pipeline(pplan, f"{pplan.schedule}, as compiled (plan=), ")

@@ -76,7 +76,7 @@ def _program(state: WorkerState, plan: Plan, header: dict[str, Any]) -> Any:
     plan (``mb_plan`` / ``mb_plan_path``), in parts (``backends/_microbatch.py``)."""
     ns = state.ns
     if ns.stages is not None:
-        return lower_pipeline(ns.stages, state.rank, device=str(ns.device))
+        return lower_pipeline(ns.stages, state.rank, device=str(ns.device), kernels=ns.kernels)
     if "mb_plan_path" in header or "mb_plan" in header:
         mb = _header_plan(header, "mb_plan")
         return lower_microbatched(mb, state.rank, device=str(ns.device), kernels=ns.kernels)

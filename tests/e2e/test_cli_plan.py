@@ -355,6 +355,14 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     assert rc == 0 and "pipeline plans are identical" in text, err
     rc, _, err = _main("plan", "diff", str(gp), target.split(":")[0])
     assert rc != 0 and "is a pipeline plan (a 'pp' mesh axis) and" in err
+    # a step whose decorator asks for other micro-batches than the plan runs: refused, as
+    # distribute(plan=) refuses it
+    src = (tmp_path / "gpt_distributed.py").read_text()
+    (tmp_path / "gpt_pp.py").write_text(src.replace(
+        '@meshplan.distribute(mesh={"dp": 2}, ',
+        '@meshplan.distribute(mesh={"pp": 2, "dp": 2}, microbatches=4, '))
+    rc, _, err = _main("run", f"{tmp_path / 'gpt_pp.py'}:train_step", "--plan", str(gp))
+    assert rc != 0 and "but train_step's decorator asks microbatches=4" in err, err
     rc, text, err = _main("run", target, "--plan", str(gp), "--steps", "2", "--json")
     assert rc == 0, err
     losses = [json.loads(line)["loss"] for line in text.splitlines() if '"step"' in line]

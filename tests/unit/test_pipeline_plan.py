@@ -79,6 +79,8 @@ def test_activations_in_flight_per_schedule() -> None:
     assert [in_flight("zb-h1", s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
     # Megatron's interleaved schedule: the first device holds p (1 + (p - 1) / (p v))
     assert in_flight("interleaved", 0, 4, 8, 2) == pytest.approx(4 * (1 + 3 / 8))
+    # ... but never more than every micro-batch it runs (a user saw 5.5 of 4 in flight)
+    assert in_flight("interleaved", 0, 4, 4, 2) == 4
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
@@ -134,6 +136,10 @@ def test_gpipe_holds_every_micro_batch_and_a_tight_limit_says_it_does_not_fit(gr
 def test_bad_input_is_named(graph) -> None:
     with pytest.raises(PlanError, match=r"pp=8 .* 4\) *; use pp=4|more pipeline stages"):
         plan_pipeline(graph, {"pp": 8}, topology="h100")
+    with pytest.raises(PlanError, match=r"interleaved 1F1B on pp=4 holds 2 chunks of at least "
+                       r"one layer per device \(8 layers\), and .* has 4: use "
+                       r"schedule='1f1b' \(one chunk per device\), or pp=2 or fewer"):
+        plan_pipeline(graph, {"pp": 4}, topology="h100", schedule="interleaved")
     with pytest.raises(PlanError, match="microbatches=3 does not divide"):
         plan_pipeline(graph, {"pp": 2}, topology="h100", microbatches=3)
     with pytest.raises(PlanError, match="schedule 'zb-v'"):
@@ -261,6 +267,40 @@ def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> Non
         assert sorted(unit[n.name] for n in relus if n.phase.value == phase) == [
             POST, "model.blocks.0", "model.blocks.1"], phase
     assert unit[next(n.name for n in g.nodes if "mse_loss" in n.name)] == POST
+
+    # a parameter of the model itself read before the first layer (a learned position
+    # table: h = self.inp(x) + self.pos) goes with the embedding side, its update and its
+    # optimizer state too; one read only after the last layer stays with the head (a user's
+    # trial: with the table on the last stage, interleaved 1F1B's first chunk waited for it)
+    class Positions(Wrapped):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.zeros(16))
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            x = self.inp(x) + self.pos
+            for block in self.blocks:
+                x = block(x)
+            return self.out(x) * self.scale
+
+    model = Positions()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def adam_step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    adam_step(torch.randn(4, 8), torch.randn(4, 4))
+    g = meshplan.trace(adam_step, torch.randn(4, 8), torch.randn(4, 4)).graph
+    _, unit = unit_map(g)
+    of = lambda name: [unit[n.name] for n in g.inputs                       # noqa: E731
+                       if n.target.endswith(name) or f".{name}." in n.target]
+    # the parameter, Adam's two moments and its step count
+    assert of("pos") == [PRE] * 4 and of("scale") == [POST] * 4
 
 
 def test_distribute_runs_a_given_pipeline_plan_as_compiled(tmp_path) -> None:
