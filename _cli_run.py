@@ -46,9 +46,8 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
                    help="activation recompute of the repeated layers: auto (the planner decides "
                    "when memory is short), none, selective or full; default: the decorator's")
     c.add_argument("--schedule", choices=("auto", "gpipe", "1f1b", "interleaved", "zb-h1"),
-                   help="with a pp mesh axis: the pipeline schedule (default: auto, the "
-                   "fastest that fits of those the ranks run: gpipe, 1f1b, interleaved; "
-                   "zb-h1 is planned only when named)")
+                   help="with a pp mesh axis: the pipeline schedule (default: the "
+                   "decorator's, else auto: the fastest that fits)")
     c.add_argument("--microbatches", type=int,
                    help="with a pp mesh axis: micro-batches per step (default: chosen)")
     c.add_argument("--example", help="MOD:FN (or FILE.py:FN) returning the example inputs")
@@ -191,8 +190,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], topology,
                       limit: int | None, opts: dict, name: str, stage) -> int:
     """``compile`` on a mesh with a ``pp`` axis: the pipeline plan (``plan_pipeline``),
-    written as JSON, its stages and its schedule drawn; ``meshplan run`` runs it (a ZB-H1
-    one, planned only when ``--schedule zb-h1`` names it, not yet)."""
+    written as JSON, its stages and its schedule drawn; ``meshplan run`` runs it."""
     from .backends._pipeline_run import RUNS
     from .planner import plan_pipeline
 

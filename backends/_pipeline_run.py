@@ -42,8 +42,11 @@ most of what they read is made (``_follow_the_bytes``), so only scalars cross st
 ``distribute`` runs these programs on a mesh with a ``pp`` axis (``Stages``: what a rank's
 setup carries; the controller splits the state by each tensor's stage).
 
-Not yet: zero-bubble orders (ZB-H1: a weight-gradient part of its own); the all-or-nothing
-vote of a step
+Under ZB-H1 each backward part is cut once more (``_split_weight_grads``): what makes the
+gradient the stage sends back stays, its weights' gradients become a part ``(W, chunk)`` that
+the schedule runs later.
+
+Not yet: other zero-bubble orders (ZB-H2, ZB-V); the all-or-nothing vote of a step
 (a failing op on one stage leaves its peers waiting until the communicator's timeout);
 gradient buckets in the stage programs (each part runs ``lower``'s kernels and early frees:
 ``kernels=``, ``free_early=``).
@@ -75,14 +78,14 @@ Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a
 # the schedules the stages run: each stage's order of forwards and backwards
 # (``device_orders``); sends do not wait for their receiver, and ``_check_order`` makes sure
 # that a step's transfers neither wait forever nor cross in the schedule's order
-RUNS = ("gpipe", "1f1b", "interleaved")
+RUNS = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # the tag of each part's transfers (``Communicator.send_start(tag=)``): the state a stage
 # sends before the micro-batches (0), each micro-batch's forward and backward (the kind's
 # number plus len(TAGS) times the sender's virtual stage), the step part. A receive takes only
 # its part's values, so parts that a schedule interleaves (1F1B: forward j + 1 before
 # backward j) never take each other's; within a part, the two sides of a pair of stages meet
 # their transfers in the same order (``_check_order`` checks it)
-TAGS = {"F": 1, "B": 2, "S": 3}
+TAGS = {"F": 1, "B": 2, "S": 3, "W": 4}
 
 
 @dataclass(frozen=True)
@@ -388,8 +391,15 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     st_readers = readers(cut.per_step)
     # a device's parts of one micro-batch, in the order it runs them (``device_orders``)
     order = [("F", k) for k in range(v)] + [("B", k) for k in reversed(range(v))]
+    if pipe.schedule == "zb-h1":
+        order += [("W", k) for k in reversed(range(v))]
     rank_of_part = {part: n for n, part in enumerate(order)}
     part_of = [_parts_of(f_idx, b_idx, t, p, v, runs_on, vst) for t in range(p)]
+    if pipe.schedule == "zb-h1":
+        for t in range(p):
+            _split_weight_grads(t, b_idx, part_of[t], runs_on, cut.reads_of,
+                                lambda i, t=t: any(way == "S" for way, _, _ in
+                                                   moves(i, t, mb_readers)))
     # which parts of each device read each value (the reads of a shape only: stand-ins)
     reader_parts: list[dict[tuple[tuple, int], set[tuple[str, int]]]] = [{} for _ in range(p)]
     for i in per_mb:
@@ -605,7 +615,8 @@ def _part_name(part: tuple[str, int] | str, j: int, v: int) -> str:
     if part == "S":
         return "the step part"
     kind, chunk = part
-    return (f"micro-batch {j}'s {'forward' if kind == 'F' else 'backward'}"
+    return (f"micro-batch {j}'s "
+            + {"F": "forward", "B": "backward", "W": "weight gradients"}[kind]
             + (f" of chunk {chunk}" if v > 1 else ""))
 
 
@@ -665,6 +676,34 @@ def _check_order(schedule: str, step: str, p: int, m: int, v: int,
             f"from stage {events[t][at[t]][1]}" for t in stuck)
         raise LoweringError(f"pipeline schedule {schedule!r}: the stages would wait for each "
                             f"other forever in {step!r} ({waits}); run it with {instead}")
+
+
+def _split_weight_grads(t: int, b_idx: Sequence[int], part_of: dict[int, tuple[str, int]],
+                        runs_on: Any, reads_of: Mapping[int, Sequence[tuple]],
+                        sends: Any) -> None:
+    """ZB-H1 (Qi et al., zero-bubble pipeline parallelism): each backward part keeps what the
+    previous stage waits for, the instructions that make what it sends (the gradient of its
+    input) and what they read in that part; the rest (the gradients of its own weights) move
+    to a part of their own, ``("W", chunk)``, which the schedule runs later, in what would
+    otherwise be the drain's bubble. ``sends(i)``: whether instruction ``i`` sends a value
+    from device ``t``. Changes ``part_of`` in place."""
+    by_chunk: dict[int, list[int]] = {}
+    for i in b_idx:
+        if t in runs_on(i) and part_of[i][0] == "B":
+            by_chunk.setdefault(part_of[i][1], []).append(i)
+    for chunk, here in by_chunk.items():
+        members = set(here)
+        keep: set[int] = set()
+        stack = [i for i in here if sends(i)]
+        while stack:
+            i = stack.pop()
+            if i in keep:
+                continue
+            keep.add(i)
+            stack.extend(j for _, j in reads_of.get(i, ()) if j in members and j not in keep)
+        for i in here:
+            if i not in keep:
+                part_of[i] = ("W", chunk)
 
 
 def _parts_of(f_idx: Sequence[int], b_idx: Sequence[int], t: int, p: int, v: int,

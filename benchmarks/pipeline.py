@@ -18,10 +18,13 @@ global batches for every variant:
   the last stage holds a copy, and after the backward the two halves of its gradient are
   summed between the first and the last stage (one all-reduce, as Megatron does).
   Gradient clipping takes the norm over every stage (one all-reduce of the squared sums).
-- ``meshplan-gpipe`` / ``meshplan-1f1b`` / ``meshplan-interleaved``:
+- ``meshplan-gpipe`` / ``meshplan-1f1b`` / ``meshplan-interleaved`` / ``meshplan-zb-h1``:
   ``meshplan.distribute(step, mesh={"pp": P}, microbatches=M, schedule=...)``: the user's
   unchanged step, the stages planned by ``plan_pipeline`` (for interleaved, the chunks per
-  device too: with the benchmark's 4 layers on 2 ranks, 2, as ``--chunks``).
+  device too: with the benchmark's 4 layers on 2 ranks, 2, as ``--chunks``). torch has no
+  ZB-H1 (its zero-bubble schedules, ``ScheduleInterleavedZeroBubble`` and
+  ``ScheduleZBVZeroBubble``, hold several stages per rank): ``meshplan-zb-h1`` is set against
+  torch's 1F1B, the schedule it improves on.
 
 Times: the baselines time each step on every rank after a barrier and keep the slowest;
 meshplan is timed around each call on the controller (split the batch, the round trip,
@@ -53,7 +56,7 @@ from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
 
 VARIANTS = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "meshplan-gpipe", "meshplan-1f1b",
-            "meshplan-interleaved")
+            "meshplan-interleaved", "meshplan-zb-h1")
 
 
 class _Stage(nn.Module):
@@ -168,7 +171,7 @@ def run_meshplan(variant: str, p: int, m: int, v: int, warmup: int, steps: int) 
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
     batches = _batches(2 + warmup + steps)
     step = meshplan.distribute(ex.step, mesh={"pp": p}, microbatches=m, topology="cpu",
-                               schedule=variant.split("-")[1], example_inputs=batches[0],
+                               schedule=variant.split("-", 1)[1], example_inputs=batches[0],
                                timeout_s=TIMEOUT_S, telemetry=False)
     r = measure_mesh(step, batches, warmup, variant, p)
     got = step.pipeline

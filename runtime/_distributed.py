@@ -1846,11 +1846,12 @@ def distribute(fn: Callable[..., Any] | None = None, *, mesh: Mapping[str, int],
     ops need the whole batch at once (a batch norm's statistics) is refused by name. None
     or 1: the whole batch at once.
     A ``pp`` axis in ``mesh`` (``{"pp": 2, "dp": 2}``): pipeline stages, ranges of the step's
-    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's, 1F1B's or
-    interleaved 1F1B's order (the fastest by the cost model), each
+    repeated layers planned by ``planner.plan_pipeline`` and run in GPipe's, 1F1B's,
+    interleaved 1F1B's or ZB-H1's order (the fastest by the cost model), each
     stage's ranks holding that stage's state (README, "Pipeline stages"); ``microbatches``
     is then the stages' micro-batch count (None: the planner's choice), ``schedule``
-    ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (None: the fastest by the cost model; the
+    ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"`` (None: the fastest by the cost
+    model; the
     planner picks interleaved's chunks per device), ``step.pipeline`` the pipeline plan, and
     ``plan=`` a compiled one. Not yet with fault tolerance or ``calibrate``.
     """

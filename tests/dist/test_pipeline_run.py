@@ -57,7 +57,9 @@ def _example(layers: int):
     (4, {"pp": 4}, 2, "auto", "gpipe"),
     (4, {"pp": 4}, 4, "auto", "1f1b"),
     (4, {"pp": 2, "dp": 2}, 4, "auto", "interleaved"),
-], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2", "pp4-m4-1f1b", "pp2dp2-m4-interleaved"])
+    (4, {"pp": 4}, 4, "auto", "zb-h1"),
+], ids=["pp2-m4", "pp2dp2-m2", "pp2tp2-m2", "pp4-m2", "pp4-m4-1f1b", "pp2dp2-m4-interleaved",
+        "pp4-m4-zb-h1"])
 def test_stages_equal_one_process(layers, axes, m, strategy, schedule) -> None:
     """Every stage holds its own state only; the loss comes out of the last stage each step,
     and each state tensor, assembled from its stage's ranks, equals the interpreter's."""
@@ -121,12 +123,17 @@ def test_stages_equal_one_process(layers, axes, m, strategy, schedule) -> None:
 
 
 def test_what_is_not_lowered_yet_is_said() -> None:
+    from dataclasses import replace
+
     ex, traced, *_ = _example(2)
-    pp = plan_pipeline(traced.graph, {"pp": 2}, topology="h100", schedule="zb-h1",
+    pp = plan_pipeline(traced.graph, {"pp": 2}, topology="h100", schedule="1f1b",
                        microbatches=2)
-    with pytest.raises(meshplan.LoweringError, match="'zb-h1': not lowered yet.*'gpipe', "
-                                                     "'1f1b', 'interleaved' run"):
-        lower_pipeline(pp, 0)
+    with pytest.raises(meshplan.LoweringError, match="'zb-v': not lowered yet.*'gpipe', "
+                                                     "'1f1b', 'interleaved', 'zb-h1' run"):
+        lower_pipeline(replace(pp, schedule="zb-v"), 0)
+    with pytest.raises(meshplan.LoweringError, match="'1f1b' with 2 chunks per device: only "
+                                                     "'interleaved' runs several"):
+        lower_pipeline(replace(pp, virtual_stages=2), 0)
 
 
 sys.path.insert(0, str(Path(__file__).parent))

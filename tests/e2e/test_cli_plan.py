@@ -313,21 +313,20 @@ def test_golden_report_of_the_dp_plan(plans: dict) -> None:
 
 def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> None:
     """``compile --mesh pp=2,dp=2``: the pipeline plan (stages, schedule drawn), written as
-    JSON; ``run`` runs one compiled without ``--schedule`` (losses equal one process's: rtol
-    1e-5, the summation order of the micro-batches' gradients, as in
-    ``test_run_matches_the_eager_step``) and refuses by name a schedule the ranks do not run
-    yet; ``plan show`` prints the stages and every stage's layouts (``--html``: the schedule
-    drawn), ``plan explain`` why this split, ``plan diff`` what changed between two; a
-    modified file is refused by its content hash; ``--schedule`` without a pp axis is
-    refused."""
+    JSON; ``run`` runs a ZB-H1 one (losses equal one process's: rtol 1e-5, the summation
+    order of the micro-batches' gradients, as in ``test_run_matches_the_eager_step``);
+    ``plan show`` prints the stages and every stage's layouts (``--html``: the schedule
+    drawn), ``plan explain`` why this split, ``plan diff`` what changed between two; a plan
+    whose micro-batches differ from the decorator's, and a modified file, are refused;
+    ``--schedule`` without a pp axis is refused."""
     from meshplan.examples import gpt
 
     for name in ("gpt_distributed.py", "gpt.py", "_common.py"):    # outside the package:
         shutil.copy(REPO / "examples" / name, tmp_path / name)      # the in-process CLI
     target = f"{tmp_path / 'gpt_distributed.py'}:train_step"      # loads it as a module
-    out, gp = tmp_path / "pp.plan", tmp_path / "gpipe.plan"
+    out, gp = tmp_path / "pp.plan", tmp_path / "1f1b.plan"
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
-                          "--schedule", "zb-h1", "-o", str(out))
+                          "--schedule", "zb-h1", "--microbatches", "2", "-o", str(out))
     assert rc == 0, err
     assert "2 stages, zb-h1" in text and "stage   1 |" in text
     assert json.loads(out.read_text())["format"] == "meshplan.pipeline-plan"
@@ -343,14 +342,11 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
     rc, text, err = _main("plan", "show", str(out), "--html", str(tmp_path / "pp.html"))
     page = (tmp_path / "pp.html").read_text()
     assert rc == 0 and "<svg id=schedule" in page and "every stage's layouts" in page, err
-    rc, _, err = _main("run", target, "--plan", str(out))
-    assert rc != 0 and "'zb-h1': the stages run gpipe, 1f1b, interleaved only yet" in err
-    # without --schedule: the fastest of the schedules the ranks run
     rc, text, err = _main("compile", target, "--mesh", "pp=2,dp=2", "--topology", "h100",
-                          "--microbatches", "2", "-o", str(gp))
+                          "--schedule", "1f1b", "--microbatches", "2", "-o", str(gp))
     assert rc == 0 and "`meshplan run` runs it" in text, err
     rc, text, err = _main("plan", "diff", str(out), str(gp))
-    assert rc == 0 and "schedule: zb-h1 -> " in text, err
+    assert rc == 0 and "schedule: zb-h1 -> 1f1b" in text, err
     rc, text, err = _main("plan", "diff", str(gp), str(gp))
     assert rc == 0 and "pipeline plans are identical" in text, err
     rc, _, err = _main("plan", "diff", str(gp), target.split(":")[0])
@@ -363,7 +359,7 @@ def test_compile_on_a_pp_mesh_writes_a_pipeline_plan_that_run_runs(tmp_path) -> 
         '@meshplan.distribute(mesh={"pp": 2, "dp": 2}, microbatches=4, '))
     rc, _, err = _main("run", f"{tmp_path / 'gpt_pp.py'}:train_step", "--plan", str(gp))
     assert rc != 0 and "but train_step's decorator asks microbatches=4" in err, err
-    rc, text, err = _main("run", target, "--plan", str(gp), "--steps", "2", "--json")
+    rc, text, err = _main("run", target, "--plan", str(out), "--steps", "2", "--json")
     assert rc == 0, err
     losses = [json.loads(line)["loss"] for line in text.splitlines() if '"step"' in line]
     ex = gpt.build(optimizer="adamw", seed=0)                # the example's model and data

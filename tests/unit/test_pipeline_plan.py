@@ -163,7 +163,8 @@ def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> 
                      ({"calibrate": True}, "calibrate a run without 'pp'"),
                      ({"plan": plan_graph(graph, {"dp": 2})}, "not a pipeline's stages"),
                      ({"plan": "x.plan"}, "x.plan"),
-                     ({"schedule": "zb-h1"}, "the stages run 'gpipe' or '1f1b' or 'interleaved'")):
+                     ({"schedule": "zb-v"}, "the stages run 'gpipe' or '1f1b' or "
+                                            "'interleaved' or 'zb-h1'")):
         with pytest.raises(meshplan.RuntimeFailure, match=what):
             meshplan.distribute(ex.step, mesh={"pp": 2}, **kw)
     step = meshplan.distribute(ex.step, mesh={"pp": 2})        # the default: off, and said
