@@ -194,6 +194,14 @@ def _compile_pipeline(args: argparse.Namespace, graph, mesh: dict[str, int], top
     from .backends._pipeline_run import RUNS
     from .planner import plan_pipeline
 
+    over = [f"--{k} {given} (the decorator asks {k}={asked!r})" for k, given, asked in (
+        ("schedule", args.schedule, opts["schedule"]),
+        ("microbatches", args.microbatches, opts["microbatches_asked"]))
+        if given not in (None, "auto") and asked is not None and given != asked]
+    if over:                 # the plan is written: it may be meant for another decorator
+        print(f"warning: {'; '.join(over)}: `meshplan run {args.target} --plan {args.out}` "
+              "will refuse this plan for this step; compile without them to follow the "
+              "decorator, or change the decorator", file=sys.stderr, flush=True)
     stage(f"planning pipeline stages on mesh {_mesh_str(mesh)} (stage layouts, split, "
           "schedule)")
     with _quiet_stdout():
@@ -273,8 +281,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if asked:                # as distribute(plan=) refuses it: the step asks otherwise
             raise RuntimeFailure(
                 f"{args.plan} runs {stages.schedule} with {stages.microbatches} micro-batches, "
-                f"but {name}'s decorator asks {', '.join(asked)}: compile it again from the "
-                "decorated step (compile reads them), or change the decorator")
+                f"but {name}'s decorator asks {', '.join(asked)}: compile it again without "
+                "--schedule / --microbatches (compile then takes the decorator's), or change "
+                "the decorator")
         opts["microbatches"] = stages.microbatches
         chosen = {"plan": stages}
     elif args.mesh:

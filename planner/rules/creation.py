@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from .._placement import Shard
+from .._placement import R, Shard
 from ._registry import OpInfo, OpStrategy, default_localize, sharding_rule
-from ._util import like_input, literal_rule, out0, outs, place, shardable
+from ._util import PARTIALS, like_input, literal_rule, out0, outs, place, shardable
 
 LIKE = ("aten.ones_like.default", "aten.zeros_like.default", "aten.empty_like.default",
         "aten.full_like.default", "aten.fill.Scalar")
@@ -32,11 +32,24 @@ def like(info: OpInfo) -> Iterator[OpStrategy]:
     return like_input(info)
 
 
+NEW = frozenset({"aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
+                 "aten.new_empty.default"})
+
+
 @sharding_rule(*FACTORIES, localize=default_localize)
 def factory(info: OpInfo) -> Iterator[OpStrategy]:
-    """A constant tensor of a literal size: any split, with the size made local."""
-    for d in shardable(out0(info)):
-        yield OpStrategy(place(info, {}), outs(info, Shard(d)))
+    """A constant tensor of a literal size: any split, with the size made local. ``new_*``
+    read only their input's dtype and device: it may come in any split, or partial, and is
+    not gathered for them (``aux = h.new_zeros(())`` beside a batch-split ``h``)."""
+    x = info.inputs[0] if info.node.target in NEW and info.inputs else None
+    specs: list[dict] = [{}]
+    if x is not None:
+        specs += [{"self": Shard(d)} for d in shardable(x)] + [{"self": p} for p in PARTIALS]
+    for spec in specs:
+        if spec:
+            yield OpStrategy(place(info, spec), outs(info, R))
+        for d in shardable(out0(info)):
+            yield OpStrategy(place(info, spec), outs(info, Shard(d)))
 
 
 @literal_rule("aten.arange.default", "aten.arange.start", "aten.arange.start_step",

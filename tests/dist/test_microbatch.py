@@ -116,8 +116,8 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
 @pytest.mark.timeout(300)
 def test_a_user_step_in_microbatches_equals_one_process() -> None:
     """A step written for one process (an MLP with a buffer, ``mse_loss(reduction="sum") /
-    batch``, SGD with momentum, the automatic plan) in 4 parts on 2 ranks: losses and
-    parameters as one process. Its backward's seed, ``ones_like(loss)``, reads the loss's
+    batch`` plus a zero made with ``new_zeros``, SGD with momentum, the automatic plan) in 4
+    parts on 2 ranks: losses and parameters as one process. Its backward's seed, ``ones_like(loss)``, reads the loss's
     shape only, so the micro-batches need no sum of the loss before their backward."""
     import copy
 
@@ -140,7 +140,11 @@ def test_a_user_step_in_microbatches_equals_one_process() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
         def step(x, y):
-            loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") / x.shape[0]
+            out = model(x)
+            # an auxiliary term made with new_zeros from a batch-split value (it reads only
+            # its dtype: refused as needing the whole batch until new_* took any layout)
+            loss = torch.nn.functional.mse_loss(out, y, reduction="sum") / x.shape[0] \
+                + out.new_zeros(())
             loss.backward()
             opt.step()
             opt.zero_grad()
