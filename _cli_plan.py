@@ -83,14 +83,7 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
         return _show_pipeline(args)
     plan = _load(args.plan)
     if args.html:
-        folder = os.path.dirname(os.path.abspath(args.html))
-        if not os.path.isdir(folder):
-            raise PlanError(f"--html {args.html}: folder {folder} does not exist; create it first")
-        from .ir import atomic_write_text
-
-        atomic_write_text(args.html, render_html(plan))
-        _console().print(f"wrote {args.html}")
-        return 0
+        return _write_html(args.html, render_html(plan))
     rep = plan_report(plan)
     from .backends._kernels import kernels_report
 
@@ -102,6 +95,18 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_html(path: str, page: str) -> int:
+    """``plan show --html PATH``: the page written atomically, into a folder that exists."""
+    from .ir import atomic_write_text
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise PlanError(f"--html {path}: folder {folder} does not exist; create it first")
+    atomic_write_text(path, page)
+    _console().print(f"wrote {path}")
+    return 0
+
+
 def _show_pipeline(args: argparse.Namespace) -> int:
     """A pipeline plan: its stages, schedule and estimates, then the report of the inner
     plan (every stage's layouts on the mesh without ``pp``)."""
@@ -110,15 +115,9 @@ def _show_pipeline(args: argparse.Namespace) -> int:
 
     pplan = PipelinePlan.load(args.plan)
     if args.html:
-        from .ir import atomic_write_text
         from .planner._pipeline_explain import render_pipeline_html
 
-        folder = os.path.dirname(os.path.abspath(args.html))
-        if not os.path.isdir(folder):
-            raise PlanError(f"--html {args.html}: folder {folder} does not exist; create it first")
-        atomic_write_text(args.html, render_pipeline_html(pplan))
-        _console().print(f"wrote {args.html}")
-        return 0
+        return _write_html(args.html, render_pipeline_html(pplan))
     rep = plan_report(pplan.inner)
     rep["kernels"] = kernels_report(pplan.inner)
     if args.json:
@@ -295,15 +294,21 @@ def cmd_plan_diff(args: argparse.Namespace) -> int:
     if any(pipes):
         return _diff_pipelines(args, pipes)
     d = diff(_load(args.a), _load(args.b))
+    if not _said(d, args, "plans are identical in placements, collectives, time and memory"):
+        _print_diff(d, _console(), None if args.all else LIST_ROWS)
+    return 0
+
+
+def _said(d: dict[str, Any], args: argparse.Namespace, same: str) -> bool:
+    """A diff printed whole as JSON (``--json``), or ``same`` when nothing changed: True;
+    False when the caller prints the changes."""
     if args.json:
         print(json.dumps(d, indent=2, allow_nan=False))
-        return 0
-    con = _console()
+        return True
     if d["identical"]:
-        con.print("plans are identical in placements, collectives, time and memory")
-        return 0
-    _print_diff(d, con, None if args.all else LIST_ROWS)
-    return 0
+        _console().print(same)
+        return True
+    return False
 
 
 def _diff_pipelines(args: argparse.Namespace, pipes: list[bool]) -> int:
@@ -318,13 +323,10 @@ def _diff_pipelines(args: argparse.Namespace, pipes: list[bool]) -> int:
                         f"{other} is not; compare pipeline plans with each other, or compile "
                         "both for the same kind of mesh")
     d = diff_pipeline(PipelinePlan.load(args.a), PipelinePlan.load(args.b))
-    if args.json:
-        print(json.dumps(d, indent=2, allow_nan=False))
+    if _said(d, args, "pipeline plans are identical in stages, schedule, layouts, time and "
+                      "memory"):
         return 0
     con = _console()
-    if d["identical"]:
-        con.print("pipeline plans are identical in stages, schedule, layouts, time and memory")
-        return 0
     for key in ("mesh", "schedule", "microbatches", "virtual_stages", "keep_params"):
         if d[key]:
             con.print(f"  {key.replace('_', ' ')}: {d[key]['before']} -> {d[key]['after']}",

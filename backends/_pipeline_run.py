@@ -365,14 +365,15 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                 ins = raw_instrs[i] if modify is None else modify(i, raw_instrs[i])
                 if ins is not None:
                     out.append(on_stage(ins))
-            for way, peer, k in moves(i, s, read_by):
-                if way == "S":
-                    out.append(Send(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), tag))
-                else:
-                    shape, dtype = meta_shape(k)
-                    out.append(Recv(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), shape,
-                                    dtype, tag))
+            out.extend(transfer(way, peer, tag, k) for way, peer, k in moves(i, s, read_by))
         return out
+
+    def transfer(way: str, peer: int, tag: int, k: tuple) -> Send | Recv:
+        """Stage ``s``'s send of value ``k`` to stage ``peer`` (``way`` "S"), or receive."""
+        if way == "S":
+            return Send(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), tag)
+        shape, dtype = meta_shape(k)
+        return Recv(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), shape, dtype, tag)
 
     # the parts of micro-batch j: forward before the first backward instruction, and each
     # cut by chunk (virtual stage) on its device
@@ -543,13 +544,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         for i in per_mb:
             if s in runs_on(i) and part_of[s][i] == part:
                 out.append(on_stage(raw_instrs[i]))
-            for way, peer, tag, k in moved.get(i, ()):
-                if way == "S":
-                    out.append(Send(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), tag))
-                else:
-                    shape, dtype = meta_shape(k)
-                    out.append(Recv(Ref(k[1], k[2]), key_of(k)[2], real(peer, c), shape,
-                                    dtype, tag))
+            out.extend(transfer(way, peer, tag, k) for way, peer, tag, k in moved.get(i, ()))
         return out
 
     parts: dict[tuple[str, int], tuple[Program, ...]] = {}
