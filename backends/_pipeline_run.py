@@ -346,7 +346,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         ``at`` makes it (the lowest of the stages that do), ``("R", from, k)`` where ``at``
         reads it and does not make it."""
         where = runs_on(i)
-        sender = min(where)
+        sender = min(where)                   # the lowest of the devices that make it
         out: list[tuple[str, int, tuple]] = []
         for k in made(i):
             need = read_by.get((k, i), set()) - where
@@ -413,8 +413,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     # parts that reads any of it (so that both sides meet a tag's values in one order)
     recv_part: dict[tuple[int, tuple[str, int], int], tuple[str, int]] = {}
     for i in per_mb:
-        for way, peer, k in moves(i, min(runs_on(i)), mb_readers):
-            src = min(runs_on(i))
+        src = min(runs_on(i))
+        for _, peer, k in moves(i, src, mb_readers):
             at = min(reader_parts[peer].get((k, i), ()), key=rank_of_part.__getitem__,
                      default=None)
             if at is None:
@@ -430,28 +430,31 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
         virtual stage, so that a receive takes only that part's values."""
         return TAGS[part[0]] + len(TAGS) * (part[1] * p + device)
 
-    def part_moves(t: int, part: tuple[str, int]) -> list[tuple[int, str, int, int, tuple]]:
-        """Device ``t``'s transfers in ``part`` of a micro-batch, in program order:
-        ``(at, way, peer, tag, value key)``, ``at`` the instruction that makes the value."""
-        out = []
+    def device_moves(t: int) -> dict[tuple[str, int], list[tuple[int, str, int, int, tuple]]]:
+        """Device ``t``'s transfers in each part of a micro-batch, in program order:
+        ``(at, way, peer, tag, value key)``, ``at`` the instruction that makes the value
+        (sent in its maker's part, received in the part ``recv_part`` names)."""
+        out: dict[tuple[str, int], list[tuple[int, str, int, int, tuple]]] = {
+            part: [] for part in order}
         for i in per_mb:
-            if t in runs_on(i) and part_of[t][i] == part:
-                out.extend((i, "S", u, tag_of(part, t), k)
-                           for way, u, k in moves(i, t, mb_readers) if way == "S")
-            elif t not in runs_on(i):
-                src = min(runs_on(i))
-                for way, u, k in moves(i, t, mb_readers):
-                    if way == "R" and recv_part[(src, part_of[src][i], t)] == part:
-                        out.append((i, "R", u, tag_of(part_of[src][i], src), k))
+            if t in runs_on(i):
+                part = part_of[t][i]
+                out[part].extend((i, "S", u, tag_of(part, t), k)
+                                 for way, u, k in moves(i, t, mb_readers) if way == "S")
+                continue
+            src = min(runs_on(i))
+            sent_in = part_of[src][i]
+            for _, u, k in moves(i, t, mb_readers):      # receives only: t does not make it
+                out[recv_part[(src, sent_in, t)]].append((i, "R", u, tag_of(sent_in, src), k))
         return out
 
+    every_moves = [device_moves(t) for t in range(p)]
     _check_order(pipe.schedule, graph.info.name, p, m, v, [
-        {**{part: [(way, peer, tag, key_of(k)) for _, way, peer, tag, k in part_moves(t, part)]
+        {**{part: [(way, peer, tag, key_of(k)) for _, way, peer, tag, k in got[part]]
             for part in order},
          "S": [(way, peer, TAGS["S"], key_of(k)) for i in cut.per_step
                for way, peer, k in moves(i, t, st_readers)]}
-        for t in range(p)], {n.name: n.target + (f" at {n.source}" if n.source else "")
-                             for n in graph.nodes if n.kind is NodeKind.OP})
+        for t, got in enumerate(every_moves)], lambda name: _op_at(graph.node(name)))
     mine = lambda idx: [i for i in idx if s in runs_on(i)]    # noqa: E731
     partial_here = [(instrs0[i].ref, cut.reduce_ops[i], maker_of_partial[i])
                     for i in sorted(cut.reductions) if i not in cut.hoisted
@@ -500,7 +503,7 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
 
     # what each part makes (or receives) and reads, on this device: a value a later part of
     # the micro-batch reads is a result of the part that makes it, kept until its last part
-    my_moves = {part: part_moves(s, part) for part in order}
+    my_moves = every_moves[s]
     in_mb = set(per_mb)
 
     def made_in(j: int) -> tuple[str, int]:
@@ -617,7 +620,7 @@ def _part_name(part: tuple[str, int] | str, j: int, v: int) -> str:
 
 def _check_order(schedule: str, step: str, p: int, m: int, v: int,
                  moves: Sequence[Mapping[Any, list[tuple[str, int, int, Key]]]],
-                 where_of: Mapping[str, str] | None = None) -> None:
+                 where_of: Any = None) -> None:
     """Run the stages' transfers on paper, in the schedule's order, before any rank does.
     ``moves[t][part]``: device ``t``'s sends ``("S", to, tag, key)`` and receives ``("R",
     from, tag, key)`` in one micro-batch's part ``(kind, chunk)`` (kind ``F`` or ``B``) and in
@@ -626,13 +629,13 @@ def _check_order(schedule: str, step: str, p: int, m: int, v: int,
     where the order would leave a stage waiting forever, or where a receive would take another
     value than the one its program reads there (stages that pass a part's values back and
     forth, as when the layers' activations ran with the head, can wait forever in 1F1B's
-    order). ``where_of``: a node's op and source line, named beside it."""
-    where_of = where_of or {}
+    order). ``where_of(node)``: its op and source line, named beside it (only in an
+    error)."""
     instead = ("schedule='1f1b' or 'gpipe'" if schedule == "interleaved" else
                "schedule='gpipe'")
 
     def named(key: tuple[Key, int]) -> str:
-        at = where_of.get(key[0][0])
+        at = where_of(key[0][0]) if where_of is not None else ""
         return _value_name(key) + (f" ({at})" if at else "")
 
     events: list[list[tuple[str, int, int, tuple[Key, int], str]]] = []
@@ -724,6 +727,13 @@ def _parts_of(f_idx: Sequence[int], b_idx: Sequence[int], t: int, p: int, v: int
                 chunk = own[i]
             out.setdefault(i, (kind, chunk))
     return out
+
+
+def _op_at(node: Any) -> str:
+    """An op node's op and source line, for messages ("" for another node)."""
+    if node.kind is not NodeKind.OP:
+        return ""
+    return node.target + (f" at {node.source}" if node.source else "")
 
 
 def _value_name(key: tuple[Key, int]) -> str:

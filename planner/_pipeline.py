@@ -916,6 +916,12 @@ def simulate(schedule: str, fwd: Sequence[float], bwd: Sequence[float], m: int, 
     return max(free), timeline
 
 
+def idle_share(span: float, timeline: Sequence[Sequence[tuple[float, float, str]]]) -> float:
+    """The share of device time ``simulate``'s timeline leaves idle over its ``span``."""
+    busy = sum(e - s for ev in timeline for s, e, _ in ev)
+    return 1 - busy / (span * len(timeline)) if span else 0.0
+
+
 def schedule_text(plan: PipelinePlan, width: int = 96) -> str:
     """The plan's schedule drawn one row per device: ``F`` forward, ``B`` backward, ``W``
     weight gradient, ``.`` idle (time runs left to right, to scale)."""
@@ -933,7 +939,7 @@ def schedule_text(plan: PipelinePlan, width: int = 96) -> str:
             for x in range(a, min(b, cols)):
                 line[x] = label[0]
         rows.append(f"stage {d:>3} |{''.join(line)}|")
-    idle = 1 - sum(e - s for ev in timeline for s, e, _ in ev) / (span * len(timeline))
+    idle = idle_share(span, timeline)
     rows.append(f"{plan.schedule}, {m} micro-batches"
                 + (f", {plan.virtual_stages} chunks per device" if plan.virtual_stages > 1
                    else "") + f": idle {idle:.1%} of device time (simulated, transfers aside)")

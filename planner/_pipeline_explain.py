@@ -191,14 +191,10 @@ def diff_pipeline(a: PipelinePlan, b: PipelinePlan) -> dict[str, Any]:
     for key in ("estimated_step_time_s", "bubble_s", "p2p_s", "update_s", "peak_memory_bytes"):
         x, y = getattr(a, key), getattr(b, key)
         out[key] = {"a": x, "b": y, "delta": y - x}
-    try:
-        out["inner"] = diff(a.inner, b.inner)
-    except PlanError as e:               # layouts of different meshes: said, not compared
-        out["inner"] = None
-        out["inner_not_compared"] = str(e)
+    out["inner"] = diff(a.inner, b.inner)
     out["identical"] = (not any(out[k] for k in ("mesh", "schedule", "microbatches",
                                                   "virtual_stages", "keep_params", "chunks"))
-                        and out["inner"] is not None and out["inner"]["identical"]
+                        and out["inner"]["identical"]
                         and all(out[k]["delta"] == 0 for k in (
                             "estimated_step_time_s", "peak_memory_bytes")))
     return out
@@ -212,7 +208,7 @@ def render_pipeline_html(plan: PipelinePlan) -> str:
     one row per stage (forward, backward, weight gradient and idle, to scale, from
     ``simulate``), the stages and what was tried, then every stage's layouts (the inner
     plan's sections of ``render_html``). Inline CSS and SVG only."""
-    from ._pipeline import simulate
+    from ._pipeline import idle_share, simulate
     from ._report import (_CSS, _esc, _html_collectives, _html_graph, _html_memory,
                           _html_timeline, plan_report)
 
@@ -232,8 +228,7 @@ def render_pipeline_html(plan: PipelinePlan) -> str:
                          f"fill='{_KIND_COLOUR.get(label[0], '#999')}' stroke='#fff' "
                          f"stroke-width='0.5'><title>{_esc(label)} {start * 1e3:.3f}-"
                          f"{end * 1e3:.3f} ms</title></rect>")
-    busy = sum(e - s for ev in timeline for s, e, _ in ev)
-    idle = 1 - busy / (span * len(timeline)) if span else 0.0
+    idle = idle_share(span, timeline)
     legend = "".join(f"<span style='background:{c}'>{k}: "
                      f"{ {'F': 'forward', 'B': 'backward', 'W': 'weight gradient'}[k]}</span>"
                      for k, c in _KIND_COLOUR.items() if k != "W" or plan.schedule == "zb-h1")
