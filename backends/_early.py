@@ -12,7 +12,10 @@ source layout has a partial axis and whose result is smaller on this rank than i
 to right after the instruction that makes the value (an op or a kernel call). When nothing reads
 the original afterwards (no op or kernel reads it in its own layout, no other redistribution or
 bucket starts from it, it is not returned as it is), a ``Drop`` right after the last instruction
-that does releases it.
+that does releases it. The same holds for a partial value all-reduced in a bucket
+(``_bucket.py``): the bucket's start copies it into a buffer of its own, so its original is
+dropped after the last instruction that reads it unreduced, usually that start (a data-parallel
+gradient is not held twice, unreduced and reduced, through the rest of the backward).
 
 A copy (a gathered parameter, say) otherwise stays until its value's ``Free``, i.e. after the
 value's last reader in any layout: a parameter gathered for the forward would be held until
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir import Graph, Ref, TensorMeta
-from ..planner._problem import shrinks
+from ..planner._problem import has_partial, shrinks
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +79,23 @@ def reduce_early(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
                 and shrinks(ins.src, ins.dst, sizes)):   # the planner's test: both agree
             moved.setdefault(made_at[ins.ref], []).append(i)
             moving.add(i)
-    if not moving:
-        return list(instrs)
     reduced = {(instrs[i].ref, instrs[i].dst) for i in moving}
     candidates = {instrs[i].ref: instrs[i].src for i in moving}
+    # an all-reduce in a bucket does not shrink its value, but a started bucket holds its
+    # members in a buffer of its own (``start_bucket``): an original nothing else reads is
+    # dropped there, not kept to its value's ``Free`` beside the reduced copy (a data-parallel
+    # gradient held twice through the rest of the backward and the optimizer)
+    started = {ins.bucket.index for ins in instrs if isinstance(ins, BucketStart)}
+    for ins in instrs:
+        if isinstance(ins, BucketStart):
+            for m in ins.bucket.members:
+                meta = graph.meta(m.ref)
+                if (isinstance(meta, TensorMeta) and has_partial(m.src)
+                        and getattr(torch, meta.dtype).is_floating_point):
+                    candidates.setdefault(m.ref, m.src)
+                    reduced.add((m.ref, m.dst))
+    if not candidates:
+        return list(instrs)
 
     # where the original of each candidate is last read (in the order after the move)
     order = [j for i in range(len(instrs)) if i not in moving
@@ -99,7 +115,8 @@ def reduce_early(instrs: Sequence, graph: Graph, sizes: tuple[int, ...],
             hits += [r for r in ins.attr_refs if r in candidates]
         elif isinstance(ins, Reshard):
             hits = [ins.ref] if ins.ref in candidates else []
-        elif isinstance(ins, (Bucket, BucketStart)):
+        elif isinstance(ins, BucketStart) or (isinstance(ins, Bucket)
+                                              and ins.index not in started):
             members = ins.members if isinstance(ins, Bucket) else ins.bucket.members
             hits = [m.ref for m in members if m.ref in candidates]
         else:

@@ -695,7 +695,7 @@ class _Op:
         self.reads = tuple((r.node, r.index, layout) for r, layout in zip(node.refs(), ins.reads))
         fn = None if node.kind is NodeKind.CONSTANT else (
             (device != "cpu" and DEVICE_TWINS.get(node.target)) or _LOCAL_OPS.get(node.target)
-            or resolve(node))
+            or _rule_op(node.target) or resolve(node))
         # an aten overload's own callable: OpOverload.__call__ is one Python frame around it
         self._fn = fn._op if isinstance(fn, torch._ops.OpOverload) else fn
         # Refs only at the top level of the arguments (most ops): fill slots in a copied
@@ -764,6 +764,12 @@ def _op_error(node: Node, e: Exception) -> LoweringError:
 # is impossible changes nothing a later op can observe.
 _LOCAL_OPS = {"aten.view.default": torch.ops.aten.reshape.default,
               "aten._unsafe_view.default": torch.ops.aten.reshape.default}
+
+
+def _rule_op(target: str) -> Any:
+    """The sharding rule's per-rank stand-in for ``target``, if it has one (``Rule.local_op``)."""
+    rule = rule_for(target)
+    return rule.local_op if rule is not None else None
 
 
 def _fill(a: Any, vals: Iterator[Any]) -> Any:

@@ -51,6 +51,7 @@ from ..planner import Layout, Partial, Plan, ReduceOp, Replicate, Shard
 from ..planner._mesh import Mesh
 from ..planner._placement import divides, local_shape
 from ..planner._plan import NodePlacement
+from ..planner.rules import rule_for
 from ._layout import axis_group, rank_coords
 from ._lower import (Compute, Free, Program, RawProgram, Recv, Reshard, Send, StepRNG, _Op,
                      finish, lower_raw, plan_steps, reshard, run)
@@ -168,14 +169,14 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
 _BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default",
                 "aten._native_batch_norm_legit.default", "aten.native_batch_norm.default",
                 "aten._native_batch_norm_legit_no_training.default")
-_MEAN_LOSSES = ("aten.mse_loss.default", "aten.l1_loss.default", "aten.smooth_l1_loss.default",
-                "aten.huber_loss.default", "aten.binary_cross_entropy.default",
-                "aten.soft_margin_loss.default", "aten.kl_div.default")
 
 
 def _culprit(graph: Any) -> str:
-    """The first op of the step that needs its whole batch at once, named for the user (a
-    batch norm in training, a loss whose mean's backward divides by the count it sees)."""
+    """The first op of the step that needs its whole batch at once, named for the user: a
+    batch norm in training, or an op that reads the batch and has no sharding rule (every
+    rank runs it on the whole batch: ``smooth_l1_loss``, ``kl_div``...)."""
+    batch = {n.name for n in graph.inputs
+             if isinstance(n.outputs[0], TensorMeta) and n.outputs[0].role is Role.DATA}
     for n in graph.nodes:
         if n.kind is not NodeKind.OP:
             continue
@@ -185,15 +186,14 @@ def _culprit(graph: Any) -> str:
             if training:
                 return (f"{where} is a batch norm in training: its statistics are the whole "
                         "batch's (put the model in eval mode, or use a LayerNorm/GroupNorm)")
-        if n.target in _MEAN_LOSSES:
-            red = dict(n.kwargs).get("reduction", next(
-                (a for a in n.args[2:] if isinstance(a, int) and not isinstance(a, bool)), 1))
-            if red == 1:
-                return (f"{where} takes reduction='mean', whose backward divides by the count "
-                        "of elements it sees (use reduction='sum' divided by the batch's "
-                        "element count)")
-    return ("an op after it needs the whole batch at once (a batch norm's statistics; a loss "
-            "with reduction='mean' whose backward divides by the count it sees)")
+        if any(r.node in batch for r in n.refs()):
+            batch.add(n.name)
+            if rule_for(n.target) is None:
+                return (f"{where} reads the batch and has no sharding rule, so it runs on the "
+                        "whole batch at once (write it with ops meshplan splits: elementwise "
+                        "terms and a mean or sum)")
+    return ("an op after it needs the whole batch at once (a batch norm's statistics, an op "
+            "without a sharding rule)")
 
 
 def check_microbatched(plan: Plan) -> None:

@@ -322,14 +322,19 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
             continue
         # outside the layers: with the parameter it reads (a mixed-precision cast, the
         # embedding, a tied head), else the embedding side's modules, else by where it runs
-        # (before the first layer, or after: the final norm, the loss, their backward)
+        # (before the first layer, or after: the final norm, the loss, their backward). A
+        # module outside the layers that runs between them (one LayerNorm applied after every
+        # layer) runs with the layer it follows there, on that layer's stage: its parameters
+        # are sent to the stages that read them once a step, and its gradient passes back
+        # down the chain with the layers' (with its parameters' unit, every gap's op ran on
+        # the last stage, and 1F1B's order could not run it)
         state = next((unit[r.node] for r in n.refs()
                       if graph.node(r.node).kind is NodeKind.INPUT and r.node in unit
                       and graph.node(r.node).outputs[0].role is not Role.DATA), None)
         if state is None and n.module_path and by_path(n.module_path) == PRE:
             state = PRE
-        if state is None:
-            state = _between_layers(n, i, first, last_f, layer_b, unit, rank)
+        if state is None or state in (PRE, POST):
+            state = _between_layers(n, i, first, last_f, layer_b, unit, rank) or state
         unit[n.name] = state or (PRE if n.phase is Phase.FORWARD and i < first else POST)
     for n in nodes:             # the update: the unit of the state it reads, else of its
         if n.name in unit:      # largest operand

@@ -21,7 +21,8 @@ from ._comm import Collective, collective_time, transition
 from ._kernel_cost import Work, kernel_work, node_work_of
 from ._mesh import Mesh
 from ._placement import (
-    Layout, Partial, Placement, R, Shard, divides, format_layout, layout_fraction,
+    Layout, Partial, Placement, R, ReduceOp, Replicate, Shard, divides, format_layout,
+    layout_fraction,
 )
 from .rules import OpStrategy, rule_for, strategies_for
 
@@ -342,6 +343,29 @@ def shrinks(src: Layout, dst: Layout, sizes: tuple[int, ...]) -> bool:
     return reduces(src, dst) and layout_fraction(dst, sizes) > layout_fraction(src, sizes)
 
 
+def all_reduces(src: Layout, dst: Layout) -> bool:
+    """Is changing ``src`` into ``dst`` an all-reduce only (partial sums or averages made
+    whole, nothing else moved)? The lowering merges such changes into buckets, started where
+    the value is made: the bucket's buffer holds the value from there, the original is
+    dropped (``backends/_bucket.py``, ``backends/_early.py``)."""
+    changed = False
+    for a, b in zip(src, dst):
+        if a == b:
+            continue
+        if not (isinstance(a, Partial) and a.op in (ReduceOp.SUM, ReduceOp.AVG)
+                and isinstance(b, Replicate)):
+            return False
+        changed = True
+    return changed
+
+
+def held_once(src: Layout, dst: Layout, sizes: tuple[int, ...]) -> bool:
+    """Does the lowering hold a partial value changed ``src`` -> ``dst`` once, reduced from
+    where it is made to its last reader (a reduce-scatter moved there, or an all-reduce in a
+    bucket started there), rather than the original up to the change and the copy after?"""
+    return shrinks(src, dst, sizes) or all_reduces(src, dst)
+
+
 def has_partial(layout: Layout | None) -> bool:
     return layout is not None and any(isinstance(p, Partial) for p in layout)
 
@@ -547,6 +571,12 @@ def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -
         by_input: dict[Layout, Choice] = {}
         for c in f.choices:
             by_input.setdefault(c.inputs[pos], c)
+        if len({(c.inputs[pos], c.outputs) for c in f.choices}) > len(by_input):
+            # a view with a choice of its own for one input layout (``expand`` of a replicated
+            # scalar to a split or a whole tensor: a mean's backward) keeps its decision: the
+            # first choice per input would drop the split ones, and every op after it would
+            # read the whole tensor (the gradient of ``loss + h.pow(2).mean()`` gathered ``h``)
+            continue
         base = next(c for c in f.choices if all(l is None or l == rep for l in c.inputs))
         meta = graph.meta(ref)
         want = (forced or {}).get(node.name)

@@ -25,8 +25,8 @@ from ..ir import Graph, NodeKind, Phase, Ref, TensorMeta
 from ._mesh import Mesh
 from ._placement import Layout, Partial, R, Shard, layout_fraction
 from ._summary import format_bytes
-from ._problem import (INF, STATE_POS, Edge, Problem, has_partial, reduce_wide, reduces,
-                       reshard_steps, reshard_time, result_refs, shrinks)
+from ._problem import (INF, STATE_POS, Edge, Problem, has_partial, held_once, reduce_wide,
+                       reduces, reshard_steps, reshard_time, result_refs)
 
 # what the solver adds for a collective outside a hand-written family's own (Problem.collectives)
 # is this many times the model's whole cost (every variable at 1, which no plan exceeds): above
@@ -501,7 +501,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         key = (s.group, s.cls, e.index, d.group, problem.is_follower(e.dst), sig)
         sources[key].add(e.src)
         sample.setdefault(key, e)
-        spans[key].append((e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e)))
+        spans[key].append((e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e),
+                           _orig_end(problem, e)))
     for key, srcs in sources.items():
         count = len(srcs)
         e = sample[key]
@@ -556,8 +557,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     for e in problem.folded:
         d, s = dec[e.dst], dec[e.src]
         meta = graph.meta(Ref(e.src, e.index))
-        held = _Held([(e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e))],
-                     points, {(e.src, e.index)} & early, e.index)
+        held = _Held([(e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e),
+                       _orig_end(problem, e))], points, {(e.src, e.index)} & early, e.index)
         same = s.group == d.group
         for i, c in enumerate(d.choices):
             r = c.inputs[e.pos]
@@ -580,23 +581,26 @@ class _Held:
     * a change's result (a copy) is held from its first reader in the block to its last (the
       lowering frees a copy after its last reader, ``backends/_early.py``);
     * where the lowering reduces early (``l`` has a partial axis, the change shrinks the
-      piece, the value is in ``Problem.early_values``), the reduced copy lives from where the
-      value is made to its last reader, and the producer's own live range counts the partial
+      piece or is an all-reduce, which a bucket starts where the value is made: ``held_once``;
+      the value is in ``Problem.early_values``), the reduced copy lives from where the value
+      is made to its last reader, and the producer's own live range counts the partial
       original only where it is made (``_memory_terms``);
     * so an early value whose reader keeps it partial (or changes it without shrinking it)
       holds the original from where it is made to that reader.
 
     ``spans``: (producer, where it is made, where the consumer runs, until when the
-    consumer holds what it reads: later for a view, ``_edge_end``) per edge."""
+    consumer holds what it reads: later for a view, ``_edge_end``; the same for a partial
+    original read as it is, ``_orig_end``) per edge."""
 
-    def __init__(self, spans: list[tuple[str, int, int, int]], points: list[int],
+    def __init__(self, spans: list[tuple[str, int, int, int, int]], points: list[int],
                  early: set[tuple[str, int]], index: int) -> None:
         self.points = set(points)
-        # producer -> made, first reader, last reader, last point a reader holds it (a view)
-        reads: dict[str, tuple[int, int, int, int]] = {}
-        for n, start, when, end in spans:
-            _, a, b, c = reads.get(n, (start, when, when, end))
-            reads[n] = (start, min(a, when), max(b, when), max(c, end))
+        # producer -> made, first reader, last reader, last point a reader holds it (a view),
+        # and holds its partial original
+        reads: dict[str, tuple[int, int, int, int, int]] = {}
+        for n, start, when, end, orig in spans:
+            _, a, b, c, d = reads.get(n, (start, when, when, end, orig))
+            reads[n] = (start, min(a, when), max(b, when), max(c, end), max(d, orig))
         self.copy: dict[int, int] = defaultdict(int)    # point -> copies alive there
         self.plain: dict[int, int] = defaultdict(int)   # the same, of values not reduced early
         self.made: dict[int, int] = defaultdict(int)    # early values made by then, alive
@@ -604,7 +608,7 @@ class _Held:
         # readers read a copy), or as long as a reader holds them (``kept``: read as they are)
         self.after: dict[int, int] = defaultdict(int)
         self.kept: dict[int, int] = defaultdict(int)
-        for n, (start, first, last, held) in reads.items():
+        for n, (start, first, last, held, orig) in reads.items():
             is_early = (n, index) in early
             for t in self.points:
                 if first <= t <= held:
@@ -613,10 +617,10 @@ class _Held:
                         self.plain[t] += 1
                 if is_early and start <= t <= held:
                     self.made[t] += 1
-                    if t > start:
+                    if start < t <= orig:
                         self.kept[t] += 1
-                        if t <= last:
-                            self.after[t] += 1
+                    if start < t <= last:
+                        self.after[t] += 1
 
     def bytes(self, meta: TensorMeta, l: Layout, r: Layout | None,
               sizes: tuple[int, ...]) -> dict[int, float]:
@@ -625,7 +629,7 @@ class _Held:
             return out
         copy = meta.nbytes / layout_fraction(r, sizes)
         if has_partial(l) and self.made:
-            if shrinks(l, r, sizes):
+            if held_once(l, r, sizes):
                 for held in (self.made, self.plain):
                     for t, n in held.items():
                         out[t] += n * copy
@@ -652,6 +656,18 @@ def _edge_end(problem: Problem, e: Edge) -> int:
     if e.pos == STATE_POS:
         return problem.order[e.src]
     return problem.view_ends.get(e.dst, problem.order[e.dst])
+
+
+def _orig_end(problem: Problem, e: Edge) -> int:
+    """Until when the partial original of an early value read as it is lives for ``e``'s
+    reader: ``_edge_end``, but for a view of it that is itself an early value (the
+    transposed weight gradient a linear layer's backward makes) the view's own readers
+    count from the view on, as its alias (``Problem.aliases``; one storage, counted once):
+    one that changes it where it is made (``held_once``) ends the original there, as the
+    lowering drops it."""
+    if e.pos != STATE_POS and e.dst in problem.view_ends and (e.dst, 0) in problem.early_values:
+        return _edge_time(problem, e) - 1
+    return _edge_end(problem, e)
 
 
 def _gathered(l: Layout, r: Layout) -> bool:
@@ -800,13 +816,13 @@ def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
         when, end = _edge_time(problem, e), _edge_end(problem, e)
         forward = e.pos != STATE_POS and graph.node(e.dst).phase is Phase.FORWARD
         held = []                                # (what, from, until)
-        if is_early(e.src, e.index) and shrinks(src, dst, mesh.sizes):
+        if is_early(e.src, e.index) and held_once(src, dst, mesh.sizes):
             held.append(((e.src, e.index, dst, False), order[e.src], end))  # reduced where made
         else:
             if is_early(e.src, e.index):        # the original, until this reader (a view of
                 root = aliases.get((e.src, e.index), (e.src, e.index))    # it: its readers;
                 held.append(((*root, None, False), order[root[0]] + 1,    # a view's is its
-                             end if src == dst else when))                # source's storage)
+                             _orig_end(problem, e) if src == dst else when))  # source's)
             if src != dst:
                 held.append(((e.src, e.index, dst, forward), when, end))
         for key, start, until in held:

@@ -60,6 +60,9 @@ class OpInfo:
 
 # localize(node, local input shapes, local output shapes) -> (args, kwargs) for the local op
 Localize = Callable[[Node, Sequence[Shape | None], Sequence[Shape | None]], tuple[tuple, tuple]]
+# a per-rank stand-in for the op itself, called with the localized arguments: for an op whose
+# local result needs a global count no argument of the op carries (``loss.py``'s mse backward)
+LocalOp = Callable[..., Any]
 RuleFn = Callable[[OpInfo], Iterable[OpStrategy]]
 
 
@@ -69,6 +72,7 @@ class Rule:
     strategies: RuleFn
     localize: Localize | None = None
     family: str = ""
+    local_op: LocalOp | None = None
 
     def local_args(self, node: Node, ins: Sequence[Shape | None],
                    outs: Sequence[Shape | None]) -> tuple[tuple, tuple]:
@@ -82,16 +86,18 @@ class Rule:
 _REGISTRY: dict[str, Rule] = {}
 
 
-def sharding_rule(*targets: str, localize: Localize | None = None,
-                  family: str = "") -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn`` as the one-axis rule of each op in ``targets`` (``aten.mm.default``)."""
+def sharding_rule(*targets: str, localize: Localize | None = None, family: str = "",
+                  local_op: LocalOp | None = None) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` as the one-axis rule of each op in ``targets`` (``aten.mm.default``).
+    ``local_op``: what each rank calls instead of the op, with ``localize``'s arguments."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for t in targets:
             if t in _REGISTRY:
                 raise PlanError(f"a sharding rule for {t} is already registered "
                                 f"({_REGISTRY[t].strategies.__qualname__})")
-            _REGISTRY[t] = Rule(t, fn, localize, family or fn.__module__.rsplit(".", 1)[-1])
+            _REGISTRY[t] = Rule(t, fn, localize, family or fn.__module__.rsplit(".", 1)[-1],
+                                local_op)
         return fn
 
     return deco

@@ -11,21 +11,36 @@ GLOBAL ``total_weight`` (replicated), so split samples give a split gradient exa
 directions are linear in the log-probabilities / the incoming gradient: partials pass.
 
 mse_loss over any split dim: ``mean`` gives ``P(avg)`` (equal shards), ``sum`` ``P(sum)``.
-Its backward with ``mean`` divides by the LOCAL element count, so split inputs would give a
-gradient ``k`` times too large: only ``none``/``sum`` split; with ``mean`` only a partial
-incoming gradient (replicated inputs) passes.
+Its backward with ``mean`` divides by the element count of the tensor it is given, so on split
+inputs ATen's op would give a gradient ``k`` times too large: each rank runs
+``mse_loss_backward_local`` instead, ATen's formula with the whole tensor's count (which no
+argument of the op carries: ``localize`` adds it), so split inputs give a split gradient
+exactly. A partial incoming gradient (replicated inputs) passes too.
+
+The other elementwise losses (``smooth_l1_loss``, ``huber_loss``, ``binary_cross_entropy``,
+``soft_margin_loss``) split the same way. Their backward with ``mean`` on a piece runs as the
+op with ``sum`` on the incoming gradient times 1 / (the whole count) (``_WholeMean``): the
+same value, the count applied first rather than last (within a rounding of ATen's on the
+whole tensor). ``binary_cross_entropy``'s ``weight`` splits with its input where it has its
+shape, and stays replicated where it broadcasts along a split dim.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from math import prod
+from typing import Iterator, Sequence
 
+import torch
+from torch import Tensor
+
+from ...ir import Node
 from .._placement import P_AVG, P_SUM, R, Shard
-from ._registry import OpInfo, OpStrategy
+from ._registry import OpInfo, OpStrategy, Shape, sharding_rule
 from ._util import (
     PARTIALS,
     arg,
     is_float,
+    keep_literals,
     literal_rule,
     outs,
     place,
@@ -99,12 +114,36 @@ def mse_loss(info: OpInfo) -> Iterator[OpStrategy]:
         yield strategy(info, {"self": s, "target": s}, {NONE: s, MEAN: P_AVG, SUM: P_SUM}[red])
 
 
-@literal_rule("aten.mse_loss_backward.default")
+def mse_loss_backward_local(grad_output: Tensor, self: Tensor, target: Tensor,
+                            reduction: int = MEAN, count: int | None = None) -> Tensor:
+    """``mse_loss_backward`` on one rank's piece; ``count``: the whole input's element count
+    where the piece is not all of it (``mean`` divides by it). ATen's kernel computes
+    ``norm * (self - target) * grad_output`` with ``norm`` = 2 / count (mean) rounded to the
+    input's dtype; the same operations in the same order give the same bits."""
+    if count is None or reduction != MEAN:
+        return torch.ops.aten.mse_loss_backward.default(grad_output, self, target, reduction)
+    norm = torch.tensor(2.0 / count, dtype=self.dtype)
+    return norm * (self - target) * grad_output
+
+
+def _whole_count(node: Node, ins: Sequence[Shape | None],
+                 outs_: Sequence[Shape | None]) -> tuple[tuple, tuple]:
+    """A loss backward's own arguments, and with ``mean`` over a piece of the input the whole
+    input's element count (``count=``, read by the rank's stand-in for the op)."""
+    whole = node.outputs[0].shape
+    piece = outs_[0]
+    if arg(node, "reduction") != MEAN or piece is None or prod(piece) == prod(whole):
+        return node.args, node.kwargs
+    return node.args, (*node.kwargs, ("count", prod(whole)))
+
+
+@sharding_rule("aten.mse_loss_backward.default", localize=_whole_count,
+               local_op=mse_loss_backward_local)
 def mse_loss_backward(info: OpInfo) -> Iterator[OpStrategy]:
     red = arg(info.node, "reduction")
     x = tensor_in(info, "self")
     assert x is not None
-    if _same_shape(info) and red != MEAN:
+    if _same_shape(info):
         for d in shardable(x):
             s = Shard(d)
             g = s if red == NONE else R
@@ -112,3 +151,81 @@ def mse_loss_backward(info: OpInfo) -> Iterator[OpStrategy]:
     if is_float(tensor_in(info, "grad_output")):
         for p in PARTIALS:
             yield strategy(info, {"grad_output": p}, p)
+
+
+# ---- the other elementwise losses -----------------------------------------------------------
+
+# forward op -> its backward op, and the position of ``reduction`` in the backward's arguments
+ELEMENTWISE_LOSSES = {
+    "aten.smooth_l1_loss.default": ("aten.smooth_l1_loss_backward.default", 3),
+    "aten.huber_loss.default": ("aten.huber_loss_backward.default", 3),
+    "aten.binary_cross_entropy.default": ("aten.binary_cross_entropy_backward.default", 4),
+    "aten.soft_margin_loss.default": ("aten.soft_margin_loss_backward.default", 3),
+}
+
+
+def _split_specs(info: OpInfo, x: Shard) -> dict[str, object] | None:
+    """``self`` and ``target`` split on ``x.dim``; an elementwise ``weight`` too where it has
+    the input's size there (else it broadcasts along it: replicated). None where the target
+    does not have the input's shape."""
+    if not _same_shape(info):
+        return None
+    spec: dict[str, object] = {"self": x, "target": x}
+    w, inp = tensor_in(info, "weight"), tensor_in(info, "self")
+    if w is not None and inp is not None:
+        at = x.dim - (len(inp.shape) - len(w.shape))
+        spec["weight"] = Shard(at) if at >= 0 and w.shape[at] == inp.shape[x.dim] else R
+    return spec
+
+
+def elementwise_loss(info: OpInfo) -> Iterator[OpStrategy]:
+    red = arg(info.node, "reduction")
+    x = tensor_in(info, "self")
+    assert x is not None
+    for d in shardable(x):
+        spec = _split_specs(info, Shard(d))
+        if spec is not None:
+            yield strategy(info, spec, {NONE: Shard(d), MEAN: P_AVG, SUM: P_SUM}[red])
+
+
+def elementwise_loss_backward(info: OpInfo) -> Iterator[OpStrategy]:
+    red = arg(info.node, "reduction")
+    x = tensor_in(info, "self")
+    assert x is not None
+    for d in shardable(x):
+        spec = _split_specs(info, Shard(d))
+        if spec is not None:
+            spec["grad_output"] = Shard(d) if red == NONE else R
+            yield strategy(info, spec, Shard(d))
+    if is_float(tensor_in(info, "grad_output")):          # linear in the incoming gradient
+        for p in PARTIALS:
+            yield strategy(info, {"grad_output": p}, p)
+
+
+class _WholeMean:
+    """A mean loss's backward on one rank's piece (``count=``: the whole input's element
+    count): the op with ``sum`` on the incoming gradient times 1 / count."""
+
+    def __init__(self, target: str, at: int) -> None:
+        _, name, overload = target.split(".")
+        self.op = getattr(getattr(torch.ops.aten, name), overload)
+        self.at = at                      # the position of ``reduction``
+
+    def __call__(self, *args: object, count: int | None = None, **kwargs: object) -> Tensor:
+        red = args[self.at] if len(args) > self.at else kwargs.get("reduction", MEAN)
+        if count is None or red != MEAN:
+            return self.op(*args, **kwargs)
+        grad = args[0]
+        assert isinstance(grad, Tensor)
+        args = (grad * torch.tensor(1.0 / count, dtype=grad.dtype), *args[1:])
+        if len(args) > self.at:
+            args = (*args[:self.at], SUM, *args[self.at + 1:])
+        else:
+            kwargs = {**kwargs, "reduction": SUM}
+        return self.op(*args, **kwargs)
+
+
+for _fwd, (_bwd, _at) in ELEMENTWISE_LOSSES.items():
+    sharding_rule(_fwd, localize=keep_literals)(elementwise_loss)
+    sharding_rule(_bwd, localize=_whole_count, local_op=_WholeMean(_bwd, _at))(
+        elementwise_loss_backward)

@@ -93,7 +93,7 @@ _UNARY = (
 )
 NONLINEAR: tuple[str, ...] = (
     *(f"aten.{u}.default" for u in _UNARY),
-    "aten.clamp.Tensor", "aten.clamp_min.Tensor", "aten.clamp_max.Tensor",
+    "aten.clamp.Tensor", "aten.clamp_min.Tensor", "aten.clamp_max.Tensor", "aten.xlogy.Tensor",
     "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar",
     "aten.div.Tensor_mode", "aten.div.Scalar_mode", "aten.remainder.Tensor",
     "aten.remainder.Scalar", "aten.fmod.Tensor", "aten.fmod.Scalar", "aten.floor_divide.default",

@@ -409,8 +409,10 @@ def test_buckets_start_after_their_last_gradient_and_wait_before_the_first_reade
     """The data-parallel GPT step: every bucket starts right after its last member is made
     and is waited for before any reader of a reduced member, each start before its wait with
     backward work in between (the overlap); members are not freed before the start reads
-    them; each started bucket is waited for once."""
+    them, and their unreduced originals are dropped right after it (the bucket holds them in
+    a buffer of its own); each started bucket is waited for once."""
     from meshplan.backends._bucket import Bucket, BucketStart
+    from meshplan.backends._early import Drop
     from meshplan.backends._lower import Compute, Free, Reshard
 
     _, traced = _example("gpt-b16")
@@ -426,8 +428,12 @@ def test_buckets_start_after_their_last_gradient_and_wait_before_the_first_reade
     for b, at in starts.items():
         members = ins[at].bucket.members
         ready = max(made.get(m.ref.node, -1) for m in members)
-        assert all(isinstance(i, (Free, BucketStart)) for i in ins[ready + 1:at]), b  # right after
+        assert all(isinstance(i, (Free, BucketStart, Drop)) for i in ins[ready + 1:at]), b
         names = {m.ref.node for m in members}
+        refs = {m.ref for m in members}
+        dropped = {r for i in ins[at + 1:at + 4] if isinstance(i, Drop)
+                   for r, layout in i.items if layout is None}
+        assert refs <= dropped, (b, refs - dropped)         # right after the start
         for k in range(waits[b] + 1):                   # nothing reads a member's reduced
             i = ins[k]                                  # value before the wait ...
             if isinstance(i, Compute):
@@ -436,6 +442,8 @@ def test_buckets_start_after_their_last_gradient_and_wait_before_the_first_reade
                                if r == m.ref), (b, i.node.name)
             if isinstance(i, Free) and k < at:          # ... nor frees a member before its start
                 assert not names.intersection(i.names), b
+            if isinstance(i, Drop) and k < at:
+                assert not refs.intersection(r for r, layout in i.items if layout is None), b
         overlapped += any(isinstance(i, Compute) for i in ins[at:waits[b]])
     assert overlapped, "no bucket overlaps any work"
     assert not any(isinstance(i, Reshard) and i in {m for b in starts for m in

@@ -258,20 +258,21 @@ def test_a_user_classifier_on_stages_equals_one_process() -> None:
 
 
 class _Wrapped(torch.nn.Module):
-    """Layers between an input and an output Linear, the activation in the parent's code;
-    the blocks' parameters come first (clipping's coefficient then goes with the first
-    block's)."""
+    """Layers between an input and an output Linear, the activation and one LayerNorm shared
+    by every gap in the parent's code; the blocks' parameters come first (clipping's
+    coefficient then goes with the first block's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
         self.inp = torch.nn.Linear(16, 32)
         self.out = torch.nn.Linear(32, 10)
+        self.norm = torch.nn.LayerNorm(32)
 
     def forward(self, x):
         x = self.inp(x)
         for block in self.blocks:
-            x = torch.relu(block(x))
+            x = self.norm(torch.relu(block(x)))
         return self.out(x)
 
 
@@ -285,11 +286,14 @@ def test_user_models_that_once_failed_on_stages_equal_one_process() -> None:
     order, losses (``rtol=1e-5, atol=1e-6``: the micro-batches' gradients summed in another
     order than one matmul) and parameters (``1e-5``, the state's tolerance of this file: Adam
     turns that rounding into a few 1e-6 where a gradient is near 0) as one process after 3
-    steps."""
+    steps. The loss is a mean ``mse_loss`` plus a mean penalty on the output (once refused on
+    stages: the mean's backward divided by a micro-batch's count, and the penalty's gradient
+    was planned on the whole batch), and one LayerNorm runs in every gap (once refused under
+    1F1B: every gap's norm ran on the last stage)."""
     torch.manual_seed(0)
     plain, mine, one, step_fn = _two_copies(
-        _Wrapped, lambda out, y: torch.nn.functional.mse_loss(out, y, reduction="sum"), lr=0.01,
-        adam_and_clip=True)
+        _Wrapped, lambda out, y: torch.nn.functional.mse_loss(out, y) + 1e-3 * out.pow(2).mean(),
+        lr=0.01, adam_and_clip=True)
     batches = [(torch.randn(16, 16), torch.randn(16, 10)) for _ in range(3)]
     with meshplan.distribute(step_fn, mesh={"pp": 4}, microbatches=4, schedule="1f1b",
                              telemetry=False) as step:

@@ -269,6 +269,28 @@ def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> Non
             POST, "model.blocks.0", "model.blocks.1"], phase
     assert unit[next(n.name for n in g.nodes if "mse_loss" in n.name)] == POST
 
+    # one LayerNorm of the parent applied after every block: in each gap it runs with the
+    # block it follows, forward and backward (with its parameters' unit, the head's, every
+    # gap's norm ran on the last stage and 1F1B waited forever); its state stays one unit's
+    class SharedNorm(Wrapped):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+
+        def forward(self, x):
+            x = self.inp(x)
+            for block in self.blocks:
+                x = self.norm(x + block(x))
+            return self.out(x)
+
+    g = meshplan.trace(_sgd_mse_step(SharedNorm()), torch.randn(4, 8), torch.randn(4, 4)).graph
+    _, unit = unit_map(g)
+    for phase in ("forward", "backward"):
+        assert sorted(unit[n.name] for n in g.nodes if "native_layer_norm" in n.name
+                      and n.phase.value == phase) == [
+            POST, "model.blocks.0", "model.blocks.1"], phase
+    assert {unit[n.name] for n in g.inputs if ".norm." in n.target} == {POST}
+
     # a parameter of the model itself read before the first layer (a learned position
     # table: h = self.inp(x) + self.pos) goes with the embedding side, its update and its
     # optimizer state too; one read only after the last layer stays with the head (a user's
@@ -334,32 +356,35 @@ def test_distribute_runs_a_given_pipeline_plan_as_compiled(tmp_path) -> None:
 
 
 def test_a_step_that_does_not_split_over_micro_batches_is_refused_on_stages() -> None:
-    """A mean loss reads a sum over the whole batch before any micro-batch can go on: on a
-    ``pp`` mesh, where the stages always run micro-batches, the refusal names the op and
-    says what to do there, without the ``microbatches=1`` a mesh without stages offers."""
+    """A loss without a sharding rule (``multi_margin_loss``) runs on the whole batch at once,
+    so no micro-batch can go on alone: on a ``pp`` mesh, where the stages always run
+    micro-batches, the refusal names the op and says what to do there, without the
+    ``microbatches=1`` a mesh without stages offers."""
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(
-        *(torch.nn.Linear(8, 8) for _ in range(2))), torch.nn.Linear(8, 1))
-    train_step = _sgd_mse_step(model)
+        *(torch.nn.Linear(8, 8) for _ in range(2))), torch.nn.Linear(8, 3))
+    train_step = _sgd_mse_step(model, torch.nn.functional.multi_margin_loss)
 
     step = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2,
-                               example_inputs=(torch.randn(8, 8), torch.randn(8, 1)))
+                               example_inputs=(torch.randn(8, 8), torch.randint(0, 3, (8,))))
     with pytest.raises(meshplan.RuntimeFailure) as got:
         step.plan
     text = str(got.value)
-    assert "mse_loss" in text and "microbatches=1" not in text, text
+    assert "multi_margin_loss" in text and "has no sharding rule" in text, text
+    assert "microbatches=1" not in text, text
     assert "On mesh pp=2 the stages always run in micro-batches: change that op" in text, text
 
 
-def _sgd_mse_step(model):
-    """A plain training step of ``model``: a mean mse loss, SGD."""
+def _sgd_mse_step(model, loss_fn=None):
+    """A plain training step of ``model``: a mean mse loss (or ``loss_fn``), SGD."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = loss_fn or torch.nn.functional.mse_loss
 
     def train_step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -178,7 +178,8 @@ def run_op(node: Node, args: tuple, kwargs: tuple, vals: Sequence[Any]) -> tuple
     it = iter(vals)
     a = [_fill(x, it) for x in args]
     kw = {k: _fill(v, it) for k, v in kwargs}
-    out = resolve(node)(*a, **kw)
+    rule = rule_for(node.target)
+    out = (rule.local_op if rule is not None and rule.local_op else resolve(node))(*a, **kw)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
@@ -540,6 +541,22 @@ OP_CASES: dict[str, tuple[str, Callable[[], tuple]]] = {
                           lambda: (rn(6, 4), rn(6, 4), rn(6, 4), 0)),
     "mse-backward-sum": ("aten.mse_loss_backward.default",
                          lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4), 2)),
+    "mse-backward-mean": ("aten.mse_loss_backward.default",
+                          lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4), 1)),
+    "smooth-l1-mean": ("aten.smooth_l1_loss.default", lambda: (rn(6, 4), rn(6, 4), 1, 0.5)),
+    "smooth-l1-backward-mean": ("aten.smooth_l1_loss_backward.default",
+                                lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4), 1, 0.5)),
+    "huber-none": ("aten.huber_loss.default", lambda: (rn(6, 4), rn(6, 4), 0, 0.5)),
+    "huber-backward-sum": ("aten.huber_loss_backward.default",
+                           lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4), 2, 0.5)),
+    "bce-weighted-mean": ("aten.binary_cross_entropy.default",
+                          lambda: (rn(6, 4).sigmoid(), rn(6, 4).sigmoid(), rn(4).abs(), 1)),
+    "bce-backward-weighted-mean": ("aten.binary_cross_entropy_backward.default",
+                                   lambda: (torch.tensor(0.3), rn(6, 4).sigmoid(),
+                                            rn(6, 4).sigmoid(), rn(4).abs(), 1)),
+    "soft-margin-backward-mean": ("aten.soft_margin_loss_backward.default",
+                                  lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4).sign(), 1)),
+    "xlogy": ("aten.xlogy.Tensor", lambda: (rn(6, 4), rn(6, 4).abs())),
     "emb-backward-freq": ("aten.embedding_dense_backward.default",
                           lambda: (rn(6, 4, 12), ri(10, 6, 4), 10, -1, True)),
     "bn-functional": ("aten._native_batch_norm_legit_functional.default",
@@ -622,7 +639,12 @@ WRONG: list[tuple[str, Callable[[], tuple], OpStrategy]] = [
     ("aten.native_batch_norm.default", lambda: (*_bn_inputs(), True, 0.1, 1e-5),
      OpStrategy((S0, R, R, R, R), (S0, R, R))),
     ("aten.mse_loss_backward.default", lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4), 1),
-     OpStrategy((R, S0, S0), (S0,))),
+     OpStrategy((P_SUM, S0, S0), (S0,))),
+    ("aten.smooth_l1_loss_backward.default",
+     lambda: (torch.tensor(0.3), rn(6, 4), rn(6, 4), 1, 0.5), OpStrategy((P_SUM, S0, S0), (S0,))),
+    ("aten.binary_cross_entropy.default",
+     lambda: (rn(6, 4).sigmoid(), rn(6, 4).sigmoid(), rn(4).abs(), 1),
+     OpStrategy((S1, S1, R), (P_AVG,))),
     ("aten.nll_loss_forward.default", lambda: (_logp(6, 5), ri(5, 6), None, 1, -100),
      OpStrategy((S0, S0), (P_SUM, P_SUM))),
     ("aten.nll_loss_forward.default", lambda: (_logp(6, 5), ri(5, 6), rn(5).abs(), 1, -100),
