@@ -38,7 +38,7 @@ def add_run_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("target", help="FILE.py:NAME of the (meshplan.distribute-decorated) step")
     c.add_argument("--mesh", help="AXIS=SIZE,... e.g. dp=2,tp=2 (default: the decorator's)")
     c.add_argument("--topology", help="cpu, h100, or a file from `meshplan calibrate`")
-    c.add_argument("--strategy", help="auto (default), dp, fsdp or megatron_tp")
+    c.add_argument("--strategy", help="auto (default), dp, fsdp, megatron_tp or megatron_zero")
     c.add_argument("--memory-limit", help="per-device memory, e.g. 70GB or 512MiB")
     c.add_argument("--precision", help="fp32 (as written), bf16 or fp16: FSDP2-style mixed "
                    "precision (16-bit compute copies, fp32 reductions); default: the decorator's")

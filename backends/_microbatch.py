@@ -152,6 +152,13 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
                                       outputs=tuple(None if q is None else like
                                                     for q in p.outputs))
                 continue
+        if _sum_meets_part(graph, n, p, out, placed):
+            # a sum over the whole batch meets a micro-batch's partial (the loss: a summed
+            # term reduced, then added to a mean term): run it once on both sums, which
+            # running the micro-batches in turn can make, where the partial cannot wait
+            out[n.name] = replace(p, inputs=tuple(None if q is None else rep for q in p.inputs),
+                                  outputs=tuple(None if q is None else rep for q in p.outputs))
+            continue
         per_mb = False
         for ref, q in zip(n.refs(), p.inputs):
             made = out[ref.node].outputs[ref.index] if ref.node in out else None
@@ -164,6 +171,33 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
             out[n.name] = replace(p, inputs=tuple(None if q is None else rep for q in p.inputs),
                                   outputs=tuple(None if q is None else rep for q in p.outputs))
     return out
+
+
+def _sum_meets_part(graph: Any, n: Any, p: NodePlacement, out: Mapping[str, NodePlacement],
+                    placed: Mapping[str, NodePlacement]) -> bool:
+    """Does ``n`` read, on the micro-batch axis, one value summed over it (made partial, read
+    whole) and another still partial, no piece of a micro-batch, and every reader of its
+    result read it whole (or its shape only)? Then all of it can run once per step."""
+    sums = parts = False
+    for ref, q in zip(n.refs(), p.inputs):
+        made = out[ref.node].outputs[ref.index] if ref.node in out else None
+        if made is None or q is None:
+            continue
+        if isinstance(made[0], Shard):
+            return False
+        if isinstance(made[0], Partial):
+            sums = sums or isinstance(q[0], Replicate)
+            parts = parts or isinstance(q[0], Partial)
+    if not (sums and parts):
+        return False
+    for user in graph.users.get(n.name, ()):
+        u = placed.get(user)
+        if u is None or graph.node(user).target in _LIKE:
+            continue
+        for ref, q in zip(graph.node(user).refs(), u.inputs):
+            if ref.node == n.name and q is not None and not isinstance(q[0], Replicate):
+                return False
+    return True
 
 
 _BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default",
@@ -315,7 +349,12 @@ def stand_in_spec(cut: _Cut, chosen: Sequence[int], plan: Plan,
     for i in chosen:
         for ref, layout in cut.shapes.get(i, ()):
             meta, made = plan.graph.meta(ref), raw.out_layout[ref.node][ref.index]
+            given = plan.graph.node(ref.node).kind is NodeKind.INPUT
             for lay in {made, layout if layout is not None else made}:
+                if given and lay == made:
+                    # an input the part is given (``empty_like(y)``): a stand-in would take
+                    # its place for every other reader (``1 - y`` read uninitialised memory)
+                    continue
                 out[(ref.node, ref.index, None if lay == made else lay)] = (
                     local_shape(meta.shape, lay, plan.mesh.sizes), meta.dtype)
     return tuple((*k, *v) for k, v in out.items())

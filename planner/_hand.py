@@ -5,6 +5,13 @@
 sharded on its first dimension that divides the mesh (ZeRO-3 / FSDP2's dim-0 sharding).
 ``megatron_tp``: Megatron-LM's column/row split of linear layers on the ``tp`` axis (named the
 way torchtitan's and Megatron's plans name them), data parallel on the other axes.
+``megatron_zero``: ``megatron_tp`` with the optimizer state (and persistent gradients) sharded
+over the data-parallel axes too, as Megatron's distributed optimizer and DeepSpeed's ZeRO-1/2
+with tensor parallelism run (LLaMA-3 405B's training: weights over ``tp`` only, the rest over
+``dp``): the gradients are reduce-scattered over ``dp``, each rank updates its shard and the
+new weights are all-gathered. Not among the families the automatic search compares itself
+with (``HAND_STRATEGIES``), nor tried by ``plan_pipeline`` yet; ``strategy="megatron_zero"``
+plans it.
 
 Every family updates the optimizer state where it lives (``hand_update_reads``), and ``dp`` and
 ``fsdp`` use only their own collectives (``FAMILY_COLLECTIVES``: DDP's all-reduce; FSDP's
@@ -26,6 +33,8 @@ from ._mesh import Mesh
 from ._placement import Layout, R, Shard, divides
 
 HAND_STRATEGIES = ("dp", "fsdp", "megatron_tp")
+FAMILIES = (*HAND_STRATEGIES, "megatron_zero")        # what ``strategy=`` may name
+_MEGATRON = ("megatron_tp", "megatron_zero")
 
 # The collectives a family uses: DDP all-reduces gradients (and the loss); FSDP gathers
 # parameters and reduce-scatters gradients. The solver avoids any other layout change for them
@@ -71,6 +80,16 @@ def _fsdp_layout(meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
     return rep
 
 
+def _zero_layout(base: Layout, meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
+    """``base`` (a Megatron layout) with its first dim that divides split over the
+    data-parallel ``axes`` too, where ``base`` replicates (ZeRO's shard of the state)."""
+    for d in range(len(meta.shape)):
+        layout = tuple(Shard(d) if i in axes and base[i] == R else p for i, p in enumerate(base))
+        if layout != base and divides(meta.shape, layout, mesh.sizes):
+            return layout
+    return base
+
+
 def _param_of(name: str, params: dict[str, TensorMeta]) -> str | None:
     """``opt.state.model.fc.weight.exp_avg`` -> ``model.fc.weight``; ``x.grad`` -> ``x``."""
     if name.endswith(".grad") and name[:-5] in params:
@@ -89,7 +108,7 @@ def hand_reads(graph: Graph, mesh: Mesh, strategy: str,
     and whole on the other axes. Without this the solver would turn 'FSDP' state layouts
     into tensor parallelism of its own invention, and the comparison would be meaningless."""
     reads: dict[str, Layout] = {}
-    tp = mesh.index("tp") if strategy == "megatron_tp" else None
+    tp = mesh.index("tp") if strategy in _MEGATRON else None
     for n in graph.inputs_with_role(Role.PARAM):
         (layout,) = pins[n.target]
         reads[n.target] = tuple(p if i == tp else R for i, p in enumerate(layout))
@@ -100,22 +119,31 @@ def hand_update_reads(graph: Graph, pins: dict[str, set[Layout]]) -> dict[str, L
     """How the family's optimizer reads each parameter and its state: where they live. DDP
     updates replicated state on every rank, FSDP its shards, Megatron its tensor-parallel
     pieces; none all-gathers an update computed on shards of replicated state (that is
-    weight-update sharding, a different plan the automatic search may still pick)."""
+    weight-update sharding), except ``megatron_zero``, whose optimizer state is sharded over
+    ``dp`` where its parameter is not: a parameter is updated where its state lives (the
+    layout of its first state tensor of its shape), and written back whole over ``dp``."""
     roles = (Role.PARAM, Role.OPT_STATE)
-    return {n.target: next(iter(pins[n.target])) for n in graph.inputs
-            if n.meta.role in roles and len(pins.get(n.target, ())) == 1}
+    reads = {n.target: next(iter(pins[n.target])) for n in graph.inputs
+             if n.meta.role in roles and len(pins.get(n.target, ())) == 1}
+    params = {n.target: n.meta for n in graph.inputs_with_role(Role.PARAM)}
+    for n in graph.inputs_with_role(Role.OPT_STATE):
+        owner = _param_of(n.target, params)
+        if (owner in reads and n.target in reads and params[owner].shape == n.meta.shape
+                and reads[n.target] != next(iter(pins[owner]))):
+            reads[owner] = reads[n.target]
+    return reads
 
 
 def hand_pins(graph: Graph, mesh: Mesh, strategy: str) -> dict[str, set[Layout]]:
     """Input layouts the hand-written family ``strategy`` fixes (one layout per input)."""
-    if strategy not in HAND_STRATEGIES:
-        raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {HAND_STRATEGIES}")
+    if strategy not in FAMILIES:
+        raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {FAMILIES}")
     all_axes = list(range(len(mesh.sizes)))
     dp_axes = all_axes
-    if strategy == "megatron_tp":
+    if strategy in _MEGATRON:
         tp = mesh.index("tp") if "tp" in mesh.names else None
         if tp is None:
-            raise PlanError(f"strategy 'megatron_tp' needs a mesh axis named 'tp'; the mesh has "
+            raise PlanError(f"strategy {strategy!r} needs a mesh axis named 'tp'; the mesh has "
                             f"{list(mesh.names)}")
         dp_axes = [i for i in all_axes if i != tp]
     params = {n.target: n.meta for n in graph.inputs_with_role(Role.PARAM)}
@@ -130,6 +158,8 @@ def hand_pins(graph: Graph, mesh: Mesh, strategy: str) -> dict[str, set[Layout]]
             owner = _param_of(n.target, params)
             if owner is not None and params[owner].shape == n.meta.shape:
                 pins[n.target] = pins[owner]
+                if strategy == "megatron_zero" and role is not Role.BUFFER:
+                    pins[n.target] = _zero_layout(pins[owner], n.meta, mesh, dp_axes)
             else:
                 pins[n.target] = _state_layout(n.target, n.meta, mesh, strategy, dp_axes)
     return {k: {v} for k, v in pins.items()}

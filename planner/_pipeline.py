@@ -590,7 +590,9 @@ def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
     micro-batches (``microbatches``: it must divide each data-parallel rank's batch; default:
     the fastest that fits) and, for ``interleaved``, the chunks per device. With
     ``strategy="auto"`` and a ``tp`` axis, Megatron's layouts (``megatron_tp``) are tried for
-    the stages too, and the faster pipeline that fits is kept."""
+    the stages too, and the faster pipeline that fits is kept. (``megatron_zero``, the
+    optimizer state sharded over ``dp`` too, is not: on LLaMA-3 405B's stages it priced
+    19.2 s against the chosen 18.2 s, at no lower a peak, and cost a minute of planning.)"""
     m_ = mesh if isinstance(mesh, Mesh) else Mesh(mesh, topology)
     if PP_AXIS not in m_.names:
         raise PlanError(f"plan_pipeline needs a '{PP_AXIS}' mesh axis, got {list(m_.names)}")

@@ -20,7 +20,8 @@ from ..ir import (
 from ..ir._recompute import PREFIX as RECOMPUTE_PREFIX
 from ..ir import recompute as recompute_graph
 from ._comm import DEFAULT_BUCKET_BYTES, Collective, best_bucket_bytes, bucket_call_time
-from ._hand import FAMILY_COLLECTIVES, HAND_STRATEGIES, hand_pins, hand_reads, hand_update_reads
+from ._hand import (FAMILIES, FAMILY_COLLECTIVES, HAND_STRATEGIES, hand_pins, hand_reads,
+                    hand_update_reads)
 from ._mesh import Mesh, Topology
 from ._placement import Layout, R, format_layout, layout_fraction, parse_placement
 from ._plan import NodePlacement, Plan, PlanEstimate, Redistribution, ShardedAlternatives
@@ -55,8 +56,9 @@ def plan_graph(
     """Plan ``graph`` on ``mesh``.
 
     ``strategy="auto"`` searches all layouts under the memory limit (default: the topology's
-    device memory). ``"dp"``, ``"fsdp"`` and ``"megatron_tp"`` fix the hand-written families'
-    state and batch layouts and let the same solver place the rest, under the same cost model;
+    device memory). ``"dp"``, ``"fsdp"``, ``"megatron_tp"`` and ``"megatron_zero"`` (Megatron's
+    split with the optimizer state sharded over ``dp``: ``_hand.py``) fix the hand-written
+    families' state and batch layouts and let the same solver place the rest, under the same cost model;
     their plans report ``fits`` rather than failing. ``pins`` fixes input layouts by state name,
     e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis. ``time_limit_s``
     bounds the solver, all its memory rounds together (the plan it has then stands; ``fits``
@@ -210,13 +212,13 @@ def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | 
     update_reads: dict[str, Layout] = {}
     if strategy == "auto":
         fixed = _user_pins(graph, mesh, pins or {})
-    elif strategy in HAND_STRATEGIES:
+    elif strategy in FAMILIES:
         fixed = hand_pins(graph, mesh, strategy)
         reads = hand_reads(graph, mesh, strategy, fixed)
         update_reads = hand_update_reads(graph, fixed)
         fixed.update(_user_pins(graph, mesh, pins or {}))
     else:
-        raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {HAND_STRATEGIES}")
+        raise PlanError(f"unknown strategy {strategy!r}; use 'auto' or one of {FAMILIES}")
     limit = int(memory_limit_bytes if memory_limit_bytes is not None
                 else mesh.topology.memory_bytes)
     if limit <= 0:

@@ -114,9 +114,12 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
 @pytest.mark.timeout(300)
 def test_a_user_step_in_microbatches_equals_one_process() -> None:
     """A step written for one process (an MLP with a buffer, ``mse_loss(reduction="sum") /
-    batch`` plus a zero made with ``new_zeros``, SGD with momentum, the automatic plan) in 4
-    parts on 2 ranks: losses and parameters as one process. Its backward's seed, ``ones_like(loss)``, reads the loss's
-    shape only, so the micro-batches need no sum of the loss before their backward."""
+    batch`` plus a zero made with ``new_zeros`` and a ``binary_cross_entropy_with_logits``
+    term, SGD with momentum, the automatic plan) in 4 parts on 2 ranks: losses and parameters
+    as one process. Its backward's seed, ``ones_like(loss)``, reads the loss's shape only, so
+    the micro-batches need no sum of the loss before their backward. The BCE's traced
+    ``1 - y`` is ``empty_like(y).fill_(1) - y``: a stand-in of ``y``'s shape once replaced
+    ``y`` itself for every reader (losses of 1e32, then NaN, without an error)."""
     import copy
 
     import meshplan
@@ -142,7 +145,8 @@ def test_a_user_step_in_microbatches_equals_one_process() -> None:
             # an auxiliary term made with new_zeros from a batch-split value (it reads only
             # its dtype: refused as needing the whole batch until new_* took any layout)
             loss = torch.nn.functional.mse_loss(out, y, reduction="sum") / x.shape[0] \
-                + out.new_zeros(())
+                + out.new_zeros(()) \
+                + 0.1 * torch.nn.functional.binary_cross_entropy_with_logits(out, y.sigmoid())
             loss.backward()
             opt.step()
             opt.zero_grad()
