@@ -211,6 +211,8 @@ def _culprit(graph: Any) -> str:
     rank runs it on the whole batch: ``smooth_l1_loss``, ``kl_div``...)."""
     batch = {n.name for n in graph.inputs
              if isinstance(n.outputs[0], TensorMeta) and n.outputs[0].role is Role.DATA}
+    rows = {graph.node(b).outputs[0].shape[0] for b in batch
+            if graph.node(b).outputs[0].shape} - {1}
     for n in graph.nodes:
         if n.kind is not NodeKind.OP:
             continue
@@ -226,8 +228,35 @@ def _culprit(graph: Any) -> str:
                 return (f"{where} reads the batch and has no sharding rule, so it runs on the "
                         "whole batch at once (write it with ops meshplan splits: elementwise "
                         "terms and a mean or sum)")
+            inner = _batch_merged_inside(graph, n, rows)
+            if inner is not None:
+                return (f"{where} merges the batch's dim into one with an outer dim before "
+                        f"it ({inner}): a piece of the batch is no contiguous piece of the "
+                        "result, so the plan gathers the batch first (nn.MultiheadAttention "
+                        "does this with its (sequence, batch) layout; attention written "
+                        "batch-first with F.scaled_dot_product_attention splits)")
     return ("an op after it needs the whole batch at once (a batch norm's statistics, an op "
             "without a sharding rule)")
+
+
+_RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+
+
+def _batch_merged_inside(graph: Any, n: Any, rows: set[int]) -> str | None:
+    """``"[5, 8, 16] -> [40, 16]"`` where reshape ``n`` merges a dim of the batch's size into
+    an output dim as other than its outermost part, else None."""
+    from ..planner.rules.view import reshape_groups
+
+    if n.target not in _RESHAPES or not rows:
+        return None
+    src, dst = graph.meta(next(iter(n.refs()))), n.outputs[0]
+    if not isinstance(src, TensorMeta) or not isinstance(dst, TensorMeta):
+        return None
+    for a, b in reshape_groups(tuple(src.shape), tuple(dst.shape)):
+        if len(a) > 1 and b and any(src.shape[d] in rows for d in a[1:]) \
+                and src.shape[a[0]] > 1 and src.shape[a[0]] not in rows:
+            return f"{list(src.shape)} -> {list(dst.shape)}"
+    return None
 
 
 def check_microbatched(plan: Plan) -> None:

@@ -190,9 +190,10 @@ class _NoFit(PlanError):
     no plan fits, so that nothing was searched."""
 
     def __init__(self, problem: Problem | Callable[[], Problem], limit: int,
-                 time_limit_s: float) -> None:
+                 time_limit_s: float, bound: int | None = None) -> None:
         super().__init__(f"no plan fits {format_bytes(limit)}")
         self._problem, self.limit, self.time_limit_s = problem, limit, time_limit_s
+        self.bound = bound          # ``peak_lower_bound``'s, where it showed it
 
     def problem(self) -> Problem:
         if not isinstance(self._problem, Problem):
@@ -202,9 +203,11 @@ class _NoFit(PlanError):
 
 def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | None,
              pins: Pins | None, time_limit_s: float, compare_sharded: bool,
-             rc: tuple[str, tuple[str, ...]] | None = None) -> Plan:
+             rc: tuple[str, tuple[str, ...]] | None = None, may_skip: bool = False) -> Plan:
     """``plan_graph`` on one axis order and one recompute choice (``_NoFit`` when the
-    automatic search finds no plan under the limit)."""
+    automatic search finds no plan under the limit; for a family, with ``may_skip``, when
+    ``peak_lower_bound`` shows none of its plans can fit: the recompute search then tries
+    the next policy without solving this one)."""
     t0 = time.perf_counter()
     traced = graph
     graph = _prepared(graph, rc)
@@ -223,13 +226,14 @@ def _plan_on(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes: int | 
                 else mesh.topology.memory_bytes)
     if limit <= 0:
         raise PlanError(f"memory_limit_bytes must be positive, got {limit}")
-    if strategy == "auto":
-        bound = peak_lower_bound(graph, mesh)
+    if strategy == "auto" or may_skip:
+        bound = peak_lower_bound(graph, mesh, None if strategy == "auto" else fixed)
         if bound > limit:
             logger.info("planning %s%s: no plan can fit %s (at least %s per device)",
                         traced.info.name, f" with {rc[0]} recompute" if rc else "",
                         format_bytes(limit), format_bytes(bound))
-            raise _NoFit(lambda: build_problem(graph, mesh, fixed), limit, time_limit_s)
+            raise _NoFit(lambda: build_problem(graph, mesh, fixed), limit, time_limit_s,
+                         bound)
     problem = build_problem(graph, mesh, fixed, reads, update_reads)
     problem.collectives = FAMILY_COLLECTIVES.get(strategy)
     t_problem = time.perf_counter() - t0
@@ -341,10 +345,11 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
     """``_plan_on`` with the recompute choice made (``plan_graph``'s ``recompute``)."""
     layers = repeated_layers(_prepared(graph))
 
-    def attempt(rc: tuple[str, tuple[str, ...]] | None) -> Plan | _NoFit:
+    def attempt(rc: tuple[str, tuple[str, ...]] | None, may_skip: bool = False
+                ) -> Plan | _NoFit:
         try:
             plan = _plan_on(graph, mesh, strategy, memory_limit_bytes, pins, time_limit_s,
-                            compare_sharded, rc)
+                            compare_sharded, rc, may_skip)
         except _NoFit as e:
             return e
         if rc is not None:
@@ -361,7 +366,11 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
         if isinstance(got, _NoFit):
             _raise_no_fit(graph, mesh, got, layers, tried=() if policy == "none" else (policy,))
         return got
-    base = attempt(None)
+    # a family's plans report ``fits`` rather than failing, so its solves run whatever the
+    # limit; but where its lower bound already misses it, the policies before the last are
+    # not solved (on LLaMA-3 405B's Megatron stages, 13-18 s each)
+    skip = strategy != "auto" and bool(layers)
+    base = attempt(None, skip)
     if not layers or (isinstance(base, Plan) and (base.fits or _state_bytes(base)
                                                   >= base.memory_limit_bytes)):
         if isinstance(base, _NoFit):
@@ -372,7 +381,7 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
     tried: list[str] = []
     for policy in ("selective", "full"):
         tried.append(policy)
-        last = attempt((policy, layers))
+        last = attempt((policy, layers), skip and policy != "full")
         if isinstance(last, Plan):
             plans.append(last)
             if last.fits:
@@ -390,6 +399,8 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
     if best.recompute is not None:
         without = (f"peak {format_bytes(base.peak_memory_bytes)}, "
                    f"{base.estimated_step_time_s * 1e3:.3f} ms" if isinstance(base, Plan)
+                   else f"at least {format_bytes(base.bound)} per device, over the "
+                   f"{format_bytes(base.limit)} limit" if base.bound is not None
                    else f"no plan fits {format_bytes(base.limit)}")
         best.solver["recompute"] += f"; without recompute: {without}"
     return best

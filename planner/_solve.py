@@ -66,14 +66,19 @@ PRICE_BATCH = 5000
 # dp8 x tp8 solves in 5.3-5.7 s instead of 7.3 s, the same plan in every run (checked: 3
 # runs, and tests/unit/test_planner.py's serial-vs-parallel check); on one CPU it is ~20 %
 # slower, and on LPs of a few thousand columns it gains nothing (the planner's unit tests: 28 s
-# either way), so it runs from PAMI_MIN_COLUMNS up where 2 CPUs are usable.
-# MESHPLAN_LP_THREADS=1 forces the serial dual.
+# either way), so it runs from PAMI_MIN_COLUMNS up where 2 CPUs are usable and the load
+# average leaves one free (``lp_threads``: beside other work it was up to 20x slower).
+# MESHPLAN_LP_THREADS=1 forces the serial dual, =2 PAMI.
 ENV_LP_THREADS = "MESHPLAN_LP_THREADS"
 PAMI_MIN_COLUMNS = 20_000
 
 
 def lp_threads() -> int:
-    """The simplex threads the LP uses: 2 where 2 CPUs are usable, else 1."""
+    """The simplex threads the LP uses: 2 where 2 CPUs are usable and the machine is not
+    busy (the last minute's load average leaves a CPU free beside this process), else 1.
+    PAMI's threads wait for each other: with the CPUs taken by other work it ran 20x slower
+    than the serial dual (Megatron's GPT plan on dp2 x tp2: 8.6 s against 0.46 s, beside a
+    2-process training job on this 2-core VM; idle, 0.44 s both)."""
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -81,7 +86,11 @@ def lp_threads() -> int:
     asked = os.environ.get(ENV_LP_THREADS)
     if asked is not None and asked.strip().isdigit():
         return max(1, min(int(asked), 2))
-    return 2 if usable >= 2 else 1
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return 2 if usable >= 2 and busy <= usable - 0.5 else 1
 
 
 class _Model:

@@ -105,6 +105,24 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
             microbatch_plan(plan, bad)
     import meshplan
 
+    # nn.MultiheadAttention's (sequence, batch) layout: its reshape to (sequence x batch,
+    # features) has no piece of the batch as a piece of the merged dim; the refusal names it
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+
+    def attend(x):
+        loss = mha(x, x, x, need_weights=False)[0].pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    from meshplan.planner import plan_graph
+    plan = plan_graph(meshplan.trace(attend, torch.randn(4, 3, 8)).graph, {"dp": 2},
+                      strategy="dp")
+    with pytest.raises(PlanError, match=r"_unsafe_view.* at .*test_microbatch.py:\d+.* merges "
+                                        r"the batch's dim .*\[3, 4, 8\] -> \[12, 8\]"):
+        lower_microbatched(microbatch_plan(plan, 2), 0)
     with pytest.raises(meshplan.RuntimeFailure, match=r"microbatches=2, calibrate=True"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, microbatches=2, calibrate=True)
     with pytest.raises(meshplan.RuntimeFailure, match=r"distribute\(microbatches=0"):

@@ -245,6 +245,13 @@ def test_the_parallel_dual_simplex_finds_the_serial_plan(monkeypatch) -> None:
     monkeypatch.setattr(_solve, "PAMI_MIN_COLUMNS", 0)
     assert _solve.lp_threads() == 2
     assert plan() == serial
+    # unasked, PAMI only where a CPU is free beside this process (its threads wait for each
+    # other: 20x slower than the serial dual beside a training job on 2 cores)
+    monkeypatch.delenv(_solve.ENV_LP_THREADS)
+    monkeypatch.setattr(_solve.os, "sched_getaffinity", lambda pid: {0, 1})
+    for load, want in ((0.9, 2), (1.6, 1), (3.0, 1)):
+        monkeypatch.setattr(_solve.os, "getloadavg", lambda load=load: (load, load, load))
+        assert _solve.lp_threads() == want, load
 
 
 def test_bad_pins() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import pytest
 import torch
@@ -115,7 +116,9 @@ def test_the_planner_recomputes_when_memory_is_short_and_says_so(tmp_path) -> No
     auto = plan_graph(graph, {"dp": 2}, topology="h100", strategy="dp",
                       memory_limit_bytes=limit)
     assert auto.fits and auto.recompute is not None, auto.solver
-    assert "without recompute: peak" in auto.solver["recompute"]
+    # (the family's plan without recompute is not solved: its lower bound misses the limit)
+    assert re.search(r"without recompute: (peak|at least \S+ \S+ per device, over the)",
+                     auto.solver["recompute"]), auto.solver["recompute"]
     assert "activation recompute: " in auto.summary()
     from meshplan.planner import plan_report
     rep = plan_report(auto)["recompute"]
