@@ -178,25 +178,26 @@ def _split_specs(info: OpInfo, x: Shard) -> dict[str, object] | None:
     return spec
 
 
-def elementwise_loss(info: OpInfo) -> Iterator[OpStrategy]:
+def _splits(info: OpInfo) -> Iterator[tuple[Shard, dict[str, object], int]]:
+    """Each split dim of the input with its ``_split_specs``, and the reduction."""
     red = arg(info.node, "reduction")
     x = tensor_in(info, "self")
     assert x is not None
     for d in shardable(x):
         spec = _split_specs(info, Shard(d))
         if spec is not None:
-            yield strategy(info, spec, {NONE: Shard(d), MEAN: P_AVG, SUM: P_SUM}[red])
+            yield Shard(d), spec, red
+
+
+def elementwise_loss(info: OpInfo) -> Iterator[OpStrategy]:
+    for s, spec, red in _splits(info):
+        yield strategy(info, spec, {NONE: s, MEAN: P_AVG, SUM: P_SUM}[red])
 
 
 def elementwise_loss_backward(info: OpInfo) -> Iterator[OpStrategy]:
-    red = arg(info.node, "reduction")
-    x = tensor_in(info, "self")
-    assert x is not None
-    for d in shardable(x):
-        spec = _split_specs(info, Shard(d))
-        if spec is not None:
-            spec["grad_output"] = Shard(d) if red == NONE else R
-            yield strategy(info, spec, Shard(d))
+    for s, spec, red in _splits(info):
+        spec["grad_output"] = s if red == NONE else R
+        yield strategy(info, spec, s)
     if is_float(tensor_in(info, "grad_output")):          # linear in the incoming gradient
         for p in PARTIALS:
             yield strategy(info, {"grad_output": p}, p)
