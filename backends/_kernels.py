@@ -253,8 +253,8 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
             operands.append((name, ref, None))
             continue
         by = [layout_from[name]] if name in layout_from else m.nodes
-        layouts = {None if reads[n][ref] is None else plain_layout(reads[n][ref], sizes)
-                   for n in by if n in reads and ref in reads[n]}
+        read_as = {reads[n][ref] for n in by if n in reads and ref in reads[n]}
+        layouts = {None if lay is None else plain_layout(lay, sizes) for lay in read_as}
         if len(layouts) != 1:
             return None                 # read in several layouts (or by no replaced node)
         (layout,) = layouts
@@ -264,7 +264,10 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
                 return None
             if spec.batch:
                 shapes.add(local_shape(meta.shape, layout, sizes))
-        operands.append((name, ref, layout))
+        # read as the replaced ops read it (the copy a reshard or a transfer made, keyed by
+        # that layout), where they agree; ``plain_layout`` only drops what a size-1 axis says
+        # (a stage sent a gradient as P(avg) over dp=1: read as R it was found nowhere)
+        operands.append((name, ref, next(iter(read_as)) if len(read_as) == 1 else layout))
     if len(shapes) > 1:
         return None                     # element-wise kernel on pieces of different shapes
     results = {ref for _, ref in m.results}
@@ -280,7 +283,8 @@ def _check(m: Any, graph: Graph, reads: Mapping[str, Mapping[Ref, Layout | None]
             if name not in by_name or not isinstance(by_name[name][0], Ref):
                 return None
             src_ref, src_layout = by_name[name]
-            if plain_layout(out_layout[ref.node][ref.index], sizes) != src_layout:
+            if plain_layout(out_layout[ref.node][ref.index], sizes) != (
+                    None if src_layout is None else plain_layout(src_layout, sizes)):
                 return None             # the result must be the updated piece itself
             mutated.append(src_ref)
     arity = [(name, ref, len(graph.node(ref.node).outputs)) for name, ref in m.results]

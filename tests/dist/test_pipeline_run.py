@@ -304,3 +304,55 @@ def test_user_models_that_once_failed_on_stages_equal_one_process() -> None:
         step.sync()
     for (name, a), b in zip(plain.named_parameters(), mine.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _SharedNorm(torch.nn.Module):
+    """One LayerNorm of the parent after every layer (a user trial's model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.norm = torch.nn.LayerNorm(16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = self.norm(torch.relu(layer(h)))
+        return self.out(h)
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_norm_with_plain_sgd_on_stages_equals_one_process() -> None:
+    """The norm's gradient is summed on the first stage and updated on the last, which
+    receives it in the layout the update reads it in (P(avg) over the inner dp=1): the fused
+    SGD kernel read it as R, normalised, and got None (``TypeError`` on the worker). Losses
+    and parameters as one process (``rtol=1e-5, atol=1e-6``), 1F1B on ``pp=2``."""
+    import copy
+
+    torch.manual_seed(0)
+    plain = _SharedNorm()
+    mine = copy.deepcopy(plain)
+
+    def stepper(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def train_step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return train_step
+
+    one, step_fn = stepper(plain), stepper(mine)
+    x, y = torch.randn(8, 12), torch.randn(8, 4)
+    with meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=4, schedule="1f1b",
+                             telemetry=False) as step:
+        for _ in range(3):
+            torch.testing.assert_close(step(x, y).detach(), one(x, y).detach(), rtol=1e-5,
+                                       atol=1e-6)
+        step.sync()
+    for (name, a), b in zip(plain.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6, msg=name)
