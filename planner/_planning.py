@@ -58,8 +58,8 @@ def plan_graph(
     ``strategy="auto"`` searches all layouts under the memory limit (default: the topology's
     device memory). ``"dp"``, ``"fsdp"``, ``"megatron_tp"`` and ``"megatron_zero"`` (Megatron's
     split with the optimizer state sharded over ``dp``: ``_hand.py``) fix the hand-written
-    families' state and batch layouts and let the same solver place the rest, under the same cost model;
-    their plans report ``fits`` rather than failing. ``pins`` fixes input layouts by state name,
+    families' state and batch layouts and let the same solver place the rest, under the same
+    cost model; their plans report ``fits`` rather than failing. ``pins`` fixes input layouts by state name,
     e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis. ``time_limit_s``
     bounds the solver, all its memory rounds together (the plan it has then stands; ``fits``
     says whether it fits).

@@ -324,29 +324,13 @@ class _SharedNorm(torch.nn.Module):
 
 
 @pytest.mark.timeout(120)
-def test_a_shared_norm_with_plain_sgd_on_stages_equals_one_process() -> None:
+def test_a_shared_norm_with_sgd_on_stages_equals_one_process() -> None:
     """The norm's gradient is summed on the first stage and updated on the last, which
     receives it in the layout the update reads it in (P(avg) over the inner dp=1): the fused
     SGD kernel read it as R, normalised, and got None (``TypeError`` on the worker). Losses
     and parameters as one process (``rtol=1e-5, atol=1e-6``), 1F1B on ``pp=2``."""
-    import copy
-
     torch.manual_seed(0)
-    plain = _SharedNorm()
-    mine = copy.deepcopy(plain)
-
-    def stepper(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-
-        def train_step(x, y):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return train_step
-
-    one, step_fn = stepper(plain), stepper(mine)
+    plain, mine, one, step_fn = _two_copies(_SharedNorm, torch.nn.functional.mse_loss, lr=0.05)
     x, y = torch.randn(8, 12), torch.randn(8, 4)
     with meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=4, schedule="1f1b",
                              telemetry=False) as step:
