@@ -59,10 +59,10 @@ def plan_graph(
     device memory). ``"dp"``, ``"fsdp"``, ``"megatron_tp"`` and ``"megatron_zero"`` (Megatron's
     split with the optimizer state sharded over ``dp``: ``_hand.py``) fix the hand-written
     families' state and batch layouts and let the same solver place the rest, under the same
-    cost model; their plans report ``fits`` rather than failing. ``pins`` fixes input layouts by state name,
-    e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis. ``time_limit_s``
-    bounds the solver, all its memory rounds together (the plan it has then stands; ``fits``
-    says whether it fits).
+    cost model; their plans report ``fits`` rather than failing. ``pins`` fixes input layouts
+    by state name, e.g. ``{"x": ("S(0)", "R")}`` shards the batch on the first mesh axis.
+    ``time_limit_s`` bounds the solver, all its memory rounds together (the plan it has then
+    stands; ``fits`` says whether it fits).
 
     With ``compare_sharded=True`` (``meshplan.compile``, ``meshplan compile``, the demo), when
     ``"auto"`` (without ``pins``) chooses a fully replicated plan, every rank running the whole
