@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import PlanError
-from ..ir import (STATE_ROLES, Graph, NodeKind, Phase, Ref, Role, TensorMeta,
+from ..ir import (Graph, NodeKind, OutputKind, Phase, Ref, Role, TensorMeta,
                   repeated_layers)
 from ..ir._recompute import _layer_key
 from ._comm import Collective, collective_time
@@ -336,12 +336,21 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
         if state is None or state in (PRE, POST):
             state = _between_layers(n, i, first, last_f, layer_b, unit, rank) or state
         unit[n.name] = state or (PRE if n.phase is Phase.FORWARD and i < first else POST)
-    for n in nodes:             # the update: the unit of the state it reads, else of its
-        if n.name in unit:      # largest operand
+    # a gradient the step keeps (``zero_grad()`` at its start, or none) is kept where its new
+    # value is made: a shared module's, summed in the gap between two layers, is made on that
+    # layer's stage, not its parameter's (the update there reads it as it reads any gradient)
+    input_of = {n.target: n.name for n in nodes if n.kind is NodeKind.INPUT}
+    for o in graph.outputs:
+        src = input_of.get(o.name) if o.kind is OutputKind.STATE and o.role is Role.GRAD else None
+        if src is not None and graph.node(o.ref.node).kind is NodeKind.OP:
+            unit[src] = unit[o.ref.node]
+    for n in nodes:             # the update: the unit of the state it reads (its parameter's
+        if n.name in unit:      # first), else of its largest operand
             continue
         refs = [r for r in n.refs() if r.node in unit]
-        owner = next((unit[r.node] for r in refs if graph.node(r.node).kind is NodeKind.INPUT
-                      and graph.node(r.node).outputs[0].role in STATE_ROLES), None)
+        owner = next((unit[r.node] for role in _OWNERS for r in refs
+                      if graph.node(r.node).kind is NodeKind.INPUT
+                      and graph.node(r.node).outputs[0].role is role), None)
         if owner is None and refs:
             # a gradient scaled by clipping's coefficient goes with the gradient's parameter:
             # the coefficient, a scalar made from every gradient's norm, goes with the first
@@ -350,6 +359,9 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
         unit[n.name] = owner or POST
 
     return order, unit
+
+
+_OWNERS = (Role.PARAM, Role.OPT_STATE, Role.BUFFER, Role.GRAD)
 
 
 def _numel(meta: Any) -> int:

@@ -208,9 +208,11 @@ class _Classifier(torch.nn.Module):
         return self.out(x)
 
 
-def _two_copies(model_cls, loss_fn, lr: float, adam_and_clip: bool = False):
+def _two_copies(model_cls, loss_fn, lr: float, adam_and_clip: bool = False,
+                zero_first: bool = False):
     """A model and a copy of it, each with its own training step (SGD with momentum, or Adam
-    with ``clip_grad_norm_``): the first runs in this process, the second under
+    with ``clip_grad_norm_``; ``opt.zero_grad()`` last, or first with ``zero_first``, which
+    keeps the gradients between steps): the first runs in this process, the second under
     ``distribute``."""
     import copy
 
@@ -222,12 +224,15 @@ def _two_copies(model_cls, loss_fn, lr: float, adam_and_clip: bool = False):
                torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
 
         def train_step(x, y):
+            if zero_first:
+                opt.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
             if adam_and_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            opt.zero_grad()
+            if not zero_first:
+                opt.zero_grad()
             return loss
         return train_step
 
@@ -324,13 +329,17 @@ class _SharedNorm(torch.nn.Module):
 
 
 @pytest.mark.timeout(120)
-def test_a_shared_norm_with_sgd_on_stages_equals_one_process() -> None:
+@pytest.mark.parametrize("zero_first", [False, True], ids=["zero_grad_last", "zero_grad_first"])
+def test_a_shared_norm_with_sgd_on_stages_equals_one_process(zero_first: bool) -> None:
     """The norm's gradient is summed on the first stage and updated on the last, which
     receives it in the layout the update reads it in (P(avg) over the inner dp=1): the fused
-    SGD kernel read it as R, normalised, and got None (``TypeError`` on the worker). Losses
+    SGD kernel read it as R, normalised, and got None (``TypeError`` on the worker). With
+    ``zero_grad()`` first the step keeps that gradient, and keeps it where it is summed (it
+    was kept by the parameter's stage, which was never sent it: ``LoweringError``). Losses
     and parameters as one process (``rtol=1e-5, atol=1e-6``), 1F1B on ``pp=2``."""
     torch.manual_seed(0)
-    plain, mine, one, step_fn = _two_copies(_SharedNorm, torch.nn.functional.mse_loss, lr=0.05)
+    plain, mine, one, step_fn = _two_copies(_SharedNorm, torch.nn.functional.mse_loss, lr=0.05,
+                                            zero_first=zero_first)
     x, y = torch.randn(8, 12), torch.randn(8, 4)
     with meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=4, schedule="1f1b",
                              telemetry=False) as step:
