@@ -209,8 +209,10 @@ def _culprit(graph: Any) -> str:
     """The first op of the step that needs its whole batch at once, named for the user: a
     batch norm in training, or an op that reads the batch and has no sharding rule (every
     rank runs it on the whole batch: ``smooth_l1_loss``, ``kl_div``...)."""
-    batch = {n.name for n in graph.inputs
-             if isinstance(n.outputs[0], TensorMeta) and n.outputs[0].role is Role.DATA}
+    # batch-dependent value -> the dim its batch is on (None where not followed)
+    batch: dict[str, int | None] = {
+        n.name: 0 for n in graph.inputs
+        if isinstance(n.outputs[0], TensorMeta) and n.outputs[0].role is Role.DATA}
     rows = {graph.node(b).outputs[0].shape[0] for b in batch
             if graph.node(b).outputs[0].shape} - {1}
     for n in graph.nodes:
@@ -223,18 +225,20 @@ def _culprit(graph: Any) -> str:
                 return (f"{where} is a batch norm in training: its statistics are the whole "
                         "batch's (put the model in eval mode, or use a LayerNorm/GroupNorm)")
         if any(r.node in batch for r in n.refs()):
-            batch.add(n.name)
+            batch[n.name] = _batch_dim(graph, n, batch)
             if rule_for(n.target) is None:
                 return (f"{where} reads the batch and has no sharding rule, so it runs on the "
                         "whole batch at once (write it with ops meshplan splits: elementwise "
                         "terms and a mean or sum)")
-            inner = _batch_merged_inside(graph, n, rows)
+            inner = _batch_merged_inside(graph, n, rows, batch)
             if inner is not None:
                 return (f"{where} merges the batch's dim into one with an outer dim before "
                         f"it ({inner}): a piece of the batch is no contiguous piece of the "
-                        "result, so the plan gathers the batch first (nn.MultiheadAttention "
-                        "does this with its (sequence, batch) layout; attention written "
-                        "batch-first with F.scaled_dot_product_attention splits)")
+                        "result, so the plan gathers the batch first (a model run "
+                        "sequence-first, the batch at dim 1, does this in every Linear on "
+                        "3-D activations: run it batch-first, as nn.Transformer*(..., "
+                        "batch_first=True) and F.scaled_dot_product_attention on (batch, "
+                        "heads, sequence, dim) do)")
     return ("an op after it needs the whole batch at once (a batch norm's statistics, an op "
             "without a sharding rule)")
 
@@ -242,21 +246,59 @@ def _culprit(graph: Any) -> str:
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
 
 
-def _batch_merged_inside(graph: Any, n: Any, rows: set[int]) -> str | None:
-    """``"[5, 8, 16] -> [40, 16]"`` where reshape ``n`` merges a dim of the batch's size into
-    an output dim as other than its outermost part, else None."""
+def _batch_merged_inside(graph: Any, n: Any, rows: set[int],
+                         batch: Mapping[str, int | None]) -> str | None:
+    """``"[5, 8, 16] -> [40, 16]"`` where reshape ``n`` merges the batch's dim (where not
+    followed, a dim of the batch's size) into an output dim as other than its outermost
+    part, else None."""
     from ..planner.rules.view import reshape_groups
 
     if n.target not in _RESHAPES or not rows:
         return None
-    src, dst = graph.meta(next(iter(n.refs()))), n.outputs[0]
+    ref = next(iter(n.refs()))
+    src, dst = graph.meta(ref), n.outputs[0]
     if not isinstance(src, TensorMeta) or not isinstance(dst, TensorMeta):
         return None
+    d = batch.get(ref.node)
     for a, b in reshape_groups(tuple(src.shape), tuple(dst.shape)):
-        if len(a) > 1 and b and any(src.shape[d] in rows for d in a[1:]) \
-                and src.shape[a[0]] > 1 and src.shape[a[0]] not in rows:
+        inner = (d in a[1:] if d is not None
+                 else any(src.shape[k] in rows for k in a[1:]) and src.shape[a[0]] not in rows)
+        if len(a) > 1 and b and inner and src.shape[a[0]] > 1:
             return f"{list(src.shape)} -> {list(dst.shape)}"
     return None
+
+
+def _batch_dim(graph: Any, n: Any, batch: Mapping[str, int | None]) -> int | None:
+    """The dim of ``n``'s result its batch is on, followed through the ops that move dims
+    (transposes, permutes, reshapes, an embedding's lookup) and those that keep the shape;
+    None where not followed."""
+    from ..planner.rules.view import reshape_groups
+
+    refs = [r for r in n.refs() if r.node in batch]
+    out = n.outputs[0] if n.outputs else None
+    if not refs or not isinstance(out, TensorMeta):
+        return None
+    src = graph.meta(refs[0])
+    d = batch[refs[0].node]
+    if d is None or not isinstance(src, TensorMeta):
+        return None
+    t, args = n.target, n.args
+    if t == "aten.embedding.default":
+        return batch.get(args[1].node) if isinstance(args[1], Ref) else None
+    if t == "aten.t.default":
+        return 1 - d if len(src.shape) == 2 else d
+    if t == "aten.transpose.int":
+        a, b = (x % len(src.shape) for x in args[1:3])
+        return b if d == a else a if d == b else d
+    if t == "aten.permute.default":
+        dims = [x % len(src.shape) for x in args[1]]
+        return dims.index(d) if d in dims else None
+    if t in _RESHAPES:
+        for a, b in reshape_groups(tuple(src.shape), tuple(out.shape)):
+            if a and a[0] == d:
+                return b[0] if b else None
+        return None
+    return d if tuple(out.shape) == tuple(src.shape) else None
 
 
 def check_microbatched(plan: Plan) -> None:

@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.overrides import TorchFunctionMode
 
 from ..ir import Phase, Role
+from ._attention import batch_major_attention
 from ._discover import Inventory
 from ._decomp import DECOMPOSITIONS
 from ._guards import READS, Guard, Guarding, Unguardable, make_static
@@ -337,8 +338,9 @@ def trace_stage_one(
                 [t for _, t in new_opt], [marks[i] for i in sorted(marks)])
 
     # oneDNN's fused RNN layer keeps an opaque workspace between forward and backward that
-    # fake tensors cannot carry: trace LSTMs through their plain aten ops instead
-    with fxt.preserve_node_meta(), _without_mkldnn():
+    # fake tensors cannot carry: trace LSTMs through their plain aten ops instead.
+    # nn.MultiheadAttention is traced batch-major (``_attention``), so that the batch splits
+    with fxt.preserve_node_meta(), _without_mkldnn(), batch_major_attention():
         gm = make_fx(joint, tracing_mode="fake", decomposition_table=DECOMPOSITIONS)(
             f_params, f_grads, f_buffers, f_opt, f_data, f_hyper)
     guarding.finish(gm)

@@ -105,28 +105,85 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
             microbatch_plan(plan, bad)
     import meshplan
 
-    # nn.MultiheadAttention's (sequence, batch) layout: its reshape to (sequence x batch,
-    # features) has no piece of the batch as a piece of the merged dim; the refusal names it
-    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-    opt = torch.optim.SGD(mha.parameters(), lr=0.1)
+    # a model run sequence-first: a Linear on (sequence, batch, features) reshapes it to
+    # (sequence x batch, features), where no piece of the batch is a contiguous piece of the
+    # merged dim; the refusal names the reshape and says to run it batch-first
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
 
-    def attend(x):
-        loss = mha(x, x, x, need_weights=False)[0].pow(2).mean()
+    def seq_first(x):
+        loss = lin(x.transpose(0, 1)).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
     from meshplan.planner import plan_graph
-    plan = plan_graph(meshplan.trace(attend, torch.randn(4, 3, 8)).graph, {"dp": 2},
+    plan = plan_graph(meshplan.trace(seq_first, torch.randn(4, 3, 8)).graph, {"dp": 2},
                       strategy="dp")
     with pytest.raises(PlanError, match=r"_unsafe_view.* at .*test_microbatch.py:\d+.* merges "
-                                        r"the batch's dim .*\[3, 4, 8\] -> \[12, 8\]"):
+                                        r"the batch's dim .*\[3, 4, 8\] -> \[12, 8\].*run it "
+                                        r"batch-first"):
         lower_microbatched(microbatch_plan(plan, 2), 0)
     with pytest.raises(meshplan.RuntimeFailure, match=r"microbatches=2, calibrate=True"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, microbatches=2, calibrate=True)
     with pytest.raises(meshplan.RuntimeFailure, match=r"distribute\(microbatches=0"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, microbatches=0)
+
+
+class _Attend(torch.nn.Module):
+    """``nn.MultiheadAttention`` (batch-first, its averaged weights asked for, a padding mask)
+    between two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x, pad):
+        h = self.inp(x)
+        a, w = self.mha(h, h, h, key_padding_mask=pad)
+        return self.head((h + a).mean(1)) + w.sum((1, 2)).unsqueeze(1)
+
+
+@pytest.mark.timeout(120)
+def test_multihead_attention_in_microbatches_equals_one_process() -> None:
+    """``nn.MultiheadAttention`` splits over the batch: meshplan traces it batch-major
+    (``frontend/_attention.py``; torch's own merges (sequence x batch) rows, and micro-batches
+    refused it). On ``dp=2`` in 2 micro-batches, cross-entropy and SGD: losses and parameters
+    as one process after 3 steps (this file's tolerances; the projections' rows run in
+    another order, which changes float32 rounding only)."""
+    import copy
+
+    import meshplan
+
+    torch.manual_seed(0)
+    model = _Attend()
+    mine = copy.deepcopy(model)
+
+    def stepper(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+
+        def train_step(x, pad, y):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(m(x, pad), y)
+            loss.backward()
+            opt.step()
+            return loss
+        return train_step
+
+    one, step_fn = stepper(model), stepper(mine)
+    pad = torch.zeros(8, 5, dtype=torch.bool)
+    pad[::3, -2:] = True
+    batches = [(torch.randn(8, 5, 6), pad, torch.randint(0, 5, (8,))) for _ in range(3)]
+    with meshplan.distribute(step_fn, mesh={"dp": 2}, microbatches=2, telemetry=False) as step:
+        for b in batches:
+            torch.testing.assert_close(step(*b).detach(), one(*b).detach(), rtol=1e-5,
+                                       atol=1e-6)
+        step.sync()
+    for (name, a), b in zip(model.named_parameters(), mine.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.timeout(300)
