@@ -6,6 +6,8 @@ PY = $(VENV)/bin/python
 # Installed BEFORE the project so pip never resolves a bare `torch` (a CUDA build of several GB).
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers (tests/conftest.py: tests/dist/ on one of them, in turn)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test clean browser slurm
 
@@ -20,7 +22,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/meshplan demo
 
 test: $(VENV)/.installed browser slurm
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Headless Chromium for the test of `meshplan plan show --html` (Debian's package). Installed
 # when missing and apt-get can (root); otherwise that one test skips and says why.

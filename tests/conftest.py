@@ -1,7 +1,14 @@
-"""Suite-wide pytest hooks: folder markers and the GPU skip.
+"""Suite-wide pytest hooks: folder markers, the GPU skip, and how ``pytest -n`` shares the
+tests between workers.
 
 Tests under ``tests/gpu/`` are marked ``gpu`` and tests under ``tests/dist/`` are marked ``dist``
 automatically. Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
+
+``make test`` runs the suite on two pytest-xdist workers (CI has two cores). Every test of
+``tests/dist/`` goes to one worker, one after another: they start ranks of their own (two to
+eight processes, sandbox hosts, a Slurm controller), and two of them at once on two cores
+would starve each other's heartbeats. The other files go whole (their module fixtures built
+once) to whichever worker is free.
 """
 
 from __future__ import annotations
@@ -44,12 +51,17 @@ def pytest_configure(config: pytest.Config) -> None:
     sys.path[:] = [p for p in sys.path
                    if Path(p or os.getcwd()).resolve() != _REPO]
 
-    if "MESHPLAN_TELEMETRY" not in os.environ:
+    # (an xdist worker inherits the controller's environment: each gets its own store, which
+    # one process at a time can open, and its own cache)
+    ours = os.environ.get("MESHPLAN_TEST_OWNS_PATHS") == "1"
+    if "MESHPLAN_TELEMETRY" not in os.environ or ours:
         root = tempfile.mkdtemp(prefix="meshplan-test-telemetry-")
         os.environ["MESHPLAN_TELEMETRY"] = os.path.join(root, "telemetry.duckdb")
+        os.environ["MESHPLAN_TEST_OWNS_PATHS"] = "1"
     # the mpi launcher pushes plans (and checkpoints) into a per-host cache: not the user's
-    if "MESHPLAN_CACHE" not in os.environ:
+    if "MESHPLAN_CACHE" not in os.environ or ours:
         os.environ["MESHPLAN_CACHE"] = tempfile.mkdtemp(prefix="meshplan-test-cache-")
+        os.environ["MESHPLAN_TEST_OWNS_PATHS"] = "1"
 
     # Without a GPU, meshplan.kernels' Triton kernels run under Triton's interpreter, which Triton
     # reads when a kernel is defined: set it before any test module imports one.
@@ -80,3 +92,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a GPU: torch.cuda.is_available() is false")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:          # pytest without xdist: the suite runs in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class _OneDistWorker(LoadScopeScheduling):
+        """``tests/dist/`` as one unit of work, every other file as its own (module
+        docstring)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/dist" if path.startswith("tests/dist/") else path
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling:  # noqa: ANN001
+        return _OneDistWorker(config, log)
