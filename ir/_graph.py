@@ -49,6 +49,9 @@ class Node:
     source: SourceLocation | None = None
     module_path: str = ""
     value: ConstantValue | None = None
+    # every Ref among the arguments, in order (``refs()``; the planner reads them millions of
+    # times on a 405B graph)
+    _refs: tuple[Ref, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -59,6 +62,8 @@ class Node:
             raise IRError(f"node {self.name}: kind must be a NodeKind, got {self.kind!r}")
         if (self.kind is NodeKind.CONSTANT) != (self.value is not None):
             raise IRError(f"node {self.name}: a value is carried by CONSTANT nodes and only by them")
+        object.__setattr__(self, "_refs", (*_iter_refs(self.args),
+                                           *_iter_refs(tuple(v for _, v in self.kwargs))))
 
     @property
     def meta(self) -> ValueMeta:
@@ -72,8 +77,7 @@ class Node:
 
     def refs(self) -> Iterator[Ref]:
         """Every Ref among the arguments, in order."""
-        yield from _iter_refs(self.args)
-        yield from _iter_refs(tuple(v for _, v in self.kwargs))
+        return iter(self._refs)
 
 
 def _iter_refs(args: tuple[Arg, ...]) -> Iterator[Ref]:

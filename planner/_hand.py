@@ -95,9 +95,17 @@ def _param_of(name: str, params: dict[str, TensorMeta]) -> str | None:
     if name.endswith(".grad") and name[:-5] in params:
         return name[:-5]
     best = None
-    for p in params:
-        if f".state.{p}." in f".{name}" and (best is None or len(p) > len(best)):
-            best = p
+    text = f".{name}"
+    at = text.find(".state.")
+    while at >= 0:                # the longest parameter p with ".state.{p}." in the name
+        rest = text[at + 7:]
+        dot = rest.rfind(".")
+        while dot > 0:
+            p = rest[:dot]
+            if p in params and (best is None or len(p) > len(best)):
+                best = p
+            dot = rest.rfind(".", 0, dot)
+        at = text.find(".state.", at + 1)
     return best
 
 

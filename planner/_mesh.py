@@ -10,6 +10,7 @@ nodes gets the slower link.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -305,17 +306,23 @@ class Mesh:
     def link(self, axis: int) -> Link:
         """The link a collective on ``axis`` runs over: the node's own link if every rank group
         of the axis lies inside one node, else the slower link between nodes."""
-        stride, n = self.stride(axis), self.sizes[axis]
-        per_node = self.topology.devices_per_node
-        for base in range(self.size):
-            if (base // stride) % n:
-                continue                      # not the first rank of its group
-            if base // per_node != (base + (n - 1) * stride) // per_node:
-                return self.topology.inter_node
-        return self.topology.intra_node
+        return _link(self, axis)
 
     def __str__(self) -> str:
         return ",".join(f"{a}={n}" for a, n in self.axes) + f" ({self.topology.name})"
+
+
+@functools.lru_cache(maxsize=1024)
+def _link(mesh: Mesh, axis: int) -> Link:
+    """``Mesh.link``, once per mesh and axis (the solver asks for it per layout change)."""
+    stride, n = mesh.stride(axis), mesh.sizes[axis]
+    per_node = mesh.topology.devices_per_node
+    for base in range(mesh.size):
+        if (base // stride) % n:
+            continue                      # not the first rank of its group
+        if base // per_node != (base + (n - 1) * stride) // per_node:
+            return mesh.topology.inter_node
+    return mesh.topology.intra_node
 
 
 def parse_mesh(text: str) -> dict[str, int]:

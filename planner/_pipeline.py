@@ -78,7 +78,7 @@ from ._comm import Collective, collective_time
 from ._mesh import Mesh, Topology
 from ._placement import layout_fraction
 from ._plan import Plan, body_hash, checked_body
-from ._planning import reduction_buckets
+from ._planning import _planning_session, reduction_buckets
 from ._summary import format_bytes
 
 PP_AXIS = "pp"
@@ -634,15 +634,17 @@ def plan_pipeline(graph: Graph, mesh: Mesh | Mapping[str, int], *,
     if strategy == "auto" and dict(inner_mesh.axes).get("tp", 1) > 1:
         strategies.append("megatron_tp")
     inners: dict[str, tuple[Plan, list[Unit], list[float], int]] = {}
-    for strat in strategies:
-        try:
-            inner = _inner_plan(graph, inner_mesh, strat, limit * p, time_limit_s, recompute)
-        except PlanError:
-            if strat == strategy:
-                raise
-            continue                    # the alternative does not fit at all: not a candidate
-        units, crossing = units_of(inner)
-        inners[strat] = (inner, units, crossing, _local_batch(inner))
+    with _planning_session():           # both share the prepared and recomputed graphs
+        for strat in strategies:
+            try:
+                inner = _inner_plan(graph, inner_mesh, strat, limit * p, time_limit_s,
+                                    recompute)
+            except PlanError:
+                if strat == strategy:
+                    raise
+                continue                # the alternative does not fit at all: not a candidate
+            units, crossing = units_of(inner)
+            inners[strat] = (inner, units, crossing, _local_batch(inner))
     local_batch = inners[strategy][3]
     if microbatches is not None and local_batch % microbatches:
         raise PlanError(f"microbatches={microbatches} does not divide the batch of "

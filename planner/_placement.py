@@ -26,10 +26,15 @@ class ReduceOp(enum.Enum):
     NORM2 = "norm2"
 
 
+# (the hashes are written out: the solver hashes layouts millions of times on a 405B graph,
+# and a dataclass's own hashes a new tuple of its fields each time)
 @dataclass(frozen=True, slots=True)
 class Replicate:
     def __str__(self) -> str:
         return "R"
+
+    def __hash__(self) -> int:
+        return 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,9 @@ class Shard:
     def __str__(self) -> str:
         return f"S({self.dim})"
 
+    def __hash__(self) -> int:
+        return 2 + 4 * self.dim
+
 
 @dataclass(frozen=True, slots=True)
 class Partial:
@@ -51,7 +59,11 @@ class Partial:
     def __str__(self) -> str:
         return f"P({self.op.value})"
 
+    def __hash__(self) -> int:
+        return _PARTIAL_HASH[self.op]
 
+
+_PARTIAL_HASH = {op: 3 + 4 * i for i, op in enumerate(ReduceOp)}
 Placement = Union[Replicate, Shard, Partial]
 Layout = tuple[Placement, ...]                 # one placement per mesh axis
 

@@ -539,9 +539,8 @@ def _prepared(graph: Graph, rc: tuple[str, tuple[str, ...]] | None = None) -> Gr
     key = (id(graph), rc)
     if memo is not None and key in memo and memo[key][0] is graph:
         return memo[key][1]
-    out = _prepare(graph)
-    if rc is not None:
-        out = recompute_graph(out, *rc)
+    # (every recompute choice starts from the one prepared graph)
+    out = _prepare(graph) if rc is None else recompute_graph(_prepared(graph), *rc)
     if memo is not None:
         memo[key] = (graph, out)          # the traced graph too: its id stays its own
     return out

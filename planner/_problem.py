@@ -186,7 +186,14 @@ class Problem:
             and m.dtype.startswith(("float", "bfloat")))
 
     def is_follower(self, name: str) -> bool:
-        return is_follower(self.graph, self.graph.node(name))
+        known = self._followers.get(name)
+        if known is None:
+            known = self._followers[name] = is_follower(self.graph, self.graph.node(name))
+        return known
+
+    @functools.cached_property
+    def _followers(self) -> dict[str, bool]:
+        return {}
 
     def state_edges(self) -> list[Edge]:
         return [Edge(ref.node, ref.index, inp, STATE_POS) for inp, ref in state_pairs(self.graph)
@@ -542,6 +549,7 @@ def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -
         readers[o.ref.node] = readers.get(o.ref.node, 0) + 2
     folded: set[tuple[str, int]] = set()
     memo: dict[tuple, list[Choice] | None] = {}
+    aligned_by: dict[tuple, list[Choice] | None] = {}
     for node in graph.nodes:
         if node.name not in dec:
             continue
@@ -568,34 +576,49 @@ def _fold_followers(problem: Problem, forced: dict[str, Layout] | None = None) -
         if ref.node not in dec:
             continue
         f, p = dec[node.name], dec[ref.node]
-        by_input: dict[Layout, Choice] = {}
-        for c in f.choices:
-            by_input.setdefault(c.inputs[pos], c)
-        if len({(c.inputs[pos], c.outputs) for c in f.choices}) > len(by_input):
-            # a view with a choice of its own for one input layout (``expand`` of a replicated
-            # scalar to a split or a whole tensor: a mean's backward) keeps its decision: the
-            # first choice per input would drop the split ones, and every op after it would
-            # read the whole tensor (the gradient of ``loss + h.pow(2).mean()`` gathered ``h``)
-            continue
-        base = next(c for c in f.choices if all(l is None or l == rep for l in c.inputs))
         meta = graph.meta(ref)
         want = (forced or {}).get(node.name)
-        if want is not None and want in by_input:
-            base = by_input[want]
-        aligned = []
-        for c in p.choices:
-            layout = c.outputs[ref.index]
-            if layout in by_input and (want is None or layout == want):
-                aligned.append(by_input[layout])
-            else:
-                target = base.inputs[pos]
-                aligned.append(Choice(base.inputs, base.outputs, base.compute_s,
-                                      reshard_time(meta, layout, target, mesh)))
-        f.choices = aligned
+        # the same choices reading the same producer's (the layers') fold the same way
+        key = (pos, ref.index, want, meta.nbytes, *map(id, f.choices), None,
+               *map(id, p.choices))
+        if key not in aligned_by:
+            aligned_by[key] = _aligned(f, p, pos, ref.index, meta, want, rep, mesh)
+        aligned = aligned_by[key]
+        if aligned is None:
+            continue
+        f.choices = list(aligned)
         f.group = p.group
         folded.add((node.name, pos))
     problem.folded = [e for e in problem.edges if (e.dst, e.pos) in folded]
     problem.edges = [e for e in problem.edges if (e.dst, e.pos) not in folded]
+
+
+def _aligned(f: Decision, p: Decision, pos: int, index: int, meta: TensorMeta,
+             want: Layout | None, rep: Layout, mesh: Mesh) -> list[Choice] | None:
+    """A view's choices aligned with its producer's (``_fold_followers``): per producer
+    choice, the view's choice that reads its layout (``want`` only, where forced), else its
+    all-Replicate choice with the change's cost; None where the view keeps its decision."""
+    by_input: dict[Layout, Choice] = {}
+    for c in f.choices:
+        by_input.setdefault(c.inputs[pos], c)
+    if len({(c.inputs[pos], c.outputs) for c in f.choices}) > len(by_input):
+        # a view with a choice of its own for one input layout (``expand`` of a replicated
+        # scalar to a split or a whole tensor: a mean's backward) keeps its decision: the
+        # first choice per input would drop the split ones, and every op after it would
+        # read the whole tensor (the gradient of ``loss + h.pow(2).mean()`` gathered ``h``)
+        return None
+    base = next(c for c in f.choices if all(l is None or l == rep for l in c.inputs))
+    if want is not None and want in by_input:
+        base = by_input[want]
+    aligned = []
+    for c in p.choices:
+        layout = c.outputs[index]
+        if layout in by_input and (want is None or layout == want):
+            aligned.append(by_input[layout])
+        else:
+            aligned.append(Choice(base.inputs, base.outputs, base.compute_s,
+                                  reshard_time(meta, layout, base.inputs[pos], mesh)))
+    return aligned
 
 
 def _anchor(graph: Graph, node: Node, dec: dict[str, Decision]) -> int | None:
@@ -722,16 +745,17 @@ def _literals(args: tuple) -> tuple:
                  for a in args)
 
 
-def wl_hashes(graph: Graph, rounds: int = 4) -> dict[str, str]:
-    """Weisfeiler-Lehman hashes over ``rounds`` hops of inputs, with layer indices removed from
-    names: the same computation in different layers hashes the same."""
-    h = {n.name: _label(n) for n in graph.nodes}
+def wl_hashes(graph: Graph, rounds: int = 4) -> dict[str, int]:
+    """Weisfeiler-Lehman classes over ``rounds`` hops of inputs, with layer indices removed
+    from names: the same computation in different layers gets the same class. A class is a
+    small int naming one distinct (label, inputs' classes) in this call (exact: no hash
+    collides)."""
+    ids: dict = {}
+    h = {n.name: ids.setdefault(_label(n), len(ids)) for n in graph.nodes}
     for _ in range(rounds):
-        nh = {}
-        for n in graph.nodes:
-            ins = ",".join(f"{h[r.node]}@{r.index}" for r in n.refs())
-            nh[n.name] = hashlib.sha1(f"{h[n.name]}<-{ins}".encode()).hexdigest()
-        h = nh
+        h = {n.name: ids.setdefault((h[n.name], tuple((h[r.node], r.index) for r in n.refs())),
+                                    len(ids))
+             for n in graph.nodes}
     return h
 
 

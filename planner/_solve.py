@@ -496,29 +496,34 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     # same layouts (AdamW reads a gradient in three places) fall in one block, and the block
     # counts each value once: a value changed to a layout serves all of them, as in the
     # lowering. (Consumers in different groups still pay each.)
-    sources: dict[tuple, set[str]] = defaultdict(set)
-    sample: dict[tuple, Edge] = {}
-    spans: dict[tuple, list[tuple[str, int, int, int]]] = defaultdict(list)
+    # key -> (the producers, one edge, the edges' spans)
+    blocks: dict[tuple, tuple[set[str], Edge, list[tuple[str, int, int, int, int]]]] = {}
     needs: dict[tuple[str, int], int] = {}
     sigs: dict[tuple, int] = {}       # the layouts a consumer's choices need, as a small int:
-    for e in problem.all_edges():     # hashed once per reader, not once per dict use
+    by_ids: dict[tuple, int] = {}     # hashed once per reader, not once per dict use (and
+    for e in problem.all_edges():     # once per list of Choice objects, which layers share)
         s, d = dec[e.src], dec[e.dst]
         sig = needs.get((e.dst, e.pos))
         if sig is None:
-            need = tuple(c.required(e.pos) for c in d.choices)
-            sig = needs[(e.dst, e.pos)] = sigs.setdefault(need, len(sigs))
+            ids = (e.pos, *map(id, d.choices))
+            sig = by_ids.get(ids)
+            if sig is None:
+                need = tuple(c.required(e.pos) for c in d.choices)
+                sig = by_ids[ids] = sigs.setdefault(need, len(sigs))
+            needs[(e.dst, e.pos)] = sig
         key = (s.group, s.cls, e.index, d.group, problem.is_follower(e.dst), sig)
-        sources[key].add(e.src)
-        sample.setdefault(key, e)
-        spans[key].append((e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e),
-                           _orig_end(problem, e)))
-    for key, srcs in sources.items():
+        block = blocks.get(key)
+        if block is None:
+            block = blocks[key] = (set(), e, [])
+        block[0].add(e.src)
+        block[2].append((e.src, order[e.src], _edge_time(problem, e), _edge_end(problem, e),
+                         _orig_end(problem, e)))
+    for key, (srcs, e, spans) in blocks.items():
         count = len(srcs)
-        e = sample[key]
         gs, gd, k, pos = key[0], key[3], e.index, e.pos
         meta = graph.meta(Ref(e.src, e.index))
         wide = (e.src, e.index) in wide_values   # the same producer op across the group
-        held = _Held(spans[key], points, {(n, k) for n in srcs} & early, k)
+        held = _Held(spans, points, {(n, k) for n in srcs} & early, k)
         if gs == gd:       # both ends read one decision: the change is fixed by the choice
             for i, (cs, cd) in enumerate(zip(dec[e.src].choices, dec[e.dst].choices)):
                 l, r = cs.outputs[k], cd.required(pos)
@@ -634,8 +639,8 @@ class _Held:
     def bytes(self, meta: TensorMeta, l: Layout, r: Layout | None,
               sizes: tuple[int, ...]) -> dict[int, float]:
         out: dict[int, float] = defaultdict(float)
-        if r is None:
-            return out
+        if r is None or not (self.copy or self.made):
+            return out                  # held at no constrained point
         copy = meta.nbytes / layout_fraction(r, sizes)
         if has_partial(l) and self.made:
             if held_once(l, r, sizes):
@@ -837,10 +842,15 @@ def peak_memory(problem: Problem, choice: dict[str, int]) -> tuple[int, int]:
         for key, start, until in held:
             a, b = spans.get(key, (start, until))
             spans[key] = (min(a, start), max(b, until))
+    # (the sizes are whole bytes, so float64 sums them exactly in any order)
+    delta = np.zeros(n + 1)
     for (name, idx, layout, _), (a, b) in spans.items():
-        size = _value_bytes(problem, name, idx, layout if layout is not None
-                            else layout_of(name, idx))
-        for t in range(a, min(b, n - 1) + 1):
-            prof[t] += size
-    t = int(np.argmax(prof))
-    return int(prof[t]), t
+        b = min(b, n - 1)
+        if a <= b:
+            size = _value_bytes(problem, name, idx, layout if layout is not None
+                                else layout_of(name, idx))
+            delta[a] += size
+            delta[b + 1] -= size
+    total = np.asarray(prof, dtype=np.float64) + np.cumsum(delta[:n])
+    t = int(np.argmax(total))
+    return int(total[t]), t

@@ -4,11 +4,12 @@ tests between workers.
 Tests under ``tests/gpu/`` are marked ``gpu`` and tests under ``tests/dist/`` are marked ``dist``
 automatically. Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
 
-``make test`` runs the suite on two pytest-xdist workers (CI has two cores). Every test of
-``tests/dist/`` goes to one worker, one after another: they start ranks of their own (two to
-eight processes, sandbox hosts, a Slurm controller), and two of them at once on two cores
-would starve each other's heartbeats. The other files go whole (their module fixtures built
-once) to whichever worker is free.
+``make test`` runs the suite on two pytest-xdist workers (CI has two cores). The files of
+``tests/dist/`` that start ranks of their own (two to eight processes, sandbox hosts, a Slurm
+controller) go to one worker, one test after another: two of them at once on two cores would
+starve each other's heartbeats. Every other file (those of ``tests/dist/`` that run their
+ranks as threads of the test's process included) goes whole, its module fixtures built
+once, to whichever worker is free.
 """
 
 from __future__ import annotations
@@ -100,13 +101,19 @@ except ImportError:          # pytest without xdist: the suite runs in one proce
     LoadScopeScheduling = None
 
 if LoadScopeScheduling is not None:
+    # tests/dist/ files whose ranks are threads of the test's process (ThreadMesh)
+    _IN_PROCESS = frozenset({"tests/dist/test_lower.py", "tests/dist/test_lower_kernels.py",
+                             "tests/dist/test_memory_model.py"})
+
     class _OneDistWorker(LoadScopeScheduling):
-        """``tests/dist/`` as one unit of work, every other file as its own (module
-        docstring)."""
+        """The ``tests/dist/`` files that start processes as one unit of work, every other
+        file as its own (module docstring)."""
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/dist" if path.startswith("tests/dist/") else path
+            if path.startswith("tests/dist/") and path not in _IN_PROCESS:
+                return "tests/dist"
+            return path
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling:  # noqa: ANN001
         return _OneDistWorker(config, log)
