@@ -205,10 +205,16 @@ _BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default",
                 "aten._native_batch_norm_legit_no_training.default")
 
 
-def _culprit(graph: Any) -> str:
-    """The first op of the step that needs its whole batch at once, named for the user: a
-    batch norm in training, or an op that reads the batch and has no sharding rule (every
-    rank runs it on the whole batch: ``smooth_l1_loss``, ``kl_div``...)."""
+def _culprit(graph: Any) -> tuple[str, str]:
+    """The first op of the step that needs its whole batch at once, named for the user (a
+    batch norm in training, an op that reads the batch and has no sharding rule, a reshape
+    that merges the batch inside: ``_why``), and what to do about it."""
+    why = _why(graph)
+    merged = "merges the batch's dim" in why
+    return why, "run the model batch-first" if merged else "change that op"
+
+
+def _why(graph: Any) -> str:
     # batch-dependent value -> the dim its batch is on (None where not followed)
     batch: dict[str, int | None] = {
         n.name: 0 for n in graph.inputs
@@ -298,7 +304,16 @@ def _batch_dim(graph: Any, n: Any, batch: Mapping[str, int | None]) -> int | Non
             if a and a[0] == d:
                 return b[0] if b else None
         return None
-    return d if tuple(out.shape) == tuple(src.shape) else None
+    if t == "aten.unsqueeze.default":
+        return d + (args[1] % len(out.shape) <= d)
+    if t in ("aten.select.int", "aten.squeeze.dim"):
+        at = args[1] % len(src.shape)
+        return None if at == d else d - (at < d)
+    if len(out.shape) == len(src.shape) and out.shape[d] == src.shape[d]:
+        return d        # elementwise, a matmul's rows, a slice or reduction of other dims
+    if len(out.shape) > len(src.shape):         # broadcast against a larger operand
+        return d + len(out.shape) - len(src.shape)
+    return None
 
 
 def check_microbatched(plan: Plan) -> None:
@@ -576,12 +591,12 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                 kinds = {s.kind for s in ins.steps if s.axis == ax}
                 bad = kinds - {"all_reduce", *_LOCAL_KINDS}
                 if bad:
+                    why, fix = _culprit(graph)
                     raise PlanError(
-                        f"micro-batches: the step does not split over its batch: "
-                        f"{_culprit(graph)}. So {where(i)} reads {ins.ref} whole over the "
-                        f"batch ({', '.join(sorted(bad))} over the micro-batches), which "
-                        "running them one after another cannot make. Use microbatches=1, or "
-                        "change that op")
+                        f"micro-batches: the step does not split over its batch: {why}. So "
+                        f"{where(i)} reads {ins.ref} whole over the batch "
+                        f"({', '.join(sorted(bad))} over the micro-batches), which running "
+                        f"them one after another cannot make. Use microbatches=1, or {fix}")
                 key = ("c", ins.ref.node, ins.ref.index, ins.dst)
                 copies.add(key)
                 maker[key] = i
@@ -610,10 +625,11 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                                     "batch"))
         if bad and not new:             # (a hoist clears what it made: look again first)
             reader, what = bad[0]
+            why, fix = _culprit(graph)
             raise PlanError(
                 f"micro-batches: {where(reader)} reads {what}, so every micro-batch would "
                 "have to run up to it before any goes on, which running them one after "
-                f"another cannot: {_culprit(graph)}. Use microbatches=1, or change that op")
+                f"another cannot: {why}. Use microbatches=1, or {fix}")
         if not new:
             break
     state_keys = [("c", r.node, r.index, layout) for r, layout in raw.state_out.values()]

@@ -545,11 +545,13 @@ class DistributedStep:
             try:
                 check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
             except PlanError as e:           # microbatches=1 is no way out on stages
-                why = re.sub(r"\. Use microbatches=1, or change that op$|; use microbatches=1$",
-                             "", str(e))
+                fix = re.search(r"\. Use microbatches=1, or (change that op|run the model "
+                                r"batch-first)$", str(e))
+                why = str(e)[:fix.start()] if fix else re.sub(r"; use microbatches=1$", "",
+                                                               str(e))
                 raise PlanError(f"{why}. On mesh {named} the stages always run in "
-                                f"micro-batches: change that op, or run without '{PP_AXIS}'"
-                                ) from None
+                                f"micro-batches: {fix.group(1) if fix else 'change that op'}, "
+                                f"or run without '{PP_AXIS}'") from None
             if pplan.schedule != "gpipe":     # what its order cannot run, said here
                 try:
                     lower_pipeline(Stages.of(pplan), 0, kernels=False, free_early=False)
