@@ -393,7 +393,8 @@ def _plan_recompute(graph: Graph, mesh: Mesh, strategy: str, memory_limit_bytes:
     if best.recompute is not None and best.fits and len(layers) > 1:
         k = _layers_needed(base, best, len(layers))
         if k < len(layers):
-            fewer = attempt((best.recompute[0], layers[:k]))
+            # (a family's plan the lower bound rules out cannot beat ``best``, which fits)
+            fewer = attempt((best.recompute[0], layers[:k]), skip)
             if isinstance(fewer, Plan) and _rank(fewer) < _rank(best):
                 best = fewer
     if best.recompute is not None:
