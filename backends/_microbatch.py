@@ -211,7 +211,8 @@ def _culprit(graph: Any) -> tuple[str, str]:
     that merges the batch inside: ``_why``), and what to do about it."""
     why = _why(graph)
     merged = "merges the batch's dim" in why
-    return why, "run the model batch-first" if merged else "change that op"
+    return why, ("run the model batch-first (an RNN layer: microbatches=1)" if merged
+                 else "change that op")
 
 
 def _why(graph: Any) -> str:
@@ -244,7 +245,8 @@ def _why(graph: Any) -> str:
                         "sequence-first, the batch at dim 1, does this in every Linear on "
                         "3-D activations: run it batch-first, as nn.Transformer*(..., "
                         "batch_first=True) and F.scaled_dot_product_attention on (batch, "
-                        "heads, sequence, dim) do)")
+                        "heads, sequence, dim) do; nn.GRU, nn.LSTM and nn.RNN do it inside, "
+                        "batch_first or not, and do not split into micro-batches yet)")
     return ("an op after it needs the whole batch at once (a batch norm's statistics, an op "
             "without a sharding rule)")
 

@@ -546,7 +546,7 @@ class DistributedStep:
                 check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
             except PlanError as e:           # microbatches=1 is no way out on stages
                 fix = re.search(r"\. Use microbatches=1, or (change that op|run the model "
-                                r"batch-first)$", str(e))
+                                r"batch-first)( \(an RNN layer: microbatches=1\))?$", str(e))
                 why = str(e)[:fix.start()] if fix else re.sub(r"; use microbatches=1$", "",
                                                                str(e))
                 raise PlanError(f"{why}. On mesh {named} the stages always run in "
