@@ -205,17 +205,13 @@ _BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default",
                 "aten._native_batch_norm_legit_no_training.default")
 
 
+_CHANGE_OP = "change that op"
+
+
 def _culprit(graph: Any) -> tuple[str, str]:
     """The first op of the step that needs its whole batch at once, named for the user (a
     batch norm in training, an op that reads the batch and has no sharding rule, a reshape
-    that merges the batch inside: ``_why``), and what to do about it."""
-    why = _why(graph)
-    merged = "merges the batch's dim" in why
-    return why, ("run the model batch-first (an RNN layer: microbatches=1)" if merged
-                 else "change that op")
-
-
-def _why(graph: Any) -> str:
+    that merges the batch inside), and what to do about it."""
     # batch-dependent value -> the dim its batch is on (None where not followed)
     batch: dict[str, int | None] = {
         n.name: 0 for n in graph.inputs
@@ -230,13 +226,14 @@ def _why(graph: Any) -> str:
             training = next((a for a in n.args if isinstance(a, bool)), True)
             if training:
                 return (f"{where} is a batch norm in training: its statistics are the whole "
-                        "batch's (put the model in eval mode, or use a LayerNorm/GroupNorm)")
+                        "batch's (put the model in eval mode, or use a LayerNorm/GroupNorm)",
+                        _CHANGE_OP)
         if any(r.node in batch for r in n.refs()):
             batch[n.name] = _batch_dim(graph, n, batch)
             if rule_for(n.target) is None:
                 return (f"{where} reads the batch and has no sharding rule, so it runs on the "
                         "whole batch at once (write it with ops meshplan splits: elementwise "
-                        "terms and a mean or sum)")
+                        "terms and a mean or sum)", _CHANGE_OP)
             inner = _batch_merged_inside(graph, n, rows, batch)
             if inner is not None:
                 return (f"{where} merges the batch's dim into one with an outer dim before "
@@ -246,9 +243,10 @@ def _why(graph: Any) -> str:
                         "3-D activations: run it batch-first, as nn.Transformer*(..., "
                         "batch_first=True) and F.scaled_dot_product_attention on (batch, "
                         "heads, sequence, dim) do; nn.GRU, nn.LSTM and nn.RNN do it inside, "
-                        "batch_first or not, and do not split into micro-batches yet)")
+                        "batch_first or not, and do not split into micro-batches yet)",
+                        "run the model batch-first (an RNN layer: microbatches=1)")
     return ("an op after it needs the whole batch at once (a batch norm's statistics, an op "
-            "without a sharding rule)")
+            "without a sharding rule)", _CHANGE_OP)
 
 
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")

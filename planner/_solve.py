@@ -501,7 +501,7 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
     needs: dict[tuple[str, int], int] = {}
     sigs: dict[tuple, int] = {}       # the layouts a consumer's choices need, as a small int:
     by_ids: dict[tuple, int] = {}     # hashed once per reader, not once per dict use (and
-    view_ends, follower = problem.view_ends, problem.is_follower
+    follower = problem.is_follower
     for e in problem.all_edges():     # once per list of Choice objects, which layers share)
         src, dst, pos = e.src, e.dst, e.pos
         s, d = dec[src], dec[dst]
@@ -518,14 +518,8 @@ def _edge_rows(problem: Problem, model: _Model, xvar: dict[int, list[int]],
         if block is None:
             block = blocks[key] = (set(), e, [])
         block[0].add(src)
-        # _edge_time, _edge_end and _orig_end, inline (a 405B step has 220k edges)
-        if pos == STATE_POS:
-            when = end = orig = order[src]
-        else:
-            when = order[dst]
-            end = view_ends.get(dst, when)
-            orig = when - 1 if dst in view_ends and (dst, 0) in early else end
-        block[2].append((src, order[src], when, end, orig))
+        block[2].append((src, order[src], _edge_time(problem, e), _edge_end(problem, e),
+                         _orig_end(problem, e)))
     for key, (srcs, e, spans) in blocks.items():
         count = len(srcs)
         gs, gd, k, pos = key[0], key[3], e.index, e.pos
