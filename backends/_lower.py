@@ -220,12 +220,16 @@ def lower_raw(plan: Plan, rank: int, *, device: str = "cpu") -> RawProgram:
     def need(ref: Ref, layout: Layout, consumer: str, forward: bool = False) -> None:
         # a copy serves the forward's readers, or the later ones (FSDP's reshard after
         # forward: a parameter gathered for the forward is gathered again for the backward
-        # rather than held in between); each copy is freed after its last reader (_early.py)
+        # rather than held in between); each copy is freed after its last reader (_early.py).
+        # A sum made whole (all-reduces only) is no larger than its pieces, which it frees:
+        # the forward's copy serves the later readers too, reduced once
         have = out_layout[ref.node][ref.index]
         side = available.setdefault((ref.node, ref.index), set())
         if layout == have or (layout, forward) in side:
             return
         steps, exact = plan_steps(have, layout, sizes, coords)
+        if (layout, True) in side and all(s.kind == "all_reduce" for s in steps):
+            return
         instrs.append(Reshard(ref, have, layout, steps, exact, consumer))
         side.add((layout, forward))
 

@@ -26,12 +26,18 @@ has them; those of the step part once per step, so data parallelism's gradient a
 paid once, not once per micro-batch.
 
 A value the batch's other micro-batches must finish first couples them: ``nll_loss``'s
-``total_weight`` (the count of the whole batch's targets, which the backward of its mean
-divides by) is one, and is worked out before the micro-batches from the targets alone (the
-ops that make them, then the count), so the loss's backward is the whole batch's exactly, as
-one process computes it. Any other such value (a batch norm's statistics over the whole
-batch, an op that gathers the batch) is refused by name: running the parts in turn cannot
-make it.
+``total_weight`` (the count of the whole batch's targets, which its mean and the backward
+divide by) is one, and is worked out before the micro-batches from the targets alone (the
+ops that make them, then the count), so the loss and its backward are the whole batch's
+exactly, as one process computes them. So is any value made from the data inputs alone that
+the plan reads whole over the micro-batches, summed or gathered (label smoothing's count of
+the targets that are not ignored, a mask of them): the rank has all of its batch before the
+first part, so what makes the value runs on each micro-batch's data first, and the pieces
+are joined (``hoisted_value``). Where such a whole value meets the model's state (a
+sequence-first model's input gathered into a Linear), the parts would not split the
+model's work at all, and that is refused. Any other such value (a batch norm's statistics
+over the whole batch, an op that gathers the batch) is refused by name: running the parts
+in turn cannot make it.
 """
 
 from __future__ import annotations
@@ -326,13 +332,25 @@ def check_microbatched(plan: Plan) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Hoist:
-    """A coupling value made before the micro-batches (``nll_loss``'s ``total_weight``)."""
+    """A value the micro-batches share, made before them from the data alone (module
+    docstring): ``nll_loss``'s ``total_weight``, or a value of the targets (a mask, a count)
+    read whole over the micro-batches."""
 
-    node: Any                              # the nll_loss_forward Node
-    reads: tuple[Layout | None, ...]       # how it reads its inputs
-    ancestors: tuple[tuple[Any, ...], ...]   # per micro-batch: the instructions that make them
-    steps: tuple                           # the reduction over the other axes, after the sum
+    node: Any                              # what makes it: its node (the nll_loss_forward)
+    index: int                             # which of the node's outputs
+    reads: tuple[Layout | None, ...]       # how the node reads its inputs
+    ancestors: tuple[tuple[Any, ...], ...]   # per micro-batch: the instructions that make it
+    steps: tuple                           # from its layout as made to ``dst`` (real groups)
     dst: Layout                            # the layout the readers take it in
+
+    @property
+    def count(self) -> bool:
+        """``nll_loss``'s count: the ancestors make its targets, not the loss."""
+        return self.node.target in _TOTAL_WEIGHT and self.index == 1
+
+    @property
+    def key(self) -> tuple[str, int, Layout]:
+        return (self.node.name, self.index, self.dst)
 
 
 @dataclass(frozen=True)
@@ -413,14 +431,11 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
     hoisted = []
     for i in cut.hoisted:
         r = raws[0].instrs[i]
-        maker = cut.hoist_makers[i]
-        node_ins = raws[0].instrs[maker]
-        src = (Replicate(), *r.src[1:])
-        steps, _ = plan_steps(src, r.dst, sizes, coords)
-        hoisted.append(_Hoist(node_ins.node, node_ins.reads,
+        node_ins = raws[0].instrs[cut.hoist_makers[i]]
+        hoisted.append(_Hoist(node_ins.node, r.ref.index, node_ins.reads,
                               tuple(tuple(rw.instrs[k] for k in cut.hoist_ancestors[i])
                                     for rw in raws),
-                              tuple(_real_step(s, world) for s in steps), r.dst))
+                              tuple(_real_step(s, world) for s in r.steps), r.dst))
     return MicrobatchProgram(rank, m, tuple(parts), step, partials, mb_data, tuple(hoisted),
                              device, stand_in_spec(cut, cut.per_mb, plan, raws[0]),
                              stand_in_spec(cut, cut.per_step, plan, raws[0]))
@@ -541,10 +556,13 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
     varies: dict[tuple, bool] = {}        # value key -> differs per micro-batch
     after: dict[tuple, bool] = {}         # value key -> made from a sum over micro-batches
     maker: dict[tuple, int] = {}          # value key -> the instruction that made it
+    data: dict[tuple, bool] = {}          # value key -> made from the data inputs alone
     for n in graph.inputs:
         layout = plan.input_layouts[n.target]
         varies[("v", n.name, 0)] = isinstance(layout[ax], Shard)
         after[("v", n.name, 0)] = False
+        data[("v", n.name, 0)] = isinstance(n.outputs[0], TensorMeta) and \
+            n.outputs[0].role is Role.DATA
     reductions: dict[int, ReduceOp] = {}
     hoisted: set[int] = set()
     reads: dict[int, list[tuple]] = {}
@@ -562,8 +580,19 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
             return f"{ins.consumer}"
         return f"{node.target} ({node.name})" + (f" at {node.source}" if node.source else "")
 
+    def gathered(i: int) -> PlanError:
+        ins = instrs[i]
+        bad = {s.kind for s in ins.steps if s.axis == ax} - {"all_reduce", *_LOCAL_KINDS}
+        why, fix = _culprit(graph)
+        return PlanError(
+            f"micro-batches: the step does not split over its batch: {why}. So {where(i)} "
+            f"reads {ins.ref} whole over the batch ({', '.join(sorted(bad))} over the "
+            "micro-batches), which running them one after another cannot make. Use "
+            f"microbatches=1, or {fix}")
+
     while True:                            # again once a coupling is hoisted
         copies: set[tuple] = set()
+        whole: dict[tuple, int] = {}       # value key -> the hoisted gather it is made from
         coupled: list[tuple[int, int | None]] = []
         for i, ins in enumerate(instrs):
             if isinstance(ins, Compute):
@@ -582,24 +611,37 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                 a = any(after.get(k, False) for k in keys)
                 if v and a:             # a value of the whole batch read per micro-batch
                     coupled.extend((i, maker.get(k)) for k in keys if after.get(k, False))
+                d = ins.stream is None and all(data.get(k, False) for k in keys)
+                w = None if v else next((whole[k] for k in keys if k in whole), None)
+                if w is not None and not d:
+                    # the model itself on the whole batch (a sequence-first Linear's input
+                    # gathered): the micro-batches would not split its work at all
+                    raise gathered(w)
                 for k in range(max(1, len(ins.node.outputs))):
                     key = ("v", ins.node.name, k)
-                    varies[key], after[key], maker[key] = v, a, i
+                    varies[key], after[key], maker[key], data[key] = v, a, i, d
+                    if w is not None:
+                        whole[key] = w
             elif isinstance(ins, Reshard):
                 src = ("v", ins.ref.node, ins.ref.index)
                 reads[i] = [(src, maker.get(src))]
                 kinds = {s.kind for s in ins.steps if s.axis == ax}
                 bad = kinds - {"all_reduce", *_LOCAL_KINDS}
-                if bad:
-                    why, fix = _culprit(graph)
-                    raise PlanError(
-                        f"micro-batches: the step does not split over its batch: {why}. So "
-                        f"{where(i)} reads {ins.ref} whole over the batch "
-                        f"({', '.join(sorted(bad))} over the micro-batches), which running "
-                        f"them one after another cannot make. Use microbatches=1, or {fix}")
                 key = ("c", ins.ref.node, ins.ref.index, ins.dst)
+                if bad and i not in hoisted and _hoistable(ins, ax, kinds, data.get(src)):
+                    hoisted.add(i)      # the data's whole, made before the micro-batches
+                if i in hoisted and i not in reductions:
+                    copies.add(key)
+                    maker[key] = whole[key] = i
+                    varies[key], after[key], data[key] = False, False, True
+                    continue
+                if bad:
+                    raise gathered(i)
                 copies.add(key)
                 maker[key] = i
+                data[key] = data.get(src, False)
+                if src in whole:
+                    whole[key] = whole[src]
                 if "all_reduce" in kinds:
                     reductions[i] = ins.src[ax].op
                     varies[key], after[key] = False, i not in hoisted
@@ -614,8 +656,9 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
             if red in reductions:
                 r = instrs[red]
                 node = graph.node(r.ref.node)
-                if node.target in _TOTAL_WEIGHT and r.ref.index == 1 and \
-                        reductions[red] is ReduceOp.SUM:
+                if (node.target in _TOTAL_WEIGHT and r.ref.index == 1 and
+                        reductions[red] is ReduceOp.SUM) or _hoistable(
+                            r, ax, {"all_reduce"}, data.get(("v", r.ref.node, r.ref.index))):
                     hoisted.add(red)
                     new = True
                     continue
@@ -660,10 +703,11 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
         return seen
 
     red_set = set(reductions)
-    per_value = [i for i in reads if i not in red_set and _at(i, instrs, varies)]
+    ends_at = red_set | hoisted            # (a hoisted value is preset in both parts)
+    per_value = [i for i in reads if i not in ends_at and _at(i, instrs, varies)]
     partial_makers = [reads[i][0][1] for i in reductions if i not in hoisted
                       and reads[i][0][1] is not None]
-    mb = closure([*per_value, *partial_makers], red_set) - red_set
+    mb = closure([*per_value, *partial_makers], ends_at) - ends_at
     late = sorted(i for i in mb if _at(i, instrs, after))
     if late:
         raise PlanError(f"micro-batches: {where(late[0])} runs per micro-batch but reads a sum "
@@ -671,8 +715,8 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
     step_roots = [i for i in reads if i not in mb and i not in red_set and _at(i, instrs, after)]
     step_roots += [maker[k] for k in ends if k in maker]
     step_roots += [i for i in reductions if i not in hoisted]
-    step = closure(step_roots, red_set)
-    crossing = sorted(i for i in step if i not in red_set and _at(i, instrs, varies))
+    step = closure(step_roots, ends_at)
+    crossing = sorted(i for i in step if i not in ends_at and _at(i, instrs, varies))
     if crossing:
         raise PlanError(f"micro-batches: {where(crossing[0])} runs once per step but reads a "
                         "value of one micro-batch; use microbatches=1")
@@ -682,18 +726,36 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
             seen_partials.setdefault(instrs[i].ref, reductions[i])
     hoist_makers, hoist_ancestors = {}, {}
     for i in sorted(hoisted):
-        nll = reads[i][0][1]
-        hoist_makers[i] = nll
-        node = instrs[nll].node
-        roots = [j for _, j in reads[nll][1:3] if j is not None]
-        anc = closure(roots, set())
+        made = reads[i][0][1]
+        hoist_makers[i] = made
+        node = instrs[made].node
+        if node.target in _TOTAL_WEIGHT and instrs[i].ref.index == 1:
+            anc = closure([j for _, j in reads[made][1:3] if j is not None], set())
+        else:                              # the data alone make it (_hoistable)
+            anc = closure([made], set())
         if any(after.get(("v", instrs[j].node.name, 0), False) for j in anc
                if isinstance(instrs[j], Compute)):
             raise PlanError(f"micro-batches: the targets of {node.target} ({node.name}) are "
                             "made from a sum over the batch; use microbatches=1")
+        if any(isinstance(instrs[j], Reshard) and any(
+                st.axis == ax and st.kind not in _LOCAL_KINDS for st in instrs[j].steps)
+               for j in anc):
+            raise PlanError(f"micro-batches: {where(i)} reads a value made from the batch's "
+                            f"data alone ({node.target}, {node.name}) that needs another such "
+                            "value whole over the batch first; use microbatches=1")
         hoist_ancestors[i] = sorted(anc)
     return _Cut(sorted(mb), sorted(step), set(reductions), tuple(seen_partials.items()),
                 sorted(hoisted), hoist_makers, hoist_ancestors, shapes, reads, reductions)
+
+
+def _hoistable(ins: Reshard, ax: int, kinds: set[str], data_only: bool | None) -> bool:
+    """Can the copy ``ins`` makes, whole over the micro-batches (a gather or a sum of them),
+    be made before them? Where its value is made from the data inputs alone (the targets'
+    mask, their count for a mean): the rank has all of its batch before the first part runs,
+    so no micro-batch has to run first (``hoisted_value`` runs what makes it per micro-batch
+    and joins them)."""
+    return bool(data_only) and isinstance(ins.dst[ax], Replicate) and kinds <= {
+        "all_gather", "all_reduce", *_LOCAL_KINDS}
 
 
 def _at(i: int, instrs: Sequence[Any], flags: dict[tuple, bool]) -> bool:
@@ -737,8 +799,9 @@ def run_microbatched(program: MicrobatchProgram, comm: Any, state: Mapping[str, 
                for k, v in data.items()} for j in range(m)]
     preset = _stand_ins(program.part_stand_ins, program.device)
     for h in program.hoisted:
-        tw = _total_weight(h, program, comm, state, pieces, rng)
-        preset[(h.node.name, 1, h.dst)] = tw
+        preset[h.key] = hoisted_value(h, comm, state, pieces, rng, program.device,
+                                      program.parts[0].coords,
+                                      [p.input_nodes for p in program.parts])
     sums = Sums(dict(program.partials), m)
     counter = observer.memory() if getattr(observer, "track_memory", False) else None
     for j, part in enumerate(program.parts):
@@ -753,8 +816,9 @@ def run_microbatched(program: MicrobatchProgram, comm: Any, state: Mapping[str, 
         del got
     step_preset = _stand_ins(program.step_stand_ins, program.device)
     for h in program.hoisted:              # the step part may read it too
-        tw = preset[(h.node.name, 1, h.dst)]
-        step_preset[(h.node.name, 1, None)] = step_preset[(h.node.name, 1, h.dst)] = tw
+        step_preset[h.key] = preset[h.key]
+        if h.count:
+            step_preset[(h.node.name, 1, None)] = preset[h.key]
     step_preset.update(sums.whole())
     return run(program.step, comm, state, data, observer, donate=donate, rng=rng,
                preset=step_preset)
@@ -800,24 +864,16 @@ def _stand_ins(spec: Sequence[tuple[Any, ...]],
             for node, index, layout, shape, dtype in spec}
 
 
-def _total_weight(h: _Hoist, program: MicrobatchProgram, comm: Any,
-                  state: Mapping[str, Tensor], pieces: list[dict[str, Tensor]],
-                  rng: StepRNG | None) -> Tensor:
-    return count_targets(h, comm, state, pieces, rng, program.device, program.parts[0].coords,
-                         [p.input_nodes for p in program.parts])
-
-
-def count_targets(h: _Hoist, comm: Any, state: Mapping[str, Tensor],
+def hoisted_value(h: _Hoist, comm: Any, state: Mapping[str, Tensor],
                   pieces: list[dict[str, Tensor]], rng: StepRNG | None, device: str,
                   coords: tuple[int, ...], input_nodes: Sequence[Mapping[str, str]]) -> Tensor:
-    """``nll_loss``'s ``total_weight`` over the whole batch: the count (or the class weights'
-    sum) of every micro-batch's targets, reduced over the other axes as the plan has it."""
-    node = h.node
-    args = list(node.args) + [None] * (5 - len(node.args))
-    kw = dict(node.kwargs)
-    ignore = kw.get("ignore_index", args[4])
-    total = None
+    """``h``'s value whole over the micro-batches, before they run: what makes it, run on each
+    micro-batch's data (for ``nll_loss``'s ``total_weight``: the count, or the class weights'
+    sum, of its targets), then joined over the micro-batches here (a sum, a concatenation)
+    and changed over the other axes as the plan has it."""
+    vals = []
     for j, instrs in enumerate(h.ancestors):
+        at = (j, *coords[1:])                 # micro-batch j's coordinates
         env: dict[str, tuple] = {}
         copies: dict[str, dict] = {}
         inputs = {**state, **pieces[j]}
@@ -825,25 +881,59 @@ def count_targets(h: _Hoist, comm: Any, state: Mapping[str, Tensor],
         for ins in instrs:
             if isinstance(ins, Compute):
                 op = _Op(ins, device)
-                vals = [_read(env, copies, n, i, layout) for n, i, layout in op.reads]
-                env[op.name] = op(vals) if op.stream is None else op(
-                    vals, op_seed(rng, op.stream))           # type: ignore[arg-type]
+                got = [_read(env, copies, n, i, layout) for n, i, layout in op.reads]
+                env[op.name] = op(got) if op.stream is None else op(
+                    got, op_seed(rng, op.stream))           # type: ignore[arg-type]
             elif isinstance(ins, Reshard):
                 copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
-                    env[ins.ref.node][ins.ref.index], ins.steps, comm, coords)
-        refs = list(node.refs())
-        target = _read(env, copies, refs[1].node, refs[1].index, h.reads[1])
-        weight = (_read(env, copies, refs[2].node, refs[2].index, h.reads[2])
-                  if len(refs) > 2 else None)
-        valid = target != ignore
-        dtype = getattr(torch, node.outputs[1].dtype)
-        if weight is None:
-            got = valid.sum().to(dtype)
-        else:
-            got = (weight[target.masked_fill(~valid, 0)] * valid).sum().to(dtype)
-        total = got if total is None else total + got
-    assert total is not None
-    return reshard(total, h.steps, comm, coords)
+                    env[ins.ref.node][ins.ref.index], ins.steps, comm, at)
+        vals.append(_count(h, env, copies) if h.count else env[h.node.name][h.index])
+    return _join_microbatches(vals, h.steps, comm, coords)
+
+
+def _count(h: _Hoist, env: dict, copies: dict) -> Tensor:
+    """One micro-batch's part of ``nll_loss``'s ``total_weight``."""
+    node = h.node
+    args = list(node.args) + [None] * (5 - len(node.args))
+    ignore = dict(node.kwargs).get("ignore_index", args[4])
+    refs = list(node.refs())
+    target = _read(env, copies, refs[1].node, refs[1].index, h.reads[1])
+    weight = (_read(env, copies, refs[2].node, refs[2].index, h.reads[2])
+              if len(refs) > 2 else None)
+    valid = target != ignore
+    dtype = getattr(torch, node.outputs[1].dtype)
+    if weight is None:
+        return valid.sum().to(dtype)
+    return (weight[target.masked_fill(~valid, 0)] * valid).sum().to(dtype)
+
+
+def _join_microbatches(vals: list[Tensor], steps: Sequence[Any], comm: Any,
+                       coords: tuple[int, ...]) -> Tensor:
+    """``steps`` on the micro-batches' pieces ``vals`` of one value: a step over the
+    micro-batch axis (axis 0) joins them here (the micro-batches are this rank's), the
+    others run as ``reshard`` runs them, once while the pieces are one."""
+    m = len(vals)
+    for s in steps:
+        if s.axis != 0:
+            one = all(v is vals[0] for v in vals)
+            vals = ([reshard(vals[0], (s,), comm, coords)] * m if one else
+                    [reshard(v, (s,), comm, coords) for v in vals])
+        elif s.kind == "all_gather":
+            vals = [torch.cat(vals, s.src.dim)] * m
+        elif s.kind == "all_reduce":
+            op = s.src.op
+            total = sum(v * v for v in vals) if op is ReduceOp.NORM2 else sum(vals)
+            total = (total.sqrt() if op is ReduceOp.NORM2 else
+                     total / m if op is ReduceOp.AVG else total)
+            vals = [total] * m
+        elif s.kind == "slice":
+            vals = [v.chunk(m, s.dst.dim)[j].contiguous() for j, v in enumerate(vals)]
+        elif s.kind == "partial" and s.dst.op is not ReduceOp.AVG:
+            vals = [v if j == 0 else torch.zeros_like(v) for j, v in enumerate(vals)]
+        elif s.kind != "partial":
+            raise LoweringError(f"internal: a value made before the micro-batches takes "
+                                f"{s.kind} over them")
+    return vals[0]
 
 
 def _read(env: dict, copies: dict, node: str, index: int, layout: Layout | None) -> Any:
@@ -855,4 +945,4 @@ def _read(env: dict, copies: dict, node: str, index: int, layout: Layout | None)
 
 __all__ = ["MB_AXIS", "MicrobatchProgram", "Sums", "check_microbatched", "check_microbatches",
            "lower_microbatched",
-           "microbatch_plan", "run_microbatched", "split_microbatched"]
+           "hoisted_value", "microbatch_plan", "run_microbatched", "split_microbatched"]

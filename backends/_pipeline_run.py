@@ -71,7 +71,7 @@ from ..planner._placement import local_shape
 from ._layout import coords_rank, rank_coords
 from ._lower import Compute, Program, Recv, Reshard, Send, StepRNG, finish, plan_steps, run
 from ._microbatch import (Sums, _cut, _Hoist, _inputs_read, _stand_ins, _with_frees,
-                          count_targets, lower_parts, microbatch_plan, stand_in_spec)
+                          hoisted_value, lower_parts, microbatch_plan, stand_in_spec)
 
 Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
 
@@ -273,6 +273,8 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     stage: dict[int, Any] = {i: k if k is None or k < 0 else k % p for i, k in vst.items()}
     new_state = {ref.node for ref, _ in raws[0].state_out.values()}
     _follow_the_bytes(cut, instrs0, graph, stage, unit, inputs, node_stage, new_state)
+    for i in cut.hoisted:                     # made before the parts, by each stage reading it
+        stage[i] = -1
     all_stages = frozenset(range(p))
 
     def made(i: int) -> list[tuple]:
@@ -584,20 +586,17 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
     step = program(raw0, st, [], owned, raw0.results if s == p - 1 else ())
     hoisted, hoist_inputs = [], {}
     for i in cut.hoisted:
-        readers_ = mb_readers.get((("c", instrs0[i].ref.node, instrs0[i].ref.index,
-                                    instrs0[i].dst), i), set())
-        if s not in readers_:
-            continue
         r = instrs0[i]
-        nll = cut.hoist_makers[i]
-        src = (Replicate(), *r.src[1:])
-        steps, _ = plan_steps(src, r.dst, plan.mesh.sizes, raws[0].coords)
-        hoisted.append(_Hoist(instrs0[nll].node, instrs0[nll].reads,
+        if not any(s in by.get((("c", r.ref.node, r.ref.index, r.dst), i), ())
+                   for by in (mb_readers, st_readers)):
+            continue
+        made = cut.hoist_makers[i]
+        hoisted.append(_Hoist(instrs0[made].node, r.ref.index, instrs0[made].reads,
                               tuple(tuple(on_stage(rw.instrs[k]) for k in cut.hoist_ancestors[i])
                                     for rw in raws),
                               tuple(replace(x, group=tuple(real(s, g) for g in x.group))
-                                    for x in steps), r.dst))
-        for k in (*cut.hoist_ancestors[i], nll):   # the inputs its count reads (the targets
+                                    for x in r.steps), r.dst))
+        for k in (*cut.hoist_ancestors[i], made):  # the inputs its count reads (the targets
             ins = instrs0[k]                         # themselves, when the loss reads them)
             if isinstance(ins, Compute):
                 hoist_inputs.update({x.node: inputs[x.node].target for x in ins.node.refs()
@@ -802,9 +801,10 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
         elif comm.rank in readers:
             base[(name, 0, None)] = comm.recv(shape, getattr(torch, dtype), owner)
     for h in sp.hoisted:
-        tw = count_targets(h, comm, state, pieces, rng, sp.device, sp.step.coords,
-                           [sp.hoist_inputs] * m)
-        base[(h.node.name, 1, h.dst)] = base[(h.node.name, 1, None)] = tw
+        base[h.key] = hoisted_value(h, comm, state, pieces, rng, sp.device, sp.step.coords,
+                                    [sp.hoist_inputs] * m)
+        if h.count:
+            base[(h.node.name, 1, None)] = base[h.key]
     sums = Sums({ref: op for ref, op, _ in sp.partials}, m)
 
     made_in = {part: [ref for ref, _, where in sp.partials if where == part] for part in sp.parts}

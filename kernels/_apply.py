@@ -155,14 +155,17 @@ def _rms_norm_backward(ops: Operands, attrs: Mapping[str, Any]) -> Results:
 
 
 def _cross_entropy(ops: Operands, attrs: Mapping[str, Any]) -> Results:
-    """``nll_loss_forward(_log_softmax(logits))``'s results, ``loss`` (mean over the rows whose
-    target is not ``ignore_index``) and ``total_weight`` (their count), both 0-d in the logits'
-    dtype as aten's, and the rows' log-sum-exp ``lse`` (float32, ``(N,)``) for the backward."""
+    """``nll_loss_forward(_log_softmax(logits))``'s results, ``loss`` (the mean over the rows
+    whose target is not ``ignore_index``, or their sum for ``reduction`` 2) and
+    ``total_weight`` (their count), both 0-d in the logits' dtype as aten's, and the rows'
+    log-sum-exp ``lse`` (float32, ``(N,)``) for the backward."""
     from ._triton_xent import loss_and_lse
     ignore = int(attrs["ignore_index"])
+    mean = attrs.get("reduction", 1) == 1
     out: Results = {"loss": [], "total_weight": [], "lse": []}
     for logits, target in zip(ops["logits"], ops["target"]):
-        loss, lse, count = loss_and_lse(logits.contiguous(), target, ignore_index=ignore)
+        loss, lse, count = loss_and_lse(logits.contiguous(), target, ignore_index=ignore,
+                                        mean=mean)
         out["loss"].append(loss.to(logits.dtype))
         out["total_weight"].append(count.to(logits.dtype))
         out["lse"].append(lse)

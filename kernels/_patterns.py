@@ -489,7 +489,8 @@ def match_cross_entropy(graph: Graph) -> list[Match]:
                   (("logits", lsm.args[0]), ("target", nll.args[1])),
                   (("loss", Ref(nll.name)), ("total_weight", Ref(nll.name, 1)),
                    ("lse", Ref(lsm.name))),
-                  (("ignore_index", _arg(nll, 4, "ignore_index", -100)),),
+                  (("ignore_index", _arg(nll, 4, "ignore_index", -100)),
+                   ("reduction", _arg(nll, 3, "reduction"))),
                   _dtype(graph, lsm.args[0]), private=("lse",))
             for lsm, nll in _cross_entropy_forwards(graph)]
 
@@ -530,10 +531,20 @@ def match_cross_entropy_backward(graph: Graph) -> list[Match]:
 
 def _cross_entropy_forwards(graph: Graph) -> list[tuple[Node, Node]]:
     """``(_log_softmax node, nll_loss_forward node)`` of every plain cross-entropy forward:
-    2-D logits, log-softmax over the classes, no class weights, ``mean`` reduction."""
+    2-D logits, log-softmax over the classes, no class weights, ``mean`` reduction (as
+    traced: ``sum`` divided by its count, ``frontend/_decomp.py``)."""
     return [(lsm, nll) for lsm in graph.nodes if _log_softmax_2d(graph, lsm)
             for nll in _readers(graph, Ref(lsm.name), "aten.nll_loss_forward.default")
-            if _plain_mean_nll(nll) and nll.args[0] == Ref(lsm.name)]
+            if (_plain_mean_nll(nll) or _traced_mean_nll(graph, nll))
+            and nll.args[0] == Ref(lsm.name)]
+
+
+def _traced_mean_nll(graph: Graph, node: Node) -> bool:
+    """An ``nll_loss_forward`` without class weights, with ``sum`` reduction, whose sum is
+    divided by its count: a mean as the trace writes it."""
+    return (_arg(node, 2, "weight") is None and _arg(node, 3, "reduction") == 2
+            and any(tuple(d.args[:2]) == (Ref(node.name), Ref(node.name, 1))
+                    for d in _readers(graph, Ref(node.name), "aten.div.Tensor")))
 
 
 def _log_softmax_2d(graph: Graph, node: Node) -> bool:

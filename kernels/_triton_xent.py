@@ -121,15 +121,17 @@ def shard_grad(logits, target, lse, scale, *, vocab_start: int = 0, ignore_index
     return dx
 
 
-def loss_and_lse(logits, target, ignore_index: int = -100, chunk: int = CHUNK):
-    """Mean cross-entropy over the rows whose target is not ``ignore_index`` (float32, 0-d),
-    each row's log-sum-exp (float32, ``(N,)``) and the count of those rows (float32, 0-d)."""
+def loss_and_lse(logits, target, ignore_index: int = -100, chunk: int = CHUNK,
+                 mean: bool = True):
+    """Mean cross-entropy over the rows whose target is not ``ignore_index`` (float32, 0-d;
+    ``mean=False``: their sum), each row's log-sum-exp (float32, ``(N,)``) and the count of
+    those rows (float32, 0-d)."""
     m, s, t = shard_stats(logits, target, ignore_index=ignore_index, chunk=chunk)
     lse, tl_ = combine_shard_stats(m[None], s[None], t[None])
     valid = target != ignore_index
     n_valid = valid.sum().to(torch.float32)
-    loss = torch.where(valid, lse - tl_, torch.zeros_like(lse)).sum() / n_valid
-    return loss, lse, n_valid
+    loss = torch.where(valid, lse - tl_, torch.zeros_like(lse)).sum()
+    return (loss / n_valid if mean else loss), lse, n_valid
 
 
 class CrossEntropy(torch.autograd.Function):

@@ -2,11 +2,12 @@
 error (``mse_loss`` and its backward). ``reduction`` is 0 none, 1 mean, 2 sum.
 
 nll_loss over split samples (dim 0 of the input and of the targets; ``nll_loss2d`` also its
-spatial dims): with ``sum`` the loss is ``P(sum)``; with ``mean`` every rank divides by its own
-count, so the loss is ``P(avg)`` -- exact when every shard counts the same number of targets,
-i.e. without class weights and without targets equal to ``ignore_index`` (the caveat DTensor
-makes too); with class weights only ``sum`` splits. ``total_weight`` (the count or the weight
-sum) is then ``P(sum)`` (with ``none`` it is always 0, replicated). The backward takes the
+spatial dims): with ``sum`` the loss is ``P(sum)`` and ``total_weight`` (the count or the
+weight sum) ``P(sum)`` too (with ``none`` it is always 0, replicated). ``mean`` does not split
+the samples: every rank would divide by its own count, and a mean of the pieces' means is the
+whole's only where every piece counts the same (DTensor offers it as ``P(avg)``; a batch with
+padding targets equal to ``ignore_index`` is not). The trace writes a mean as ``sum`` divided
+by ``total_weight`` (``frontend/_decomp.py``), which splits exactly. The backward takes the
 GLOBAL ``total_weight`` (replicated), so split samples give a split gradient exactly. Both
 directions are linear in the log-probabilities / the incoming gradient: partials pass.
 
@@ -77,8 +78,8 @@ def nll_loss(info: OpInfo) -> Iterator[OpStrategy]:
         ins = place(info, {"self": Shard(_input_dim(d)), "target": Shard(d)})
         if red == NONE:
             yield OpStrategy(ins, outs(info, Shard(d), R))
-        elif red == SUM or (red == MEAN and not _weighted(info)):
-            yield OpStrategy(ins, outs(info, P_SUM if red == SUM else P_AVG, P_SUM))
+        elif red == SUM:
+            yield OpStrategy(ins, outs(info, P_SUM, P_SUM))
     if red != NONE and is_float(tensor_in(info, "self")):
         for p in PARTIALS:
             yield OpStrategy(place(info, {"self": p}), outs(info, p, R))

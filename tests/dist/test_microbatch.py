@@ -267,8 +267,9 @@ class _Block(torch.nn.Module):
 def test_megatron_layouts_in_microbatches_with_ignored_targets() -> None:
     """Megatron's layouts on dp=2 x tp=2 of a user's language model (q/k/v/o_proj, SDPA, tied
     head), 2 micro-batches, a fifth of the targets -100 and piled into the first rows (so
-    every part counts a different number): the state after two steps equals the
-    interpreter's, since each part's backward divides by the whole batch's count. Its
+    every part counts a different number): the loss of each step and the state after two
+    equal the interpreter's, since each part's sum and backward divide by the whole batch's
+    count (the loss was once each part's mean, averaged: 1e-3 off with gradients right). Its
     layouts change a value split over dp and tp on one dim: moving it must not gather over
     the micro-batches (``lower_parts``), which the plan's generic fallback did."""
     import meshplan
@@ -330,7 +331,66 @@ def test_megatron_layouts_in_microbatches_with_ignored_targets() -> None:
         got = mesh.run(lambda comm, b=b: run_microbatched(
             programs[comm.rank], comm, local[comm.rank], split_microbatched(mb, comm.rank, b)))
         local = [{**local[r], **got[r][1]} for r in range(4)]
+        loss = next(v for v, o in zip(outs, graph.outputs) if o.kind.value != "state")
+        for r in range(4):
+            torch.testing.assert_close(got[r][0][0], loss, rtol=1e-5, atol=1e-6, msg="loss")
     for k, v in ref.items():
         whole = assemble({rank_coords(r, (2, 2)): local[r][k] for r in range(4)},
                          plan.input_layouts[k], plan.mesh.sizes)
         torch.testing.assert_close(whole, v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(120)
+def test_label_smoothing_in_microbatches_equals_the_whole_batch() -> None:
+    """``cross_entropy(label_smoothing=0.1)`` with padding targets (-100) piled into the
+    first micro-batch, on ``dp=2`` in 2 micro-batches, SGD with momentum: the loss of every
+    step and the state after three equal the interpreter's. The smoothing term divides by the
+    count of the targets that are not ignored, a value of the whole batch; made from the
+    targets alone, it is made before the micro-batches (once refused: "reads %bitwise_not
+    whole over the batch")."""
+    import meshplan
+    from meshplan.ir import interpret
+    from meshplan.planner import plan_graph
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 7))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y, label_smoothing=0.1)
+        loss.backward()
+        opt.step()
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+
+    def batch():
+        y = torch.randint(0, 7, (8,), generator=g)
+        y[:3] = -100
+        return torch.randn(8, 16, generator=g), y
+
+    step(*batch())
+    traced = meshplan.trace(step, *batch())
+    graph = traced.graph
+    plan = plan_graph(graph, {"dp": 2}, strategy="dp", topology="cpu")   # state replicated
+    mb = microbatch_plan(plan, 2)
+    programs = [lower_microbatched(mb, r) for r in range(2)]
+    assert len(programs[0].hoisted) == 2         # nll_loss's count and the smoothing's
+    values = traced.input_values(*batch())
+    data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
+    ref = {n.target: values[n.target].clone() for n in graph.inputs if n.target not in data}
+    local = [split_inputs(plan, r, ref) for r in range(2)]
+    mesh = ThreadMesh(2, timeout_s=60)
+    for _ in range(3):
+        b = dict(zip(data, batch()))
+        outs = interpret(graph, {**ref, **b})
+        ref.update({o.name: v for v, o in zip(outs, graph.outputs) if o.kind.value == "state"})
+        got = mesh.run(lambda comm, b=b: run_microbatched(
+            programs[comm.rank], comm, local[comm.rank], split_microbatched(mb, comm.rank, b)))
+        local = [{**local[r], **got[r][1]} for r in range(2)]
+        loss = next(v for v, o in zip(outs, graph.outputs) if o.kind.value != "state")
+        for r in range(2):
+            torch.testing.assert_close(got[r][0][0], loss, rtol=1e-5, atol=1e-6, msg="loss")
+    for k, v in ref.items():
+        torch.testing.assert_close(local[0][k], v, rtol=1e-5, atol=1e-5, msg=k)

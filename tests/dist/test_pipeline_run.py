@@ -241,18 +241,27 @@ def _two_copies(model_cls, loss_fn, lr: float, adam_and_clip: bool = False,
 
 @pytest.mark.timeout(120)
 def test_a_user_classifier_on_stages_equals_one_process() -> None:
-    """A step not written for meshplan: ``cross_entropy`` on 1-D class labels (the loss reads
-    the targets themselves, which the stages count before the micro-batches), SGD with
+    """A step not written for meshplan: ``cross_entropy`` on 1-D class labels with label
+    smoothing and padding targets (-100) piled into the first micro-batch (the loss's mean
+    and the smoothing term divide by the whole batch's count of the targets, which the stages
+    work out before the micro-batches; the smoothing's count was once refused), SGD with
     momentum, on ``pp=2`` in 2 micro-batches: losses and parameters as one process
     (``rtol=1e-5, atol=1e-6``: the micro-batches' gradients summed in another order).
     ``microbatches=1`` is refused by name before any rank starts."""
     torch.manual_seed(0)
-    plain, mine, one, step_fn = _two_copies(_Classifier, torch.nn.functional.cross_entropy,
-                                            lr=0.1)
+    plain, mine, one, step_fn = _two_copies(
+        _Classifier, lambda out, y: torch.nn.functional.cross_entropy(out, y,
+                                                                       label_smoothing=0.1),
+        lr=0.1)
     with pytest.raises(meshplan.RuntimeFailure, match=r"microbatches=1\) on mesh pp=2"):
         meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=1)(
             torch.randn(8, 16), torch.randint(0, 10, (8,)))
-    batches = [(torch.randn(8, 16), torch.randint(0, 10, (8,))) for _ in range(3)]
+
+    def targets():
+        y = torch.randint(0, 10, (8,))
+        y[:3] = -100
+        return y
+    batches = [(torch.randn(8, 16), targets()) for _ in range(3)]
     with meshplan.distribute(step_fn, mesh={"pp": 2}, microbatches=2, telemetry=False) as step:
         for x, y in batches:
             torch.testing.assert_close(step(x, y).detach(), one(x, y).detach(), rtol=1e-5,
