@@ -214,6 +214,16 @@ _BATCH_NORMS = ("aten._native_batch_norm_legit_functional.default",
 _CHANGE_OP = "change that op"
 
 
+def _refused(why: str, fix: str | None = None) -> PlanError:
+    """The PlanError for what running the step's batch in parts cannot do, with its ``why``
+    (the op, its line, the reason) and ``fix``, the way out other than ``microbatches=1``
+    (None where there is none) as attributes: a mesh with stages, always in micro-batches,
+    offers that alone."""
+    e = PlanError(f"{why}. Use microbatches=1, or {fix}" if fix else f"{why}; use microbatches=1")
+    e.why, e.fix = why, fix                      # type: ignore[attr-defined]
+    return e
+
+
 def _culprit(graph: Any) -> tuple[str, str]:
     """The first op of the step that needs its whole batch at once, named for the user (a
     batch norm in training, an op that reads the batch and has no sharding rule, a reshape
@@ -250,7 +260,7 @@ def _culprit(graph: Any) -> tuple[str, str]:
                         "batch_first=True) and F.scaled_dot_product_attention on (batch, "
                         "heads, sequence, dim) do; nn.GRU, nn.LSTM and nn.RNN do it inside, "
                         "batch_first or not, and do not split into micro-batches yet)",
-                        "run the model batch-first (an RNN layer: microbatches=1)")
+                        "run the model batch-first")
     return ("an op after it needs the whole batch at once (a batch norm's statistics, an op "
             "without a sharding rule)", _CHANGE_OP)
 
@@ -584,11 +594,10 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
         ins = instrs[i]
         bad = {s.kind for s in ins.steps if s.axis == ax} - {"all_reduce", *_LOCAL_KINDS}
         why, fix = _culprit(graph)
-        return PlanError(
+        return _refused(
             f"micro-batches: the step does not split over its batch: {why}. So {where(i)} "
             f"reads {ins.ref} whole over the batch ({', '.join(sorted(bad))} over the "
-            "micro-batches), which running them one after another cannot make. Use "
-            f"microbatches=1, or {fix}")
+            "micro-batches), which running them one after another cannot make", fix)
 
     while True:                            # again once a coupling is hoisted
         copies: set[tuple] = set()
@@ -669,10 +678,10 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
         if bad and not new:             # (a hoist clears what it made: look again first)
             reader, what = bad[0]
             why, fix = _culprit(graph)
-            raise PlanError(
+            raise _refused(
                 f"micro-batches: {where(reader)} reads {what}, so every micro-batch would "
                 "have to run up to it before any goes on, which running them one after "
-                f"another cannot: {why}. Use microbatches=1, or {fix}")
+                f"another cannot: {why}", fix)
         if not new:
             break
     state_keys = [("c", r.node, r.index, layout) for r, layout in raw.state_out.values()]
@@ -682,9 +691,8 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
     for k in [*state_keys, *result_keys]:
         k = k if k in maker else ("v", k[1], k[2])
         if varies.get(k, False):
-            raise PlanError(f"micro-batches: the step's new state or result {k[1]} differs "
-                            "from one micro-batch to the next and is not summed over them; "
-                            "use microbatches=1")
+            raise _refused(f"micro-batches: the step's new state or result {k[1]} differs "
+                          "from one micro-batch to the next and is not summed over them")
         ends.append(k)
 
     def closure(roots: Sequence[int], stop: set[int]) -> set[int]:
@@ -710,16 +718,16 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
     mb = closure([*per_value, *partial_makers], ends_at) - ends_at
     late = sorted(i for i in mb if _at(i, instrs, after))
     if late:
-        raise PlanError(f"micro-batches: {where(late[0])} runs per micro-batch but reads a sum "
-                        "over the whole batch; use microbatches=1")
+        raise _refused(f"micro-batches: {where(late[0])} runs per micro-batch but reads a sum "
+                      "over the whole batch")
     step_roots = [i for i in reads if i not in mb and i not in red_set and _at(i, instrs, after)]
     step_roots += [maker[k] for k in ends if k in maker]
     step_roots += [i for i in reductions if i not in hoisted]
     step = closure(step_roots, ends_at)
     crossing = sorted(i for i in step if i not in ends_at and _at(i, instrs, varies))
     if crossing:
-        raise PlanError(f"micro-batches: {where(crossing[0])} runs once per step but reads a "
-                        "value of one micro-batch; use microbatches=1")
+        raise _refused(f"micro-batches: {where(crossing[0])} runs once per step but reads a "
+                      "value of one micro-batch")
     seen_partials: dict[Ref, ReduceOp] = {}
     for i in sorted(reductions):
         if i not in hoisted:
@@ -735,14 +743,14 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
             anc = closure([made], set())
         if any(after.get(("v", instrs[j].node.name, 0), False) for j in anc
                if isinstance(instrs[j], Compute)):
-            raise PlanError(f"micro-batches: the targets of {node.target} ({node.name}) are "
-                            "made from a sum over the batch; use microbatches=1")
+            raise _refused(f"micro-batches: the targets of {node.target} ({node.name}) are "
+                          "made from a sum over the batch")
         if any(isinstance(instrs[j], Reshard) and any(
                 st.axis == ax and st.kind not in _LOCAL_KINDS for st in instrs[j].steps)
                for j in anc):
-            raise PlanError(f"micro-batches: {where(i)} reads a value made from the batch's "
-                            f"data alone ({node.target}, {node.name}) that needs another such "
-                            "value whole over the batch first; use microbatches=1")
+            raise _refused(f"micro-batches: {where(i)} reads a value made from the batch's "
+                          f"data alone ({node.target}, {node.name}) that needs another such "
+                          "value whole over the batch first")
         hoist_ancestors[i] = sorted(anc)
     return _Cut(sorted(mb), sorted(step), set(reductions), tuple(seen_partials.items()),
                 sorted(hoisted), hoist_makers, hoist_ancestors, shapes, reads, reductions)
@@ -943,6 +951,6 @@ def _read(env: dict, copies: dict, node: str, index: int, layout: Layout | None)
     return v
 
 
-__all__ = ["MB_AXIS", "MicrobatchProgram", "Sums", "check_microbatched", "check_microbatches",
-           "lower_microbatched",
-           "hoisted_value", "microbatch_plan", "run_microbatched", "split_microbatched"]
+__all__ = ["MB_AXIS", "MicrobatchProgram", "Sums", "check_microbatched",
+           "check_microbatches", "hoisted_value", "lower_microbatched", "microbatch_plan",
+           "run_microbatched", "split_microbatched"]

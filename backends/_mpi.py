@@ -87,6 +87,8 @@ class MPICommunicator(CommBase):
         self.rank, self.world_size = self.world.Get_rank(), self.world.Get_size()
         self.records = []
         self.timeout_s = float(timeout_s)
+        # a pipeline's one-sided sends and receives while its step runs (``_rma.Mailbox``)
+        self.mailbox: Any = None
         self.device = torch.device("cpu")
         self._closed = False
         self._abandoned: list[Any] = []
@@ -205,11 +207,16 @@ class MPICommunicator(CommBase):
         self._send_start(t, dst, tag)()
 
     def _send_start(self, t, dst, tag):
+        if self.mailbox is not None and self.mailbox.carries_send(dst, tag):
+            self.mailbox.send(t, dst, tag)         # one-sided: in dst's memory already
+            return lambda: None
         src = t.contiguous()
         req = self.world.Issend(_bytes(src), dst, tag=tag)
         return lambda: self.wait(req, f"send to rank {dst}", src)
 
     def _recv(self, shape, dtype, src, tag):
+        if self.mailbox is not None and self.mailbox.carries_recv(src, tag):
+            return self.mailbox.recv(shape, dtype, src, tag)
         out = torch.empty(shape, dtype=dtype)
         status = self._MPI.Status()
         self.wait(self.world.Irecv(_bytes(out), src, tag=tag), f"recv from rank {src}", out,

@@ -789,7 +789,77 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
     """One step of stage ``sp.stage`` on this rank: ``state`` its stage's pieces, ``data`` its
     pieces of the whole batch (every stage gets the batch). Returns the results (on the last
     stage; none elsewhere) and this stage's new state. ``observer``: ``run``'s, told of every
-    part's ops and transfers."""
+    part's ops and transfers. Under ``MESHPLAN_STAGE_TRANSFERS=rma`` on an MPI communicator
+    the stages' transfers are one-sided puts (``_rma.Mailbox``), else MPI's (or the
+    communicator's) sends and receives."""
+    mail = _mailbox(sp, comm)
+    if mail is None:
+        return _run_stage(sp, comm, state, data, observer, rng, donate)
+    mail.begin()
+    comm.mailbox = mail
+    try:
+        out = _run_stage(sp, comm, state, data, observer, rng, donate)
+        # a put ends once its target's MPI has acknowledged it, which needs the target inside
+        # MPI (without an asynchronous progress thread): no rank leaves the step before every
+        # rank's last put is done
+        comm.barrier()
+        return out
+    finally:
+        comm.mailbox = None
+
+
+STAGE_TRANSFERS = "MESHPLAN_STAGE_TRANSFERS"
+
+
+def _mailbox(sp: StageProgram, comm: Any) -> Any:
+    """The one-sided mailbox of ``sp`` on ``comm`` (made on the step that first runs it:
+    collective over every rank, as every rank runs each step), or None."""
+    import os
+
+    how = os.environ.get(STAGE_TRANSFERS, "p2p")
+    if how not in ("p2p", "rma"):
+        raise LoweringError(f"{STAGE_TRANSFERS}={how!r}: use 'rma' (one-sided puts, under "
+                            "launcher='mpi') or 'p2p' (sends and receives, the default)")
+    if how != "rma":
+        return None
+    if not hasattr(comm, "mailbox"):                     # an MPICommunicator's
+        raise LoweringError(f"{STAGE_TRANSFERS}=rma: one-sided transfers are MPI RMA windows, "
+                            f"and this rank talks through {type(comm).__name__}; run with "
+                            "launcher='mpi', or unset it")
+    from ._rma import Mailbox
+
+    have = getattr(comm, "_stage_mail", None)
+    if have is not None and have[0] is sp:
+        return have[1]
+    if have is not None:
+        have[1].close()
+    mail = Mailbox(comm, stage_receives(sp, comm.rank))
+    comm._stage_mail = (sp, mail)
+    return mail
+
+
+def stage_receives(sp: StageProgram, rank: int) -> list[tuple[int, int, int]]:
+    """``(src, tag, nbytes)`` of every receive of one step of ``sp`` on ``rank``, in the order
+    ``run_pipeline`` makes them (the state other stages send once, then each part's, then the
+    step part's)."""
+    def size(shape: Sequence[int], dtype: str) -> int:
+        if dtype.startswith("scalar:"):               # a host scalar: sent as float64
+            return 8
+        return math.prod(shape) * getattr(torch, dtype).itemsize
+
+    out = [(owner, 0, size(shape, dtype)) for _, _, owner, readers, shape, dtype
+           in sp.prologue if rank in readers]
+    programs = [sp.parts[(kind, chunk)][j] for kind, chunk, j in
+                device_orders(sp.schedule, sp.stages, sp.m, sp.v)[sp.stage]] + [sp.step]
+    for program in programs:
+        out.extend((ins.peer, ins.tag, size(ins.shape, ins.dtype))
+                   for ins in program.instructions if isinstance(ins, Recv))
+    return out
+
+
+def _run_stage(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
+               data: Mapping[str, Tensor], observer: Any, rng: StepRNG | None,
+               donate: bool) -> tuple[list[Tensor], dict[str, Tensor]]:
     m = sp.m
     pieces = [{k: (v.chunk(m, sp.split[k])[j].contiguous() if k in sp.split else v)
                for k, v in data.items()} for j in range(m)]
@@ -829,4 +899,5 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
     return out
 
 
-__all__ = ["StageProgram", "Stages", "lower_pipeline", "run_pipeline"]
+__all__ = ["STAGE_TRANSFERS", "StageProgram", "Stages", "lower_pipeline", "run_pipeline",
+           "stage_receives"]

@@ -33,13 +33,16 @@ the price of a core each spinning: not the default on a 2-core host. On a cluste
 network the NIC serves the reads and writes. Used by the runtime on the MPI launcher (see
 ``runtime/_handlers.py``): ``get_state`` (rank 0 reads every rank's state pieces one-sidedly)
 and ``share_state`` (a rank holding a replica of a state piece reads it from the one rank the
-controller sent it to).
+controller sent it to); and, with ``MESHPLAN_STAGE_TRANSFERS=rma``, by pipeline stages for
+their activations and gradients (``Mailbox``, below).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -50,7 +53,7 @@ from .._errors import LoweringError, RuntimeFailure
 from ._comm import check_group
 from ._mpi import MPICommunicator
 
-__all__ = ["Transfer", "TransferRecord"]
+__all__ = ["Mailbox", "Transfer", "TransferRecord"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +163,16 @@ class Transfer:
         src = tensor.detach().to("cpu").contiguous()
         self._rma("put", w, rank, i, name, src, offset * dtype.itemsize)
 
+    def local(self, name: str) -> torch.Tensor:
+        """This member's exposed tensor ``name``, with every put that completed on it before
+        visible (a lock epoch on its own window: ``Win.Sync`` inside ``Lock``/``Unlock``)."""
+        w = self._window(name, "local")
+        me = self._index(self.comm.rank, "local")
+        w.win.Lock(me, self._MPI.LOCK_SHARED)
+        w.win.Sync()
+        w.win.Unlock(me)
+        return w.tensor
+
     def sync(self) -> None:
         """Collective over the group: every put that completed before is visible everywhere."""
         self.comm.barrier(self.group) if len(self.group) > 1 else None
@@ -232,3 +245,108 @@ class Transfer:
             "Transfer.expose", send, out, data)
         return [json.loads(out[int(d):int(d) + int(s)].tobytes())
                 for d, s in zip(displs, sizes)]
+
+
+_ALIGN = 64                               # each message's slot starts on a cache line
+
+
+class Mailbox:
+    """A pipeline's sends and receives as one-sided puts (``MESHPLAN_STAGE_TRANSFERS=rma``
+    under ``launcher="mpi"``; ``backends/_pipeline_run.py``).
+
+    A stage's transfers of one step are known before it runs: each receive's source, tag and
+    size. So every rank exposes an inbox (one slot of bytes per receive of a step, the
+    ``k``-th receive from ``src`` with ``tag`` in slot ``(src, tag, k)``) and a flag per slot,
+    and tells every sender where its messages go (JSON, once). A send is two puts into the
+    receiver's memory: the bytes into their slot, then, once they are there (the first put's
+    epoch closed), the step's number into the slot's flag. A receive waits for its flag to
+    read this step's number, polling its own window (so MPI progresses the puts meanwhile)
+    until the communicator's ``timeout_s``, and copies the bytes out. The receiver posts
+    nothing. The ``k``-th send to a peer with a tag meets that peer's ``k``-th receive from
+    this rank with it, as MPI's two-sided matching does (the lowering checked the stages'
+    orders against it).
+
+    A slot is written again only in the next step, which the controller starts once every
+    rank has answered this one, so a slot is read before it is overwritten. Construction is
+    collective over every rank: ``receives`` is this rank's, ``(src, tag, nbytes)`` in the
+    order it takes them within a step.
+    """
+
+    def __init__(self, comm: MPICommunicator,
+                 receives: Sequence[tuple[int, int, int]]) -> None:
+        self.comm = comm
+        self.transfer = Transfer(comm)
+        self.step = 0
+        slots: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+        counts: dict[tuple[int, int], int] = {}
+        offset = 0
+        for src, tag, nbytes in receives:
+            k = counts.get((src, tag), 0)
+            counts[(src, tag)] = k + 1
+            slots[(src, tag, k)] = (offset, int(nbytes), len(slots))
+            offset += -(-int(nbytes) // _ALIGN) * _ALIGN
+        self.inbox = self.transfer.expose("inbox", torch.zeros(max(offset, 1), dtype=torch.uint8))
+        self.flags = self.transfer.expose("flags", torch.zeros(max(len(slots), 1),
+                                                               dtype=torch.int64))
+        tables = self.transfer._allgather_bytes(json.dumps(
+            [[src, tag, k, *slot] for (src, tag, k), slot in slots.items()]).encode())
+        self.receives = slots
+        self.sends = {(dst, tag, k): (o, n, f) for dst, table in enumerate(tables)
+                      for src, tag, k, o, n, f in table if src == comm.rank}
+        self._sent: dict[tuple[int, int], int] = {}
+        self._taken: dict[tuple[int, int], int] = {}
+
+    def begin(self) -> None:
+        """A new step: its messages' numbering starts again."""
+        self.step += 1
+        self._sent.clear()
+        self._taken.clear()
+        self.transfer.records.clear()          # (the communicator records each send/recv)
+
+    def carries_send(self, dst: int, tag: int) -> bool:
+        return (dst, tag, self._sent.get((dst, tag), 0)) in self.sends
+
+    def carries_recv(self, src: int, tag: int) -> bool:
+        return (src, tag, self._taken.get((src, tag), 0)) in self.receives
+
+    def send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        """Put ``t`` in ``dst``'s slot for it, then raise its flag. Returns once both are in
+        ``dst``'s memory."""
+        k = self._sent.get((dst, tag), 0)
+        offset, nbytes, flag = self.sends[(dst, tag, k)]
+        data = t.detach().to("cpu").contiguous().reshape(-1)
+        if data.nbytes != nbytes:
+            raise LoweringError(f"send to rank {dst} (tag {tag}, message {k} of the step): rank "
+                                f"{dst} takes {nbytes} bytes there, this rank sends "
+                                f"{data.nbytes}: the stages' programs disagree (a meshplan "
+                                "bug: please report it with the step)")
+        self._sent[(dst, tag)] = k + 1
+        if nbytes:
+            self.transfer.put(dst, "inbox", data.view(torch.uint8), offset=offset)
+        self.transfer.put(dst, "flags", torch.tensor([self.step], dtype=torch.int64),
+                          offset=flag)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int,
+             tag: int) -> torch.Tensor:
+        """The next tensor ``src`` puts here with ``tag`` this step, once its flag is up."""
+        k = self._taken.get((src, tag), 0)
+        offset, nbytes, flag = self.receives[(src, tag, k)]
+        want = torch.Size(shape).numel() * dtype.itemsize
+        if want != nbytes:
+            raise LoweringError(f"recv from rank {src} (tag {tag}): a {tuple(shape)} {dtype} "
+                                f"tensor is {want} bytes, its slot {nbytes}")
+        self._taken[(src, tag)] = k + 1
+        deadline = time.monotonic() + self.comm.timeout_s
+        while int(self.transfer.local("flags")[flag]) != self.step:
+            if time.monotonic() >= deadline:
+                raise RuntimeFailure(
+                    f"recv from rank {src} (tag {tag}, one-sided) timed out on rank "
+                    f"{self.comm.rank} after {self.comm.timeout_s:g} s (MPI): rank {src} never "
+                    "put it; stop the job")
+            os.sched_yield()
+        out = self.inbox[offset:offset + nbytes].clone()
+        return out.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+
+    def close(self) -> None:
+        """Collective over every rank: free the windows."""
+        self.transfer.close()

@@ -25,6 +25,9 @@ global batches for every variant:
   ZB-H1 (its zero-bubble schedules, ``ScheduleInterleavedZeroBubble`` and
   ``ScheduleZBVZeroBubble``, hold several stages per rank): ``meshplan-zb-h1`` is set against
   torch's 1F1B, the schedule it improves on.
+- ``meshplan-1f1b-mpi`` / ``meshplan-1f1b-mpi-rma``: 1F1B under ``launcher="mpi"`` (mpiexec),
+  the stages' transfers MPI's sends and receives, or one-sided puts into the receiver's
+  window (``MESHPLAN_STAGE_TRANSFERS=rma``, ``backends/_rma.py``'s ``Mailbox``).
 
 Times: the baselines time each step on every rank after a barrier and keep the slowest;
 meshplan is timed around each call on the controller (split the batch, the round trip,
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import meshplan
+from meshplan.backends._pipeline_run import STAGE_TRANSFERS
 from meshplan.benchmarks.step_time import (CLIP, CONFIG, SEED, TIMEOUT_S, Result, _batches,
                                            _free_port, _rss_kib, _threads, measure_mesh,
                                            spawn_ranks)
@@ -56,7 +60,8 @@ from meshplan.examples import gpt
 from meshplan.examples._common import decay_groups, make_optimizer
 
 VARIANTS = ("torch-gpipe", "torch-1f1b", "torch-interleaved", "meshplan-gpipe", "meshplan-1f1b",
-            "meshplan-interleaved", "meshplan-zb-h1")
+            "meshplan-interleaved", "meshplan-zb-h1", "meshplan-1f1b-mpi",
+            "meshplan-1f1b-mpi-rma")
 
 
 class _Stage(nn.Module):
@@ -170,10 +175,13 @@ def run_torch(schedule: str, p: int, m: int, v: int, skip: int, steps: int) -> R
 def run_meshplan(variant: str, p: int, m: int, v: int, warmup: int, steps: int) -> Result:
     ex = gpt.build(config=CONFIG, optimizer="adamw", clip=CLIP, seed=SEED)
     batches = _batches(2 + warmup + steps)
+    words = variant.split("-")
     step = meshplan.distribute(ex.step, mesh={"pp": p}, microbatches=m, topology="cpu",
-                               schedule=variant.split("-", 1)[1], example_inputs=batches[0],
-                               timeout_s=TIMEOUT_S, telemetry=False)
-    r = measure_mesh(step, batches, warmup, variant, p)
+                               schedule="-".join(w for w in words[1:] if w not in ("mpi", "rma")),
+                               example_inputs=batches[0], timeout_s=TIMEOUT_S, telemetry=False,
+                               launcher="mpi" if "mpi" in words else "local")
+    r = measure_mesh(step, batches, warmup, variant, p,
+                     env={STAGE_TRANSFERS: "rma" if "rma" in words else "p2p"})
     got = step.pipeline
     if not r.error and variant.endswith("interleaved") and got.virtual_stages != v:
         return Result(variant=variant, ranks=p, error=f"planned {got.virtual_stages} chunks "

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +31,7 @@ from .._errors import LoweringError, MeshplanError, PlanError, RuntimeFailure
 from ..backends import assemble, holds_zeros, local_slices, rank_coords, split_inputs
 from ..backends._microbatch import (check_microbatched, check_microbatches, microbatch_plan,
                                     split_microbatched)
-from ..backends._pipeline_run import RUNS, Stages, lower_pipeline
+from ..backends._pipeline_run import RUNS, STAGE_TRANSFERS, Stages, lower_pipeline
 from ..frontend import trace
 from ..frontend._precision import check as check_precision
 from ..frontend._precision import precision as precision_policy
@@ -519,6 +518,11 @@ class DistributedStep:
         m = None if self._mb_asked is None else self.microbatches
         named = _mesh_text(self.mesh)
         fallback = None
+        if os.environ.get(STAGE_TRANSFERS) == "rma" and self.launcher != "mpi":
+            raise RuntimeFailure(
+                f"{self.__name__}: {STAGE_TRANSFERS}=rma (the stages' transfers as one-sided "
+                f"puts) needs launcher='mpi', whose ranks have MPI RMA windows; this run's "
+                f"launcher is {self.launcher!r}: pass launcher='mpi', or unset it")
         if m == 1:
             raise RuntimeFailure(
                 f"{self.__name__}: distribute(microbatches=1) on mesh {named}: the stages run "
@@ -544,14 +548,12 @@ class DistributedStep:
                 pplan = planned(2)
             try:
                 check_microbatched(microbatch_plan(pplan.inner, pplan.microbatches))
-            except PlanError as e:           # microbatches=1 is no way out on stages
-                fix = re.search(r"\. Use microbatches=1, or (change that op|run the model "
-                                r"batch-first)( \(an RNN layer: microbatches=1\))?$", str(e))
-                why = str(e)[:fix.start()] if fix else re.sub(r"; use microbatches=1$", "",
-                                                               str(e))
-                raise PlanError(f"{why}. On mesh {named} the stages always run in "
-                                f"micro-batches: {fix.group(1) if fix else 'change that op'}, "
-                                f"or run without '{PP_AXIS}'") from None
+            except PlanError as e:            # microbatches=1 is no way out on stages
+                if not hasattr(e, "why"):
+                    raise
+                raise PlanError(f"{e.why}. On mesh {named} the stages always run in "
+                                f"micro-batches: {e.fix or 'change that op'}, or run without "
+                                f"'{PP_AXIS}'") from None
             if pplan.schedule != "gpipe":     # what its order cannot run, said here
                 try:
                     lower_pipeline(Stages.of(pplan), 0, kernels=False, free_early=False)
@@ -572,8 +574,9 @@ class DistributedStep:
                                 raise
                     logger.warning("meshplan: %s: %s; planning %s instead", self.__name__,
                                    fallback, pplan.schedule)
-        except (PlanError, LoweringError) as e:
-            raise RuntimeFailure(f"{self.__name__}: {e}") from None
+        except (PlanError, LoweringError) as e:     # as a mesh without stages raises it
+            raise (PlanError if isinstance(e, PlanError) else LoweringError)(
+                f"{self.__name__}: {e}") from None
         self._use_pipeline(pplan, f"{pplan.schedule}, as asked, " if self._schedule else
                            f"{pplan.schedule} ({fallback}), " if fallback else
                            f"{pplan.schedule} (the fastest of {', '.join(RUNS)}, the "

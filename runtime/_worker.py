@@ -110,6 +110,12 @@ def _ping(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
 @register(SHUTDOWN)
 def _shutdown(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     state.stopping = True
+    # a pipeline's one-sided windows (``MESHPLAN_STAGE_TRANSFERS=rma``): freed with every
+    # rank (collective, as every rank is told to stop), not left to MPI's finalisation
+    mail = getattr(getattr(state.ns, "comm", None), "_stage_mail", None)
+    if mail is not None:
+        state.ns.comm._stage_mail = None
+        mail[1].close()
     return {"rank": state.rank}, []
 
 

@@ -123,8 +123,8 @@ def test_what_cannot_run_in_microbatches_is_refused_by_name() -> None:
                       strategy="dp")
     with pytest.raises(PlanError, match=r"_unsafe_view.* at .*test_microbatch.py:\d+.* merges "
                                         r"the batch's dim .*\[3, 4, 8\] -> \[12, 8\].*run it "
-                                        r"batch-first.*nn.GRU, nn.LSTM.*or run the model "
-                                        r"batch-first \(an RNN layer: microbatches=1\)$"):
+                                        r"batch-first.*nn.GRU, nn.LSTM.*Use microbatches=1, "
+                                        r"or run the model batch-first$"):
         lower_microbatched(microbatch_plan(plan, 2), 0)
     with pytest.raises(meshplan.RuntimeFailure, match=r"microbatches=2, calibrate=True"):
         meshplan.distribute(lambda x: x, mesh={"dp": 2}, microbatches=2, calibrate=True)

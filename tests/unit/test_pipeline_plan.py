@@ -152,9 +152,11 @@ def test_bad_input_is_named(graph) -> None:
         plan_pipeline(flat, {"pp": 2}, topology="h100")
 
 
-def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> None:
+def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph,
+                                                                      monkeypatch) -> None:
     """``plan_graph`` makes one mesh's layouts, no stages: it names ``plan_pipeline``.
-    ``distribute`` runs stages, and refuses by name what they do not do yet."""
+    ``distribute`` runs stages, and refuses by name what they do not do yet, and one-sided
+    stage transfers off MPI before any rank starts."""
     with pytest.raises(PlanError, match="plan_pipeline"):
         plan_graph(graph, {"pp": 2, "dp": 2}, topology="h100")
     ex = gpt.build(config=CONFIG)
@@ -170,6 +172,10 @@ def test_plan_graph_refuses_a_pp_axis_and_distribute_what_stages_lack(graph) -> 
     step = meshplan.distribute(ex.step, mesh={"pp": 2})        # the default: off, and said
     assert not step.fault_tolerance and "pipeline stages are not built" in \
         step.fault_tolerance_note
+    monkeypatch.setenv("MESHPLAN_STAGE_TRANSFERS", "rma")
+    with pytest.raises(meshplan.RuntimeFailure, match=r"=rma .* needs launcher='mpi'.* "
+                                                      r"launcher is 'local'"):
+        meshplan.distribute(ex.step, mesh={"pp": 2}, example_inputs=ex.batch(0)).plan
     plan_graph(graph, {"pp": 1, "dp": 2}, topology="h100")      # one stage: an ordinary mesh
 
 
@@ -359,7 +365,8 @@ def test_a_step_that_does_not_split_over_micro_batches_is_refused_on_stages() ->
     """A loss without a sharding rule (``multi_margin_loss``) runs on the whole batch at once,
     so no micro-batch can go on alone: on a ``pp`` mesh, where the stages always run
     micro-batches, the refusal names the op and says what to do there, without the
-    ``microbatches=1`` a mesh without stages offers."""
+    ``microbatches=1`` a mesh without stages offers, as the ``PlanError`` a mesh without
+    stages raises."""
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(
@@ -368,7 +375,7 @@ def test_a_step_that_does_not_split_over_micro_batches_is_refused_on_stages() ->
 
     step = meshplan.distribute(train_step, mesh={"pp": 2}, microbatches=2,
                                example_inputs=(torch.randn(8, 8), torch.randint(0, 3, (8,))))
-    with pytest.raises(meshplan.RuntimeFailure) as got:
+    with pytest.raises(meshplan.PlanError) as got:
         step.plan
     text = str(got.value)
     assert "multi_margin_loss" in text and "has no sharding rule" in text, text

@@ -62,6 +62,51 @@ def _rma(comm: MPICommunicator) -> dict:
     return out
 
 
+def _mailbox(comm: MPICommunicator) -> dict:
+    """A pipeline's sends as one-sided puts (``Mailbox``): each rank takes, from its left
+    neighbour, tag 3 twice then tag 5 (a 0-d float64, a bool mask, an empty and a bf16
+    tensor) in two steps, through the communicator's ``send_start``/``recv``; the neighbour
+    sends tag 5 first. A send of the wrong size is refused by name."""
+    from meshplan.backends._rma import Mailbox
+
+    r, n = comm.rank, comm.world_size
+    left, right = (r - 1) % n, (r + 1) % n
+    takes = [(3, (2, 3), torch.float32), (3, (), torch.float64), (5, (4,), torch.bool),
+             (5, (0,), torch.float32), (5, (3,), torch.bfloat16)]
+
+    def value(src: int, step: int, i: int, shape, dtype) -> torch.Tensor:
+        return (torch.arange(max(1, torch.Size(shape).numel())) + 100 * src + 10 * step + i
+                )[:torch.Size(shape).numel()].reshape(shape).remainder(7).to(dtype)
+
+    mail = Mailbox(comm, [(left, tag, torch.Size(shape).numel() * dtype.itemsize)
+                          for tag, shape, dtype in takes])
+    out: dict = {"got": []}
+    comm.mailbox = mail
+    try:
+        for step in (1, 2):
+            mail.begin()
+            comm.records.clear()
+            order = [i for i, t in enumerate(takes) if t[0] == 5] + \
+                [i for i, t in enumerate(takes) if t[0] == 3]
+            for i in order:
+                tag, shape, dtype = takes[i]
+                comm.send_start(value(r, step, i, shape, dtype), right, tag).wait()
+            out["got"].append([comm.recv(shape, dtype, left, tag) for tag, shape, dtype in takes])
+            out["want"] = [value(left, step, i, shape, dtype)
+                           for i, (_, shape, dtype) in enumerate(takes)]
+            out["kinds"] = sorted({rec.kind.value for rec in comm.records})
+        try:
+            mail.begin()
+            mail.send(torch.ones(5), right, 3)
+        except LoweringError as exc:
+            out["wrong_size"] = str(exc)
+    finally:
+        comm.mailbox = None
+        comm.barrier()
+        mail.close()
+    return out
+
+
 def main(outdir: Path) -> None:
     torch.set_num_threads(1)
     comm = MPICommunicator(_declared(int(os.environ.get("PMI_SIZE", "0")) or 2), timeout_s=60)
@@ -70,6 +115,7 @@ def main(outdir: Path) -> None:
     out = _program(comm)
     out["is_communicator"] = isinstance(comm, Communicator)
     out["rma"] = _rma(comm)
+    out["mailbox"] = _mailbox(comm)
     comm.barrier()
     if world == 2:                               # rank 1 never joins: rank 0 times out
         comm2 = MPICommunicator(timeout_s=TIMEOUT_S, comm=comm.world.Dup())
