@@ -74,11 +74,57 @@ def _table(title: str, cols: tuple[str, ...], rows: list[tuple], right: tuple[st
 
 # ---- show ----------------------------------------------------------------------------------------
 
+def show_data(path: str) -> dict[str, Any]:
+    """What ``plan show --json`` prints of the plan file ``path`` (``meshplan serve`` too):
+    the plan report with its kernels; a pipeline plan's stages beside its inner plan's."""
+    from .backends._kernels import kernels_report
+    from .planner import PipelinePlan, plan_report
+    from .planner._pipeline import is_pipeline_file
+
+    if is_pipeline_file(path):
+        pplan = PipelinePlan.load(path)
+        rep = plan_report(pplan.inner)
+        rep["kernels"] = kernels_report(pplan.inner)
+        body = pplan.to_dict()
+        del body["inner_plan"]
+        return {"pipeline": body, "inner": rep}
+    plan = _load(path)
+    rep = plan_report(plan)
+    rep["kernels"] = kernels_report(plan)
+    return rep
+
+
+def explain_data(path: str, node: str | None) -> dict[str, Any]:
+    """What ``plan explain --json`` prints: why ``node`` got its layout (with its stage, in a
+    pipeline plan), or without a node a pipeline plan's stage split."""
+    from .planner import explain
+    from .planner._pipeline import is_pipeline_file
+
+    if is_pipeline_file(path):
+        from .planner import PipelinePlan
+        from .planner._pipeline_explain import explain_pipeline
+
+        pplan = PipelinePlan.load(path)
+        if not node:
+            return explain_pipeline(pplan)
+        ex = explain(pplan.inner, node)
+        ex["stage"] = _stage_of_node(pplan, node)
+        return ex
+    if not node:
+        raise PlanError(f"meshplan plan explain {path}: name the node to explain with "
+                        "--node NAME (`meshplan plan show --json` lists them); only a pipeline "
+                        "plan is explained without one (its stage split)")
+    return explain(_load(path), node)
+
+
 def cmd_plan_show(args: argparse.Namespace) -> int:
     from .planner import plan_report, render_html
 
     from .planner._pipeline import is_pipeline_file
 
+    if args.json:
+        print(json.dumps(show_data(args.plan), indent=2, allow_nan=False))
+        return 0
     if is_pipeline_file(args.plan):
         return _show_pipeline(args)
     plan = _load(args.plan)
@@ -88,9 +134,6 @@ def cmd_plan_show(args: argparse.Namespace) -> int:
     from .backends._kernels import kernels_report
 
     rep["kernels"] = kernels_report(plan)
-    if args.json:
-        print(json.dumps(rep, indent=2, allow_nan=False))
-        return 0
     print_report(rep)
     return 0
 
@@ -120,11 +163,6 @@ def _show_pipeline(args: argparse.Namespace) -> int:
         return _write_html(args.html, render_pipeline_html(pplan))
     rep = plan_report(pplan.inner)
     rep["kernels"] = kernels_report(pplan.inner)
-    if args.json:
-        body = pplan.to_dict()
-        del body["inner_plan"]
-        print(json.dumps({"pipeline": body, "inner": rep}, indent=2, allow_nan=False))
-        return 0
     console = _console()
     console.print(pplan.summary())
     console.print(pplan.schedule_text())
@@ -206,6 +244,9 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     from .planner import explain
     from .planner._pipeline import is_pipeline_file
 
+    if args.json:
+        print(json.dumps(explain_data(args.plan, args.node), indent=2, allow_nan=False))
+        return 0
     where = ""
     if is_pipeline_file(args.plan):
         from .planner import PipelinePlan
@@ -213,9 +254,7 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
 
         pplan = PipelinePlan.load(args.plan)
         if not args.node:
-            got = explain_pipeline(pplan)
-            print(json.dumps(got, indent=2, allow_nan=False) if args.json
-                  else explain_pipeline_text(got), flush=True)
+            print(explain_pipeline_text(explain_pipeline(pplan)), flush=True)
             return 0
         plan = pplan.inner
         where = _stage_of_node(pplan, args.node)
@@ -226,11 +265,6 @@ def cmd_plan_explain(args: argparse.Namespace) -> int:
     else:
         plan = _load(args.plan)
     ex = explain(plan, args.node)
-    if where:
-        ex["stage"] = where
-    if args.json:
-        print(json.dumps(ex, indent=2, allow_nan=False))
-        return 0
     con = _console()
     if where:
         con.print(f"  {where}", markup=False)

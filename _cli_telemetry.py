@@ -16,6 +16,7 @@ import decimal
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,18 @@ def add_telemetry_commands(sub: argparse._SubParsersAction) -> None:
     i = ts.add_parser("ingest", help="load new Parquet segments into the database")
     common(i)
     i.set_defaults(func=_guarded(cmd_ingest))
+
+    v = sub.add_parser("serve", help="the telemetry store, runs and plans over HTTP for agents "
+                                     "and tools (read-only, token required)")
+    v.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: loopback only)")
+    v.add_argument("--port", type=int, default=None,
+                   help="port (default 8765; 0: any free port, printed)")
+    v.add_argument("--token", help="the bearer token every request must send (default: "
+                                   "$MESHPLAN_TOKEN, else a new one, printed)")
+    v.add_argument("--plans", help="a folder of plan files to serve at /v1/plans")
+    common(v)
+    v.set_defaults(func=_guarded(cmd_serve))
 
 
 def _quiet_store_log() -> None:
@@ -172,4 +185,32 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         print(f"skipped unreadable segment {path} ({why})", file=sys.stderr, flush=True)
     print(f"ingested {r.rows} rows from {r.segments} segments into {db}"
           + (f"; skipped {len(r.skipped)} unreadable segments" if r.skipped else ""))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``meshplan serve``: open the store, print the address and token, answer until
+    interrupted (``telemetry/_serve.py``)."""
+    from .telemetry._serve import DEFAULT_PORT, TOKEN_ENV, make_server
+
+    store = _open(args, must_exist=False)
+    port = DEFAULT_PORT if args.port is None else args.port
+    server, service = make_server(store, host=args.host, port=port, token=args.token,
+                                  plans=args.plans)
+    host, port = server.server_address[:2]
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"meshplan serve: listening on {host}, not loopback: the token and the data "
+              "travel without TLS", file=sys.stderr, flush=True)
+    generated = not args.token and not os.environ.get(TOKEN_ENV)
+    told = f"  token: {service.token}\n" if generated else ""
+    print(f"meshplan serve: http://{host}:{port} ({store.source})\n{told}"
+          f"  try: curl -H 'Authorization: Bearer TOKEN' http://{host}:{port}/SKILL.md",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        store.close()
     return 0
