@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[mpi,kernels,k8s,test]"
+	$(PY) -m pip install --quiet -e ".[mpi,kernels,k8s,agents,test]"
 	touch $@
 
 demo: $(VENV)/.installed

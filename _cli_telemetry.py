@@ -70,6 +70,12 @@ def add_telemetry_commands(sub: argparse._SubParsersAction) -> None:
     common(v)
     v.set_defaults(func=_guarded(cmd_serve))
 
+    mc = sub.add_parser("mcp", help="the tools of `meshplan serve` as an MCP server on stdio "
+                                    "(for agents; needs meshplan[agents])")
+    mc.add_argument("--plans", help="a folder of plan files to serve")
+    common(mc)
+    mc.set_defaults(func=_guarded(cmd_mcp))
+
 
 def _quiet_store_log() -> None:
     """The commands say themselves where they read from and what they skipped, once."""
@@ -212,5 +218,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pass
     finally:
         server.server_close()
+        store.close()
+    return 0
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``meshplan mcp``: the store's tools over stdio (``telemetry/_mcp.py``); stdout is the
+    protocol's, so everything else goes to stderr."""
+    from .telemetry._mcp import run_stdio
+
+    store = _open(args, must_exist=False)
+    try:
+        run_stdio(store, args.plans)
+    finally:
         store.close()
     return 0

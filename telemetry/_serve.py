@@ -29,7 +29,7 @@ Errors are JSON: ``{"error": {"type": ..., "message": ...}}`` with ``type`` one 
 
 The store is opened once (``Store.open``: when a running job's controller holds the database,
 its finished segments are read directly instead) and new segments are ingested at most every
-``REFRESH_S`` seconds before a query. Live workers are not reached: a running job's rows
+``REFRESH_S`` seconds before a query. Queries run one at a time. Live workers are not reached: a running job's rows
 appear as its segments land. No TLS: bind to loopback (the default) or put it behind a proxy
 that terminates TLS.
 """
@@ -137,19 +137,25 @@ class Service:
               timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
         """One read-only statement: its columns, at most ``max_rows`` rows, and whether more
         were left out."""
-        import duckdb
-
         _check_read_only(sql)
         self._refresh()
-        cur = self.store._con.cursor()
+        # one query at a time on the store's own connection: a cursor would not see the
+        # datasets a store reading segments registered on it (they are per connection)
+        with self._lock:
+            return self._run(sql, max_rows, timeout_s)
+
+    def _run(self, sql: str, max_rows: int, timeout_s: float) -> dict[str, Any]:
+        import duckdb
+
+        con = self.store._con
         done = threading.Event()
 
         def stop() -> None:
             if not done.wait(timeout_s):
-                cur.interrupt()
+                con.interrupt()
         threading.Thread(target=stop, daemon=True, name="meshplan-serve-timeout").start()
         try:
-            rel = cur.sql(sql)
+            rel = con.sql(sql)
             table = rel.limit(max_rows + 1).to_arrow_table() if rel is not None else None
         except duckdb.InterruptException:
             raise ApiError(408, "timeout", f"the query ran past timeout_s={timeout_s:g} and "
@@ -162,7 +168,6 @@ class Service:
                                            "tables and their columns)")
         finally:
             done.set()
-            cur.close()
         if table is None:
             return {"columns": [], "rows": [], "row_count": 0, "truncated": False}
         from .._cli_telemetry import json_safe
@@ -199,9 +204,8 @@ class Service:
         if self.store.fallback or time.monotonic() - self._refreshed < REFRESH_S:
             return
         with self._lock:
-            if time.monotonic() - self._refreshed >= REFRESH_S:
-                self._refreshed = time.monotonic()
-                self.store.ingest()
+            self._refreshed = time.monotonic()
+            self.store.ingest()
 
     def _plan_files(self) -> list[Path]:
         if self.plans is None:

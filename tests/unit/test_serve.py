@@ -1,6 +1,7 @@
 """``meshplan serve`` (``telemetry/_serve.py``) through a real HTTP client (requests): the
 token, read-only SQL over the store with its refusals, row limit and timeout, the runs, the
-plans, the OpenAPI document (checked by openapi-spec-validator) and typed errors.
+plans, the OpenAPI document (checked by openapi-spec-validator) and typed errors; and
+``meshplan mcp`` (``telemetry/_mcp.py``) through the MCP client library on stdio.
 
 The store holds ``test_telemetry_store``'s hand-made runs: ``r1`` (6 steps on 4 ranks, no
 failure) and ``r2`` (3 steps, a failure), so the counts below are exact.
@@ -54,7 +55,7 @@ def api(tmp_path_factory):
     server, _ = make_server(store, port=0, token=TOKEN, plans=plans)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield url, plans
+    yield url, plans, db
     server.shutdown()
     server.server_close()
     store.close()
@@ -77,7 +78,7 @@ def _error(r: requests.Response, status: int, kind: str, words: str = "") -> Non
 
 
 def test_every_request_needs_the_token(api) -> None:
-    url, _ = api
+    url, _, _ = api
     for token in (None, "wrong", TOKEN + "x"):
         r = _get(url, "/SKILL.md", token)
         _error(r, 401, "unauthorized", "Authorization: Bearer")
@@ -90,7 +91,7 @@ def test_every_request_needs_the_token(api) -> None:
 
 
 def test_read_only_sql_with_limits_and_typed_errors(api) -> None:
-    url, _ = api
+    url, _, _ = api
     r = _sql(url, "SELECT rank, count(*) AS n FROM steps WHERE run_id = 'r1' GROUP BY rank "
                   "ORDER BY rank")
     assert r.status_code == 200
@@ -129,7 +130,7 @@ def test_read_only_sql_with_limits_and_typed_errors(api) -> None:
 def test_runs_plans_and_the_openapi_document(api) -> None:
     from openapi_spec_validator import validate
 
-    url, plans = api
+    url, plans, _ = api
     runs = {r["run_id"]: r for r in _get(url, "/v1/runs").json()["runs"]}
     assert runs["r1"]["steps"] == 6 and runs["r1"]["failures"] == 0 and runs["r1"]["recovered"]
     assert runs["r2"]["steps"] == 3 and runs["r2"]["failures"] == 1
@@ -168,3 +169,53 @@ def test_the_cli_prints_where_and_the_token(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_the_mcp_server_answers_a_real_mcp_client(api) -> None:
+    """``meshplan mcp`` started by the MCP SDK's stdio client: its tools, their answers
+    (the store is held by this process's server, so it reads the segments), and typed
+    errors as the tools' errors."""
+    import json
+
+    import anyio
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    url, plans, db = api
+
+    async def talk() -> dict:
+        params = StdioServerParameters(command=sys.executable, args=[
+            "-m", "meshplan", "mcp", "--db", str(db), "--plans", str(plans)])
+        out: dict = {}
+        async with stdio_client(params) as (read, write):
+            async with ClientSession(read, write) as session:
+                init = await session.initialize()
+                out["instructions"] = init.instructions
+                out["tools"] = sorted(t.name for t in (await session.list_tools()).tools)
+                for key, name, args in (
+                        ("count", "query", {"sql": "SELECT count(*) AS n FROM steps"}),
+                        ("few", "query", {"sql": "SELECT * FROM steps", "max_rows": 2}),
+                        ("delete", "query", {"sql": "DELETE FROM steps"}),
+                        ("typo", "query", {"sql": "SELEC 1"}),
+                        ("runs", "runs", {}), ("plans", "plans", {}),
+                        ("show", "plan_show", {"name": "mlp.plan"}),
+                        ("missing", "plan_show", {"name": "nosuch.plan"}),
+                        ("schema", "schema", {})):
+                    res = await session.call_tool(name, args)
+                    text = res.content[0].text
+                    out[key] = (res.is_error, text if res.is_error else json.loads(text))
+        return out
+
+    got = anyio.run(talk)
+    assert "GET /v1/schema" in got["instructions"]
+    assert got["tools"] == ["plan_explain", "plan_show", "plans", "query", "runs", "schema"]
+    assert got["count"] == (False, {"columns": [{"name": "n", "type": "int64"}],
+                                    "rows": [[36]], "row_count": 1, "truncated": False})
+    assert got["few"][1]["row_count"] == 2 and got["few"][1]["truncated"]
+    for key, words in (("delete", "refused: DELETE is not allowed"),
+                       ("typo", "bad_sql: Parser Error"), ("missing", "not_found: no plan")):
+        assert got[key][0] and words in got[key][1], (key, got[key])
+    assert {r["run_id"] for r in got["runs"][1]["runs"]} == {"r1", "r2"}
+    assert got["plans"] == (False, {"plans": ["mlp.plan"]})
+    assert got["show"] == (False, show_data(str(plans / "mlp.plan")))
+    assert "steps" in got["schema"][1]["tables"]
