@@ -22,12 +22,11 @@ A refused or bad request comes back as the tool's error (``is_error``), its text
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from .._errors import TelemetryError
-from ._serve import (DEFAULT_ROWS, DEFAULT_TIMEOUT_S, ApiError, Service, _query_args, schema,
-                     skill)
+from ._serve import (DEFAULT_ROWS, DEFAULT_TIMEOUT_S, ApiError, Service, _query_args,
+                     plans_folder, schema, skill)
 
 
 def build(service: Service) -> Any:
@@ -87,13 +86,7 @@ def build(service: Service) -> Any:
 
 def run_stdio(store: Any, plans: str | None) -> None:
     """Serve ``store`` (and the plan files of ``plans``) over stdio until the client leaves."""
-    folder = None
-    if plans is not None:
-        folder = Path(plans).resolve()
-        if not folder.is_dir():
-            raise TelemetryError(f"--plans {plans}: not a folder; give the folder that holds "
-                                 "the plan files to serve")
-    build(Service(store, token="", plans=folder)).run("stdio")
+    build(Service(store, token="", plans=plans_folder(plans))).run("stdio")
 
 
 __all__ = ["build", "run_stdio"]

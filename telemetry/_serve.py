@@ -439,19 +439,24 @@ class _Handler(BaseHTTPRequestHandler):
         pass                           # no request log on stderr (the token is not in it)
 
 
+def plans_folder(plans: str | os.PathLike | None) -> Path | None:
+    """``--plans DIR`` resolved, or None; a TelemetryError where it is no folder."""
+    if plans is None:
+        return None
+    folder = Path(plans).resolve()
+    if not folder.is_dir():
+        raise TelemetryError(f"--plans {plans}: not a folder; give the folder that holds the "
+                             "plan files to serve")
+    return folder
+
+
 def make_server(store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                 token: str | None = None, plans: str | os.PathLike | None = None
                 ) -> tuple[ThreadingHTTPServer, Service]:
     """The HTTP server over ``store`` (not started: ``serve_forever()``), and its service.
     ``token`` None: ``$MESHPLAN_TOKEN``, else a new one (``service.token``)."""
     token = token or os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(24)
-    folder = None
-    if plans is not None:
-        folder = Path(plans).resolve()
-        if not folder.is_dir():
-            raise TelemetryError(f"--plans {plans}: not a folder; give the folder that holds "
-                                 "the plan files to serve")
-    service = Service(store, token, folder)
+    service = Service(store, token, plans_folder(plans))
     handler = type("Handler", (_Handler,), {"service": service})
     try:
         server = ThreadingHTTPServer((host, port), handler)
@@ -463,4 +468,4 @@ def make_server(store: Any, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT
 
 
 __all__ = ["ApiError", "DEFAULT_PORT", "Service", "TOKEN_ENV", "make_server", "openapi",
-           "schema", "skill"]
+           "plans_folder", "schema", "skill"]

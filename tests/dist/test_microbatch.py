@@ -273,7 +273,6 @@ def test_megatron_layouts_in_microbatches_with_ignored_targets() -> None:
     layouts change a value split over dp and tp on one dim: moving it must not gather over
     the micro-batches (``lower_parts``), which the plan's generic fallback did."""
     import meshplan
-    from meshplan.ir import interpret
     from meshplan.planner import plan_graph
 
     class LM(torch.nn.Module):
@@ -316,24 +315,7 @@ def test_megatron_layouts_in_microbatches_with_ignored_targets() -> None:
     traced = meshplan.trace(step, *batch())
     graph = traced.graph
     plan = plan_graph(graph, {"dp": 2, "tp": 2}, strategy="megatron_tp", topology="cpu")
-    mb = microbatch_plan(plan, 2)
-    programs = [lower_microbatched(mb, r) for r in range(4)]
-    values = traced.input_values(*batch())
-    data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
-    state = {n.target: values[n.target].clone() for n in graph.inputs if n.target not in data}
-    local = [split_inputs(plan, r, state) for r in range(4)]
-    ref = dict(state)
-    mesh = ThreadMesh(4, timeout_s=60)
-    for _ in range(2):
-        b = dict(zip(data, batch()))
-        outs = interpret(graph, {**ref, **b})
-        ref.update({o.name: v for v, o in zip(outs, graph.outputs) if o.kind.value == "state"})
-        got = mesh.run(lambda comm, b=b: run_microbatched(
-            programs[comm.rank], comm, local[comm.rank], split_microbatched(mb, comm.rank, b)))
-        local = [{**local[r], **got[r][1]} for r in range(4)]
-        loss = next(v for v, o in zip(outs, graph.outputs) if o.kind.value != "state")
-        for r in range(4):
-            torch.testing.assert_close(got[r][0][0], loss, rtol=1e-5, atol=1e-6, msg="loss")
+    _, local, ref = _against_the_interpreter(traced, plan, 2, batch, steps=2)
     for k, v in ref.items():
         whole = assemble({rank_coords(r, (2, 2)): local[r][k] for r in range(4)},
                          plan.input_layouts[k], plan.mesh.sizes)
@@ -349,7 +331,6 @@ def test_label_smoothing_in_microbatches_equals_the_whole_batch() -> None:
     targets alone, it is made before the micro-batches (once refused: "reads %bitwise_not
     whole over the batch")."""
     import meshplan
-    from meshplan.ir import interpret
     from meshplan.planner import plan_graph
 
     torch.manual_seed(0)
@@ -374,23 +355,36 @@ def test_label_smoothing_in_microbatches_equals_the_whole_batch() -> None:
     traced = meshplan.trace(step, *batch())
     graph = traced.graph
     plan = plan_graph(graph, {"dp": 2}, strategy="dp", topology="cpu")   # state replicated
-    mb = microbatch_plan(plan, 2)
-    programs = [lower_microbatched(mb, r) for r in range(2)]
+    programs, local, ref = _against_the_interpreter(traced, plan, 2, batch, steps=3)
     assert len(programs[0].hoisted) == 2         # nll_loss's count and the smoothing's
+    for k, v in ref.items():
+        torch.testing.assert_close(local[0][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+def _against_the_interpreter(traced, plan, m: int, batch, steps: int):
+    """``steps`` steps of ``plan`` in ``m`` micro-batches on a thread mesh, each call of
+    ``batch()`` a new batch, next to the reference interpreter: every rank's loss each step
+    equal to it (this file's tolerance). Returns the ranks' programs and state, and the
+    interpreter's state."""
+    from meshplan.ir import interpret
+
+    graph = traced.graph
+    mb = microbatch_plan(plan, m)
+    world = int(torch.tensor(plan.mesh.sizes).prod())
+    programs = [lower_microbatched(mb, r) for r in range(world)]
     values = traced.input_values(*batch())
     data = [n.target for n in graph.inputs if n.meta.role.value == "data"]
     ref = {n.target: values[n.target].clone() for n in graph.inputs if n.target not in data}
-    local = [split_inputs(plan, r, ref) for r in range(2)]
-    mesh = ThreadMesh(2, timeout_s=60)
-    for _ in range(3):
+    local = [split_inputs(plan, r, ref) for r in range(world)]
+    mesh = ThreadMesh(world, timeout_s=60)
+    for _ in range(steps):
         b = dict(zip(data, batch()))
         outs = interpret(graph, {**ref, **b})
         ref.update({o.name: v for v, o in zip(outs, graph.outputs) if o.kind.value == "state"})
         got = mesh.run(lambda comm, b=b: run_microbatched(
             programs[comm.rank], comm, local[comm.rank], split_microbatched(mb, comm.rank, b)))
-        local = [{**local[r], **got[r][1]} for r in range(2)]
+        local = [{**local[r], **got[r][1]} for r in range(world)]
         loss = next(v for v, o in zip(outs, graph.outputs) if o.kind.value != "state")
-        for r in range(2):
+        for r in range(world):
             torch.testing.assert_close(got[r][0][0], loss, rtol=1e-5, atol=1e-6, msg="loss")
-    for k, v in ref.items():
-        torch.testing.assert_close(local[0][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    return programs, local, ref
