@@ -55,6 +55,7 @@ gradient buckets in the stage programs (each part runs ``lower``'s kernels and e
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -814,8 +815,6 @@ STAGE_TRANSFERS = "MESHPLAN_STAGE_TRANSFERS"
 def _mailbox(sp: StageProgram, comm: Any) -> Any:
     """The one-sided mailbox of ``sp`` on ``comm`` (made on the step that first runs it:
     collective over every rank, as every rank runs each step), or None."""
-    import os
-
     how = os.environ.get(STAGE_TRANSFERS, "p2p")
     if how not in ("p2p", "rma"):
         raise LoweringError(f"{STAGE_TRANSFERS}={how!r}: use 'rma' (one-sided puts, under "
