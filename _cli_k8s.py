@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import sys
 
@@ -53,6 +54,7 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=_guarded(cmd_manifest))
     st = k_sub.add_parser("status", help="this user's meshplan Jobs and their pods")
     st.add_argument("--namespace", default=None, help="one namespace (default: every one)")
+    st.add_argument("--json", action="store_true", help="the jobs and their pods as JSON")
     st.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     st.set_defaults(func=_guarded(cmd_status))
     lg = k_sub.add_parser("logs", help="the logs of this user's meshplan pods")
@@ -102,12 +104,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     from .runtime._k8s_launch import status_of_mine
 
     rows = status_of_mine(args.namespace)
+    if args.json:
+        print(json.dumps({"jobs": rows}))
+        return 0
     if not rows:
         print("no meshplan Jobs of this user")
-    for job, pods in rows:
-        print(job)
-        for pod in pods:
-            print(f"  {pod}")
+    for job in rows:
+        print(f"{job['namespace']}/{job['job']}: {', '.join(job['conditions']) or 'active'}")
+        for pod in job["pods"]:
+            print(f"  {pod['name']}: {pod['phase'] or '?'}")
     return 0
 
 

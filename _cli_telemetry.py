@@ -55,6 +55,7 @@ def add_telemetry_commands(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_guarded(cmd_trace))
 
     i = ts.add_parser("ingest", help="load new Parquet segments into the database")
+    i.add_argument("--json", action="store_true", help="what was loaded and skipped, as JSON")
     common(i)
     i.set_defaults(func=_guarded(cmd_ingest))
 
@@ -187,6 +188,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             print(f"recovered {rescued} rows from the journals of ranks that died before "
                   "their last flush", file=sys.stderr, flush=True)
         r = store.ingest()
+    if args.json:
+        print(json.dumps({"db": str(db), "rows": r.rows, "segments": r.segments,
+                          "recovered_rows": rescued,
+                          "skipped": [{"path": str(p), "why": w} for p, w in r.skipped]}))
+        return 0
     for path, why in r.skipped:
         print(f"skipped unreadable segment {path} ({why})", file=sys.stderr, flush=True)
     print(f"ingested {r.rows} rows from {r.segments} segments into {db}"

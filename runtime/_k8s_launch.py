@@ -944,8 +944,9 @@ def _namespaces(core: Any, namespace: str | None) -> list[str]:
     return [n.metadata.name for n in core.list_namespace().items]
 
 
-def status_of_mine(namespace: str | None = None) -> list[tuple[str, list[str]]]:
-    """This user's meshplan Jobs (``namespace/name: state``) and their pods' phases."""
+def status_of_mine(namespace: str | None = None) -> list[dict[str, Any]]:
+    """This user's meshplan Jobs: ``namespace``, ``job``, ``run``, ``conditions`` (those
+    true; none: active) and ``pods`` (``name``, ``phase``)."""
     core, batch, _ = _clients()
     selector = _mine()
     rows = []
@@ -955,9 +956,11 @@ def status_of_mine(namespace: str | None = None) -> list[tuple[str, list[str]]]:
             pods = core.list_namespaced_pod(ns, label_selector=f"{RUN_LABEL}={run}").items
             conds = [c.type for c in (job.status.conditions or []) if c.status == "True"] \
                 if job.status else []
-            rows.append((f"{ns}/{job.metadata.name}: {', '.join(conds) or 'active'}",
-                         [f"{p.metadata.name}: {p.status.phase if p.status else '?'}"
-                          for p in pods]))
+            rows.append({"namespace": ns, "job": job.metadata.name, "run": run,
+                         "conditions": conds,
+                         "pods": [{"name": p.metadata.name,
+                                   "phase": p.status.phase if p.status else None}
+                                  for p in pods]})
     return rows
 
 

@@ -190,6 +190,7 @@ def test_a_killed_controller_leaves_what_the_sweep_deletes(cluster, tmp_path) ->
     """``kill -9`` of a controller between steps leaves its Job running (its ranks wait for
     it); ``meshplan k8s status`` shows it and ``meshplan k8s delete --all-mine`` deletes the
     Job, whose pods, Service and Secret go with it."""
+    import json
     import os
     import signal
     import subprocess
@@ -214,6 +215,11 @@ def test_a_killed_controller_leaves_what_the_sweep_deletes(cluster, tmp_path) ->
     out = subprocess.run([*cli, "status"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "default/meshplan-" in out.stdout, out.stderr
     assert out.stdout.count(": Running") == 2, out.stdout
+    out = subprocess.run([*cli, "status", "--json"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    (job,) = json.loads(out.stdout)["jobs"]
+    assert job["namespace"] == "default" and job["job"].startswith("meshplan-")
+    assert [p["phase"] for p in job["pods"]] == ["Running", "Running"], job
     out = subprocess.run([*cli, "delete", "--all-mine"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -69,6 +69,7 @@ def test_the_four_commands(db: Path, tmp_path: Path) -> None:
                  "GROUP BY rank ORDER BY rank", "--db", str(db), "--json"),
         "summary": ("summary", "--db", str(db)),
         "trace": ("trace", "--out", str(trace), "--db", str(db)),
+        "ingest": ("ingest", "--db", str(db), "--json"),      # nothing new the second time
     }.items()}
     for name, p in out.items():
         assert p.returncode == 0 and not p.stderr, (name, p.stderr)
@@ -78,6 +79,8 @@ def test_the_four_commands(db: Path, tmp_path: Path) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in events) == 16
     assert "wrote 24 trace events" in out["trace"].stdout
+    assert json.loads(out["ingest"].stdout) == {"db": str(db), "rows": 0, "segments": 0,
+                                                "recovered_rows": 0, "skipped": []}
 
 
 def test_outputs_in_process(db: Path, capsys: pytest.CaptureFixture) -> None:
