@@ -143,10 +143,14 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
     per step, it must be whole."""
     rep = (Replicate(),)
     out = dict(placed)
+    whole: set[str] = set()       # nodes run once per step on sums (the whole batch's mean)
     for n in graph.nodes:
         p = out.get(n.name)
         if p is None or n.kind is NodeKind.INPUT:
             continue
+        if _reads_sums(n, out, whole) and all(q is None or isinstance(q[0], Replicate)
+                                              for q in p.outputs):
+            whole.add(n.name)
         if n.target in _LIKE and p.inputs and p.inputs[0] is not None:
             # reads only its input's shape: as made, a sum's partial whole (the backward's
             # seed, ones_like(loss), needs no sum of the loss over the micro-batches)
@@ -158,12 +162,13 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
                                       outputs=tuple(None if q is None else like
                                                     for q in p.outputs))
                 continue
-        if _sum_meets_part(graph, n, p, out, placed):
+        if _sum_meets_part(graph, n, p, out, placed, whole):
             # a sum over the whole batch meets a micro-batch's partial (the loss: a summed
             # term reduced, then added to a mean term): run it once on both sums, which
             # running the micro-batches in turn can make, where the partial cannot wait
             out[n.name] = replace(p, inputs=tuple(None if q is None else rep for q in p.inputs),
                                   outputs=tuple(None if q is None else rep for q in p.outputs))
+            whole.add(n.name)
             continue
         per_mb = False
         for ref, q in zip(n.refs(), p.inputs):
@@ -179,11 +184,24 @@ def _settle_step_part(graph: Any, placed: dict[str, NodePlacement]) -> dict[str,
     return out
 
 
+def _reads_sums(n: Any, out: Mapping[str, NodePlacement], whole: set[str]) -> bool:
+    """Does ``n`` read, on the micro-batch axis, a sum over it (made partial, read whole),
+    or a value made once per step from such sums (``whole``)?"""
+    p = out[n.name]
+    for ref, q in zip(n.refs(), p.inputs):
+        made = out[ref.node].outputs[ref.index] if ref.node in out else None
+        if made is not None and q is not None and isinstance(q[0], Replicate) and (
+                isinstance(made[0], Partial) or ref.node in whole):
+            return True
+    return False
+
+
 def _sum_meets_part(graph: Any, n: Any, p: NodePlacement, out: Mapping[str, NodePlacement],
-                    placed: Mapping[str, NodePlacement]) -> bool:
+                    placed: Mapping[str, NodePlacement], whole: set[str] = frozenset()) -> bool:
     """Does ``n`` read, on the micro-batch axis, one value summed over it (made partial, read
-    whole) and another still partial, no piece of a micro-batch, and every reader of its
-    result read it whole (or its shape only)? Then all of it can run once per step."""
+    whole; or made once per step from such sums, ``whole``: a mean's division) and another
+    still partial, no piece of a micro-batch, and every reader of its result read it whole
+    (or its shape only)? Then all of it can run once per step."""
     sums = parts = False
     for ref, q in zip(n.refs(), p.inputs):
         made = out[ref.node].outputs[ref.index] if ref.node in out else None
@@ -191,6 +209,8 @@ def _sum_meets_part(graph: Any, n: Any, p: NodePlacement, out: Mapping[str, Node
             continue
         if isinstance(made[0], Shard):
             return False
+        if ref.node in whole and isinstance(q[0], Replicate):
+            sums = True
         if isinstance(made[0], Partial):
             sums = sums or isinstance(q[0], Replicate)
             parts = parts or isinstance(q[0], Partial)
@@ -283,8 +303,12 @@ def _batch_merged_inside(graph: Any, n: Any, rows: set[int],
         return None
     d = batch.get(ref.node)
     for a, b in reshape_groups(tuple(src.shape), tuple(dst.shape)):
+        # where not followed: a dim of the batch's size merged inside, and none outside the
+        # merge that could be the batch instead (a head_dim equal to the batch size)
         inner = (d in a[1:] if d is not None
-                 else any(src.shape[k] in rows for k in a[1:]) and src.shape[a[0]] not in rows)
+                 else any(src.shape[k] in rows for k in a[1:]) and src.shape[a[0]] not in rows
+                 and not any(src.shape[k] in rows for k in range(len(src.shape))
+                             if k not in a))
         if len(a) > 1 and b and inner and src.shape[a[0]] > 1:
             return f"{list(src.shape)} -> {list(dst.shape)}"
     return None
@@ -380,6 +404,7 @@ class MicrobatchProgram:
     # (node, index, layout or None, local shape, dtype): values whose shape alone ops read
     part_stand_ins: tuple[tuple[Any, ...], ...] = ()
     step_stand_ins: tuple[tuple[Any, ...], ...] = ()
+    hoist_inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # node -> input
 
     @property
     def random(self) -> tuple[str, ...]:
@@ -441,14 +466,43 @@ def lower_microbatched(plan: Plan, rank: int, *, device: str = "cpu", kernels: b
     hoisted = []
     for i in cut.hoisted:
         r = raws[0].instrs[i]
-        node_ins = raws[0].instrs[cut.hoist_makers[i]]
-        hoisted.append(_Hoist(node_ins.node, r.ref.index, node_ins.reads,
+        node, node_reads = hoist_source(graph, raws[0].instrs, r, cut.hoist_makers[i])
+        hoisted.append(_Hoist(node, r.ref.index, node_reads,
                               tuple(tuple(rw.instrs[k] for k in cut.hoist_ancestors[i])
                                     for rw in raws),
                               tuple(_real_step(s, world) for s in r.steps), r.dst))
     return MicrobatchProgram(rank, m, tuple(parts), step, partials, mb_data, tuple(hoisted),
                              device, stand_in_spec(cut, cut.per_mb, plan, raws[0]),
-                             stand_in_spec(cut, cut.per_step, plan, raws[0]))
+                             stand_in_spec(cut, cut.per_step, plan, raws[0]),
+                             hoist_inputs(graph, cut, raws[0].instrs))
+
+
+def hoist_source(graph: Any, instrs: Sequence[Any], copy: Reshard,
+                 made: int | None) -> tuple[Any, tuple[Layout | None, ...]]:
+    """The node a hoisted copy's value comes from, and how it reads its inputs (an input
+    itself: its node, reading nothing)."""
+    if made is None:
+        return graph.node(copy.ref.node), ()
+    return instrs[made].node, instrs[made].reads
+
+
+def hoist_inputs(graph: Any, cut: _Cut, instrs: Sequence[Any],
+                 only: Any = None) -> dict[str, str]:
+    """The inputs (node -> name) the hoisted values of ``cut`` read (those of ``only``
+    when given): the targets themselves, when the loss reads them, or a mask the step was
+    given and the plan gathers."""
+    names = {n.name: n.target for n in graph.inputs}
+    out = {}
+    for i in cut.hoisted if only is None else only:
+        made = cut.hoist_makers[i]
+        if made is None:
+            out[instrs[i].ref.node] = names[instrs[i].ref.node]
+            continue
+        for k in (*cut.hoist_ancestors[i], made):
+            if isinstance(instrs[k], Compute):
+                out.update({x.node: names[x.node] for x in instrs[k].node.refs()
+                            if x.node in names})
+    return out
 
 
 def stand_in_spec(cut: _Cut, chosen: Sequence[int], plan: Plan,
@@ -552,7 +606,7 @@ class _Cut:
     reductions: set[int]
     partials: tuple[tuple[Ref, ReduceOp], ...]
     hoisted: list[int]
-    hoist_makers: dict[int, int]
+    hoist_makers: dict[int, int | None]    # None: the value is an input
     hoist_ancestors: dict[int, list[int]]
     shapes: dict[int, list[tuple[Ref, Layout | None]]]     # reads of a shape only
     reads_of: dict[int, list[tuple]]      # instruction -> (value key, its maker then) read
@@ -622,9 +676,11 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                     coupled.extend((i, maker.get(k)) for k in keys if after.get(k, False))
                 d = ins.stream is None and all(data.get(k, False) for k in keys)
                 w = None if v else next((whole[k] for k in keys if k in whole), None)
-                if w is not None and not d:
+                if w is not None and not all(data.get(k, False) or after.get(k, False)
+                                             for k in keys):
                     # the model itself on the whole batch (a sequence-first Linear's input
-                    # gathered): the micro-batches would not split its work at all
+                    # gathered, read with its weights): the micro-batches would not split
+                    # its work at all (a loss's sum divided by a count is no such work)
                     raise gathered(w)
                 for k in range(max(1, len(ins.node.outputs))):
                     key = ("v", ins.node.name, k)
@@ -659,21 +715,32 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
                     after[key] = after.get(src, False)
         new = False
         bad = []
+
+        def can_hoist(red: int) -> bool:
+            r = instrs[red]
+            node = graph.node(r.ref.node)
+            return (node.target in _TOTAL_WEIGHT and r.ref.index == 1 and
+                    reductions[red] is ReduceOp.SUM) or _hoistable(
+                        r, ax, {"all_reduce"}, data.get(("v", r.ref.node, r.ref.index)))
+
         for reader, red in coupled:
-            if red in hoisted:
+            if red is None or red in hoisted:
                 continue
-            if red in reductions:
-                r = instrs[red]
-                node = graph.node(r.ref.node)
-                if (node.target in _TOTAL_WEIGHT and r.ref.index == 1 and
-                        reductions[red] is ReduceOp.SUM) or _hoistable(
-                            r, ax, {"all_reduce"}, data.get(("v", r.ref.node, r.ref.index))):
-                    hoisted.add(red)
-                    new = True
-                    continue
-                bad.append((reader, f"{r.ref} summed over the whole batch ({node.target})"))
+            # the sums over the whole batch the value read is made from (itself, or what it
+            # was computed from: a backward's 1 / count), all made before the parts or none
+            sums = _sums_behind(red, reads, reductions, hoisted, after)
+            if sums and all(can_hoist(j) for j in sums):
+                hoisted.update(sums)
+                new = True
+                continue
+            j = next((j for j in sums if not can_hoist(j)), None)
+            if j is not None:
+                r = instrs[j]
+                what = f"{r.ref} summed over the whole batch ({graph.node(r.ref.node).target})"
+                bad.append((reader, what if j == red else
+                            f"{_value(instrs[red])}, made from {what}"))
             else:
-                bad.append((reader, f"{where(red)}'s value, made from a sum over the whole "
+                bad.append((reader, f"{_value(instrs[red])}, made from a sum over the whole "
                                     "batch"))
         if bad and not new:             # (a hoist clears what it made: look again first)
             reader, what = bad[0]
@@ -736,16 +803,20 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
     for i in sorted(hoisted):
         made = reads[i][0][1]
         hoist_makers[i] = made
+        if made is None:                   # an input itself (a mask the step is given)
+            hoist_ancestors[i] = []
+            continue
         node = instrs[made].node
+        earlier = hoisted - {i}            # made before this one: read, not made again
         if node.target in _TOTAL_WEIGHT and instrs[i].ref.index == 1:
-            anc = closure([j for _, j in reads[made][1:3] if j is not None], set())
+            anc = closure([j for _, j in reads[made][1:3] if j is not None], earlier)
         else:                              # the data alone make it (_hoistable)
-            anc = closure([made], set())
+            anc = closure([made], earlier)
         if any(after.get(("v", instrs[j].node.name, 0), False) for j in anc
                if isinstance(instrs[j], Compute)):
             raise _refused(f"micro-batches: the targets of {node.target} ({node.name}) are "
                           "made from a sum over the batch")
-        if any(isinstance(instrs[j], Reshard) and any(
+        if any(isinstance(instrs[j], Reshard) and j not in hoisted and any(
                 st.axis == ax and st.kind not in _LOCAL_KINDS for st in instrs[j].steps)
                for j in anc):
             raise _refused(f"micro-batches: {where(i)} reads a value made from the batch's "
@@ -754,6 +825,29 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
         hoist_ancestors[i] = sorted(anc)
     return _Cut(sorted(mb), sorted(step), set(reductions), tuple(seen_partials.items()),
                 sorted(hoisted), hoist_makers, hoist_ancestors, shapes, reads, reductions)
+
+
+def _sums_behind(i: int, reads: Mapping[int, list[tuple]], reductions: Mapping[int, Any],
+                 hoisted: set[int], after: Mapping[tuple, bool]) -> list[int]:
+    """The sums over the micro-batches (reductions not made before them) that what
+    instruction ``i`` makes is computed from, ``i`` itself included."""
+    out, seen, todo = [], set(), [i]
+    while todo:
+        j = todo.pop()
+        if j in seen:
+            continue
+        seen.add(j)
+        if j in reductions:
+            if j not in hoisted:
+                out.append(j)
+            continue
+        todo.extend(m for k, m in reads.get(j, ()) if m is not None and after.get(k, False))
+    return sorted(out)
+
+
+def _value(ins: Any) -> str:
+    """The value an instruction makes, for a message: a node's result or a copy's value."""
+    return f"%{ins.node.name}" if isinstance(ins, Compute) else f"{ins.ref}"
 
 
 def _hoistable(ins: Reshard, ax: int, kinds: set[str], data_only: bool | None) -> bool:
@@ -808,8 +902,8 @@ def run_microbatched(program: MicrobatchProgram, comm: Any, state: Mapping[str, 
     preset = _stand_ins(program.part_stand_ins, program.device)
     for h in program.hoisted:
         preset[h.key] = hoisted_value(h, comm, state, pieces, rng, program.device,
-                                      program.parts[0].coords,
-                                      [p.input_nodes for p in program.parts])
+                                      program.parts[0].coords, [program.hoist_inputs] * m,
+                                      preset)
     sums = Sums(dict(program.partials), m)
     counter = observer.memory() if getattr(observer, "track_memory", False) else None
     for j, part in enumerate(program.parts):
@@ -874,11 +968,14 @@ def _stand_ins(spec: Sequence[tuple[Any, ...]],
 
 def hoisted_value(h: _Hoist, comm: Any, state: Mapping[str, Tensor],
                   pieces: list[dict[str, Tensor]], rng: StepRNG | None, device: str,
-                  coords: tuple[int, ...], input_nodes: Sequence[Mapping[str, str]]) -> Tensor:
+                  coords: tuple[int, ...], input_nodes: Sequence[Mapping[str, str]],
+                  made: Mapping[tuple, Tensor] | None = None) -> Tensor:
     """``h``'s value whole over the micro-batches, before they run: what makes it, run on each
     micro-batch's data (for ``nll_loss``'s ``total_weight``: the count, or the class weights'
     sum, of its targets), then joined over the micro-batches here (a sum, a concatenation)
-    and changed over the other axes as the plan has it."""
+    and changed over the other axes as the plan has it. ``made``: the values hoisted before
+    it (by ``_Hoist.key``), which it may read."""
+    made = made or {}
     vals = []
     for j, instrs in enumerate(h.ancestors):
         at = (j, *coords[1:])                 # micro-batch j's coordinates
@@ -893,8 +990,10 @@ def hoisted_value(h: _Hoist, comm: Any, state: Mapping[str, Tensor],
                 env[op.name] = op(got) if op.stream is None else op(
                     got, op_seed(rng, op.stream))           # type: ignore[arg-type]
             elif isinstance(ins, Reshard):
-                copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = reshard(
-                    env[ins.ref.node][ins.ref.index], ins.steps, comm, at)
+                key = (ins.ref.node, ins.ref.index, ins.dst)
+                copies.setdefault(ins.ref.node, {})[(ins.ref.index, ins.dst)] = (
+                    made[key] if key in made else
+                    reshard(env[ins.ref.node][ins.ref.index], ins.steps, comm, at))
         vals.append(_count(h, env, copies) if h.count else env[h.node.name][h.index])
     return _join_microbatches(vals, h.steps, comm, coords)
 

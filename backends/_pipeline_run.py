@@ -72,7 +72,9 @@ from ..planner._placement import local_shape
 from ._layout import coords_rank, rank_coords
 from ._lower import Compute, Program, Recv, Reshard, Send, StepRNG, finish, plan_steps, run
 from ._microbatch import (Sums, _cut, _Hoist, _inputs_read, _stand_ins, _with_frees,
-                          hoisted_value, lower_parts, microbatch_plan, stand_in_spec)
+                          hoist_source, hoisted_value, lower_parts, microbatch_plan,
+                          stand_in_spec)
+from ._microbatch import hoist_inputs as hoisted_inputs
 
 Key = tuple[str, int, Layout | None]        # a value as made (layout None) or a copy of it
 
@@ -586,22 +588,20 @@ def lower_pipeline(pplan: PipelinePlan | Stages, rank: int, *,
                 "(a meshplan bug: please report it with the step)")
     step = program(raw0, st, [], owned, raw0.results if s == p - 1 else ())
     hoisted, hoist_inputs = [], {}
-    for i in cut.hoisted:
+    needed = {i for i in cut.hoisted if any(
+        s in by.get((("c", instrs0[i].ref.node, instrs0[i].ref.index, instrs0[i].dst), i), ())
+        for by in (mb_readers, st_readers))}
+    for i in sorted(needed, reverse=True):    # and what they are made from, made first
+        needed.update(j for j in cut.hoist_ancestors[i] if j in cut.hoisted)
+    for i in sorted(needed):
         r = instrs0[i]
-        if not any(s in by.get((("c", r.ref.node, r.ref.index, r.dst), i), ())
-                   for by in (mb_readers, st_readers)):
-            continue
-        made = cut.hoist_makers[i]
-        hoisted.append(_Hoist(instrs0[made].node, r.ref.index, instrs0[made].reads,
+        node, node_reads = hoist_source(graph, instrs0, r, cut.hoist_makers[i])
+        hoisted.append(_Hoist(node, r.ref.index, node_reads,
                               tuple(tuple(on_stage(rw.instrs[k]) for k in cut.hoist_ancestors[i])
                                     for rw in raws),
                               tuple(replace(x, group=tuple(real(s, g) for g in x.group))
                                     for x in r.steps), r.dst))
-        for k in (*cut.hoist_ancestors[i], made):  # the inputs its count reads (the targets
-            ins = instrs0[k]                         # themselves, when the loss reads them)
-            if isinstance(ins, Compute):
-                hoist_inputs.update({x.node: inputs[x.node].target for x in ins.node.refs()
-                                     if x.node in inputs})
+        hoist_inputs.update(hoisted_inputs(graph, cut, instrs0, only=(i,)))
     split = {n.target: lay[0].dim for n in graph.inputs
              if hasattr((lay := plan.input_layouts[n.target])[0], "dim")}
     stand = stand_in_spec(cut, mine([*per_mb, *cut.per_step]), plan, raws[0])
@@ -871,7 +871,7 @@ def _run_stage(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
             base[(name, 0, None)] = comm.recv(shape, getattr(torch, dtype), owner)
     for h in sp.hoisted:
         base[h.key] = hoisted_value(h, comm, state, pieces, rng, sp.device, sp.step.coords,
-                                    [sp.hoist_inputs] * m)
+                                    [sp.hoist_inputs] * m, base)
         if h.count:
             base[(h.node.name, 1, None)] = base[h.key]
     sums = Sums({ref: op for ref, op, _ in sp.partials}, m)

@@ -56,7 +56,10 @@ _VOCAB = re.compile(r"(^|\.)(wte|embed_tokens|tok_embeddings|embedding)\.weight$
 def _batch(meta: TensorMeta, mesh: Mesh, axes: list[int]) -> Layout:
     """Dim 0 split over the data-parallel ``axes``; a batch smaller than all of them is split
     over those it divides, in mesh order, and the ranks along the others repeat the same work
-    (what running the family on a mesh wider than the batch means)."""
+    (what running the family on a mesh wider than the batch means). A 0-d input (a count
+    the step is given) has no batch: every rank holds it."""
+    if not meta.shape:
+        return tuple(R for _ in mesh.sizes)
     used: list[int] = []
     for a in axes:
         layout = tuple(Shard(0) if i in used + [a] else R for i in range(len(mesh.sizes)))

@@ -340,10 +340,14 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
     # value is made: a shared module's, summed in the gap between two layers, is made on that
     # layer's stage, not its parameter's (the update there reads it as it reads any gradient)
     input_of = {n.target: n.name for n in nodes if n.kind is NodeKind.INPUT}
+    late = []                   # kept gradients made by the update (clipped): below
     for o in graph.outputs:
         src = input_of.get(o.name) if o.kind is OutputKind.STATE and o.role is Role.GRAD else None
         if src is not None and graph.node(o.ref.node).kind is NodeKind.OP:
-            unit[src] = unit[o.ref.node]
+            if o.ref.node in unit:
+                unit[src] = unit[o.ref.node]
+            else:
+                late.append((src, o.ref.node))
     for n in nodes:             # the update: the unit of the state it reads (its parameter's
         if n.name in unit:      # first), else of its largest operand
             continue
@@ -357,6 +361,8 @@ def unit_map(graph: Graph) -> tuple[list[str], dict[str, str]]:
             # parameter's, and the parameter's update (on its own stage) reads the product
             owner = unit[max(refs, key=lambda r: _numel(graph.meta(r))).node]
         unit[n.name] = owner or POST
+    for src, made in late:      # clip_grad_norm_'s product, kept: where the product is made
+        unit[src] = unit[made]
 
     return order, unit
 

@@ -322,41 +322,62 @@ def test_megatron_layouts_in_microbatches_with_ignored_targets() -> None:
         torch.testing.assert_close(whole, v, rtol=1e-5, atol=1e-5, msg=k)
 
 
+_WEIGHTS = torch.rand(7, generator=torch.Generator().manual_seed(2)) + 0.5
+_CE = torch.nn.functional.cross_entropy
+_LOSSES = {   # the loss of logits o, targets y (-100: padding) and a float mask the step is given
+    "label_smoothing": lambda o, y, mask, n: _CE(o, y, label_smoothing=0.1),
+    "weights_and_smoothing": lambda o, y, mask, n: _CE(o, y, weight=_WEIGHTS,
+                                                       label_smoothing=0.1),
+    "masked_mean": lambda o, y, mask, n: (_CE(o, y, reduction="none") * mask).sum() / mask.sum(),
+    "masked_mean_int_count": lambda o, y, mask, n: (
+        _CE(o, y, reduction="none") * mask).sum() / mask.long().sum(),
+    "mean_plus_z_loss": lambda o, y, mask, n: _CE(o, y) + 1e-2 * torch.logsumexp(o, -1).pow(
+        2).mean(),
+    "sum_over_given_count": lambda o, y, mask, n: _CE(o, y, reduction="sum") / n,
+}
+
+
 @pytest.mark.timeout(120)
-def test_label_smoothing_in_microbatches_equals_the_whole_batch() -> None:
-    """``cross_entropy(label_smoothing=0.1)`` with padding targets (-100) piled into the
-    first micro-batch, on ``dp=2`` in 2 micro-batches, SGD with momentum: the loss of every
-    step and the state after three equal the interpreter's. The smoothing term divides by the
-    count of the targets that are not ignored, a value of the whole batch; made from the
-    targets alone, it is made before the micro-batches (once refused: "reads %bitwise_not
-    whole over the batch")."""
+@pytest.mark.parametrize("loss", list(_LOSSES))
+def test_losses_of_the_whole_batch_in_microbatches(loss: str) -> None:
+    """Losses that divide by something of the whole batch, padding targets (-100) piled into
+    the first micro-batch, on ``dp=2`` in 2 micro-batches, SGD with momentum: the loss of
+    every step and the state after three equal the interpreter's. Label smoothing's count of
+    the targets not ignored, a mask's sum, class weights' sum: values of the data alone, made
+    before the micro-batches (refused before 2026-12-05, or a ``TypeError`` where the plan
+    gathered a given mask itself); a mean added to a partial term runs once per step on the
+    sums; a 0-d count given to the step is every rank's (it was "refused": no batch dim)."""
     import meshplan
     from meshplan.planner import plan_graph
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 7))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = _LOSSES[loss]
 
-    def step(x, y):
+    def step(x, y, mask, n):
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y, label_smoothing=0.1)
-        loss.backward()
+        out = loss_fn(model(x), y, mask, n)
+        out.backward()
         opt.step()
-        return loss
+        return out
 
     g = torch.Generator().manual_seed(1)
 
     def batch():
         y = torch.randint(0, 7, (8,), generator=g)
         y[:3] = -100
-        return torch.randn(8, 16, generator=g), y
+        mask = (y >= 0).float() * (1 + torch.rand(8, generator=g))     # weights 1-2
+        return torch.randn(8, 16, generator=g), y.clamp(min=0) if "mask" in loss else y, \
+            mask, torch.tensor(5.0)
 
     step(*batch())
     traced = meshplan.trace(step, *batch())
     graph = traced.graph
     plan = plan_graph(graph, {"dp": 2}, strategy="dp", topology="cpu")   # state replicated
     programs, local, ref = _against_the_interpreter(traced, plan, 2, batch, steps=3)
-    assert len(programs[0].hoisted) == 2         # nll_loss's count and the smoothing's
+    if loss == "label_smoothing":
+        assert len(programs[0].hoisted) == 2     # nll_loss's count and the smoothing's
     for k, v in ref.items():
         torch.testing.assert_close(local[0][k], v, rtol=1e-5, atol=1e-5, msg=k)
 

@@ -331,6 +331,27 @@ def test_the_parents_code_between_layers_goes_with_the_layer_it_follows() -> Non
     # the parameter, Adam's two moments and its step count
     assert of("pos") == [PRE] * 4 and of("scale") == [POST] * 4
 
+    # zero_grad() first keeps the gradients, and clip_grad_norm_ makes their kept value in
+    # the update (the gradient times the clipping coefficient): each is kept where that
+    # product is made, its layer's unit (a user's trial: a KeyError, on every pp mesh)
+    model = Wrapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def clipped(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    clipped(torch.randn(4, 8), torch.randn(4, 4))
+    g = meshplan.trace(clipped, torch.randn(4, 8), torch.randn(4, 4)).graph
+    _, unit = unit_map(g)
+    grads = {n.target: unit[n.name] for n in g.inputs if n.target.endswith(".grad")}
+    assert grads["model.blocks.1.weight.grad"] == "model.blocks.1", grads
+    assert grads["model.out.weight.grad"] == POST, grads
+
 
 def test_distribute_runs_a_given_pipeline_plan_as_compiled(tmp_path) -> None:
     """``plan=`` a pipeline plan (the object, or the file ``save`` wrote) on its mesh: the
