@@ -202,8 +202,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``meshplan serve``: open the store, print the address and token, answer until
-    interrupted (``telemetry/_serve.py``)."""
-    from .telemetry._serve import DEFAULT_PORT, TOKEN_ENV, make_server
+    interrupted (``_serve.py``)."""
+    from ._serve import DEFAULT_PORT, TOKEN_ENV, make_server
 
     store = _open(args, must_exist=False)
     port = DEFAULT_PORT if args.port is None else args.port
@@ -229,9 +229,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    """``meshplan mcp``: the store's tools over stdio (``telemetry/_mcp.py``); stdout is the
+    """``meshplan mcp``: the store's tools over stdio (``_mcp.py``); stdout is the
     protocol's, so everything else goes to stderr."""
-    from .telemetry._mcp import run_stdio
+    from ._mcp import run_stdio
 
     store = _open(args, must_exist=False)
     try:

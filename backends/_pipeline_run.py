@@ -800,10 +800,7 @@ def run_pipeline(sp: StageProgram, comm: Any, state: Mapping[str, Tensor],
     comm.mailbox = mail
     try:
         out = _run_stage(sp, comm, state, data, observer, rng, donate)
-        # a put ends once its target's MPI has acknowledged it, which needs the target inside
-        # MPI (without an asynchronous progress thread): no rank leaves the step before every
-        # rank's last put is done
-        comm.barrier()
+        mail.end()                           # every rank's puts done and taken
         return out
     finally:
         comm.mailbox = None

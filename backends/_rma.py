@@ -266,10 +266,10 @@ class Mailbox:
     this rank with it, as MPI's two-sided matching does (the lowering checked the stages'
     orders against it).
 
-    A slot is written again only in the next step, which the controller starts once every
-    rank has answered this one, so a slot is read before it is overwritten. Construction is
-    collective over every rank: ``receives`` is this rank's, ``(src, tag, nbytes)`` in the
-    order it takes them within a step.
+    A slot is written again only in the next step, and every step ends in ``end()``, a
+    barrier, so a slot is read before it is overwritten. Construction is collective over
+    every rank: ``receives`` is this rank's, ``(src, tag, nbytes)`` in the order it takes
+    them within a step.
     """
 
     def __init__(self, comm: MPICommunicator,
@@ -295,6 +295,13 @@ class Mailbox:
                       for src, tag, k, o, n, f in table if src == comm.rank}
         self._sent: dict[tuple[int, int], int] = {}
         self._taken: dict[tuple[int, int], int] = {}
+
+    def end(self) -> None:
+        """The step's end, collective over every rank: a barrier. No rank starts the next
+        step (whose puts reuse the slots) before every rank has taken this one's, and none
+        leaves while a put to it is pending: without RDMA hardware a put completes only while
+        its target is inside MPI."""
+        self.comm.barrier()
 
     def begin(self) -> None:
         """A new step: its messages' numbering starts again."""
@@ -337,7 +344,12 @@ class Mailbox:
                                 f"tensor is {want} bytes, its slot {nbytes}")
         self._taken[(src, tag)] = k + 1
         deadline = time.monotonic() + self.comm.timeout_s
-        while int(self.transfer.local("flags")[flag]) != self.step:
+        while (got := int(self.transfer.local("flags")[flag])) != self.step:
+            if got > self.step:
+                raise LoweringError(
+                    f"recv from rank {src} (tag {tag}): its put of step {got} came before "
+                    f"this rank took step {self.step}'s; every rank must call Mailbox.end() "
+                    "before the next step")
             if time.monotonic() >= deadline:
                 raise RuntimeFailure(
                     f"recv from rank {src} (tag {tag}, one-sided) timed out on rank "

@@ -1,7 +1,7 @@
-"""``meshplan serve`` (``telemetry/_serve.py``) through a real HTTP client (requests): the
+"""``meshplan serve`` (``_serve.py``) through a real HTTP client (requests): the
 token, read-only SQL over the store with its refusals, row limit and timeout, the runs, the
 plans, the OpenAPI document (checked by openapi-spec-validator) and typed errors; and
-``meshplan mcp`` (``telemetry/_mcp.py``) through the MCP client library on stdio.
+``meshplan mcp`` (``_mcp.py``) through the MCP client library on stdio.
 
 The store holds ``test_telemetry_store``'s hand-made runs: ``r1`` (6 steps on 4 ranks, no
 failure) and ``r2`` (3 steps, a failure), so the counts below are exact.
@@ -26,7 +26,7 @@ import meshplan  # noqa: E402
 from meshplan._cli_plan import explain_data, show_data  # noqa: E402
 from meshplan.planner import plan_graph  # noqa: E402
 from meshplan.telemetry._schema import segments_dir  # noqa: E402
-from meshplan.telemetry._serve import make_server  # noqa: E402
+from meshplan._serve import make_server  # noqa: E402
 from meshplan.telemetry._store import Store  # noqa: E402
 
 TOKEN = "s3cret-token"

@@ -65,8 +65,9 @@ def _rma(comm: MPICommunicator) -> dict:
 def _mailbox(comm: MPICommunicator) -> dict:
     """A pipeline's sends as one-sided puts (``Mailbox``): each rank takes, from its left
     neighbour, tag 3 twice then tag 5 (a 0-d float64, a bool mask, an empty and a bf16
-    tensor) in two steps, through the communicator's ``send_start``/``recv``; the neighbour
-    sends tag 5 first. A send of the wrong size is refused by name."""
+    tensor) in two steps, each ended by ``end()``, through the communicator's
+    ``send_start``/``recv``; the neighbour sends tag 5 first. A send of the wrong size is
+    refused by name."""
     from meshplan.backends._rma import Mailbox
 
     r, n = comm.rank, comm.world_size
@@ -92,6 +93,7 @@ def _mailbox(comm: MPICommunicator) -> dict:
                 tag, shape, dtype = takes[i]
                 comm.send_start(value(r, step, i, shape, dtype), right, tag).wait()
             out["got"].append([comm.recv(shape, dtype, left, tag) for tag, shape, dtype in takes])
+            mail.end()
             out["want"] = [value(left, step, i, shape, dtype)
                            for i, (_, shape, dtype) in enumerate(takes)]
             out["kinds"] = sorted({rec.kind.value for rec in comm.records})

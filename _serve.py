@@ -13,7 +13,7 @@ else one generated and printed at start); a missing or wrong one is a 401. The A
   (``SELECT``, ``WITH``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``, ``EXPLAIN``) over the store.
   Anything that writes (``INSERT``, ``CREATE``, ``COPY``, ``ATTACH``, ``SET``, ...) is refused
   before it runs (403), and the connection cannot read or write files, attach databases or load
-  extensions (``_sandbox``: ``read_csv``, ``COPY ... TO`` are DuckDB's own permission errors,
+  extensions (``telemetry/_sandbox.py``: ``read_csv``, ``COPY ... TO`` are DuckDB's own permission errors,
   also 403). At most ``max_rows`` rows come back (``truncated`` says when there were more); a
   query still running at ``timeout_s`` is interrupted (408).
 - ``GET /v1/runs``: every recorded run with its steps, failures, recoveries and whether its
@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .._errors import MeshplanError, TelemetryError
-from ._schema import TABLES, VIEWS
+from ._errors import MeshplanError, TelemetryError
+from .telemetry._schema import TABLES, VIEWS
 
 DEFAULT_PORT = 8765
 TOKEN_ENV = "MESHPLAN_TOKEN"
@@ -170,7 +170,7 @@ class Service:
             done.set()
         if table is None:
             return {"columns": [], "rows": [], "row_count": 0, "truncated": False}
-        from .._cli_telemetry import json_safe
+        from ._cli_telemetry import json_safe
 
         rows = [list(r.values()) for r in table.slice(0, max_rows).to_pylist()]
         return {"columns": [{"name": f.name, "type": str(f.type)} for f in table.schema],
@@ -187,12 +187,12 @@ class Service:
         return {"runs": runs}
 
     def plan_show(self, name: str) -> dict[str, Any]:
-        from .._cli_plan import show_data
+        from ._cli_plan import show_data
 
         return _plan_call(show_data, self._plan_file(name))
 
     def plan_explain(self, name: str, node: str | None) -> dict[str, Any]:
-        from .._cli_plan import explain_data
+        from ._cli_plan import explain_data
 
         return _plan_call(lambda p: explain_data(p, node), self._plan_file(name))
 

@@ -5,7 +5,7 @@ point 3), for agents that speak the Model Context Protocol.
 
 The client starts it as a subprocess and talks JSON-RPC over its stdin/stdout, so no token is
 needed: only that client reaches it. Its instructions are ``/SKILL.md``. Tools (the same
-answers as the HTTP API, ``telemetry/_serve.py``, whose ``Service`` does the work):
+answers as the HTTP API, ``_serve.py``, whose ``Service`` does the work):
 
 - ``schema()``: the tables, their columns and types, the views;
 - ``query(sql, max_rows=1000, timeout_s=30)``: one read-only statement (writes and file
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .._errors import TelemetryError
+from ._errors import TelemetryError
 from ._serve import (DEFAULT_ROWS, DEFAULT_TIMEOUT_S, ApiError, Service, _query_args,
                      plans_folder, schema, skill)
 
