@@ -105,7 +105,7 @@ def test_one_sided_mailbox_delivers_by_tag_and_step(mpi_run) -> None:
     """``Mailbox`` (a pipeline's transfers as puts, ``MESHPLAN_STAGE_TRANSFERS=rma``): each
     receive gets the value its sender put with that tag, in the tag's order, whatever order
     the tags were sent in, in each of two steps; the communicator records sends and receives
-    as before; a message of another size than the receiver's slot is refused by name."""
+    as before, and each step's end (``Mailbox.end()``) as a barrier; a message of another size than the receiver's slot is refused by name."""
     world, outs = mpi_run
     for r, out in enumerate(outs):
         box = out["mailbox"]
@@ -114,7 +114,7 @@ def test_one_sided_mailbox_delivers_by_tag_and_step(mpi_run) -> None:
                 assert g.dtype == w.dtype and torch.equal(g, w), (r, g, w)
         assert box["got"][0][0].shape == (2, 3)
         assert not torch.equal(box["got"][0][0], box["got"][1][0])     # step 1's, then 2's
-        assert box["kinds"] == ["recv", "send"]
+        assert box["kinds"] == ["barrier", "recv", "send"]      # end(): the barrier
         assert f"rank {(r + 1) % world} takes 24 bytes there, this rank sends 20" in \
             box["wrong_size"], box["wrong_size"]
 
