@@ -33,6 +33,7 @@ from ._channel import ControllerChannel, Message, Secret
 __all__ = ["LocalLauncher", "StepFailed", "WorkerFailure", "Workers"]
 
 _POLL_S = 0.05          # how often a waiting controller looks at its worker processes
+EXIT_GRACE_S = 3.0      # a rank whose connection is gone: how long its launcher may take to say why
 STOPPED_S = 10.0        # a rank stopped (SIGSTOP, state T) this long while awaited fails the call
 _DRAIN_S = 0.2          # after an exit, how long to wait for messages the rank sent before dying
 _STDERR_TAIL_LINES = 20
@@ -311,7 +312,14 @@ class Workers:
         try:
             self.channel.send(rank, kind, header, tensors)
         except RuntimeFailure as exc:       # the rank is gone: say why, stop everyone
-            self._check_exits(kind)
+            # its connection may close before its launcher has seen it end (a pod's eviction
+            # reaches the watch a moment later): wait for that a little, it says why
+            deadline = time.monotonic() + EXIT_GRACE_S
+            while True:
+                self._check_exits(kind)
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
             self._fail(WorkerFailure(f"{exc}\n  all {self.n} workers were stopped",
                                      reason="protocol", ranks=[rank], kind=kind))
 
