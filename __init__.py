@@ -29,6 +29,10 @@ def __getattr__(name: str):  # noqa: ANN202
         from .runtime import _distributed
 
         return getattr(_distributed, name)
+    if name in ("transfer", "TransferReport"):
+        from .runtime import _transfer
+
+        return getattr(_transfer, name)
     raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
 
 __all__ = [
@@ -46,6 +50,8 @@ __all__ = [
     "TelemetryError",
     "TraceError",
     "TracedStep",
+    "TransferReport",
     "__version__",
     "trace",
+    "transfer",
 ]

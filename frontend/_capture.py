@@ -253,6 +253,11 @@ class NoOptimizerStep(Exception):
     """The step never called ``step()`` on any optimizer it closes over."""
 
 
+class NoOptimizer(Exception):
+    """The step computes gradients but closes over no optimizer (one passed as an argument,
+    or made inside the step, is not seen): its update would be lost."""
+
+
 def trace_stage_one(
     step: Callable[..., Any],
     inv: Inventory,
@@ -320,8 +325,10 @@ def trace_stage_one(
         finally:
             for h in hooks:
                 h.remove()
-        if not stepped:
+        if not stepped and inv.optimizers:
             raise NoOptimizerStep()
+        if not inv.optimizers and any(p.grad is not None for p in params):
+            raise NoOptimizer()
         kind, keys, leaves = _result_leaves(result)
         new_grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
         new_opt = []

@@ -143,12 +143,14 @@ def discover(fn: Callable[..., Any]) -> Inventory:
                 # table, a threshold) is a constant of the graph
                 raw.setdefault(id(o), (n, o))
     where = step_location(fn)
-    if not optimizers:
+    if not optimizers and not modules and not raw:
         raise TraceError(
-            f"meshplan.trace: no torch.optim optimizer is reachable from {_fn_name(fn)}"
-            f"{_at(where)}; a training step must close over its model and optimizer and run "
-            "forward, loss.backward() and opt.step(); use a global or closure variable for them"
+            f"meshplan.trace: no module, optimizer or trainable tensor is reachable from "
+            f"{_fn_name(fn)}{_at(where)}; a step must close over its model (and, to train, its "
+            "optimizer): use a global or closure variable for them"
         )
+    # no optimizer: an inference step (a generator's sampling loop, an evaluation), which
+    # must not compute gradients (trace_stage_one refuses one that does: NoOptimizer)
     for name, opt in optimizers.values():
         _check_optimizer(name, opt, where)
     return _inventory(list(modules.values()), list(optimizers.values()),

@@ -32,6 +32,7 @@ from ..ir import (
     verify,
 )
 from ._capture import (
+    NoOptimizer,
     NoOptimizerStep,
     StateSpec,
     UserValueRead,
@@ -395,6 +396,14 @@ class TracedStep:
                 f"{self._name} never calls step() on its optimizer ({names})\n"
                 f"{describe(step_location(fn))}\na training step runs forward, "
                 "loss.backward() and opt.step(); add the opt.step() call"
+            ) from None
+        except NoOptimizer:
+            raise TraceError(
+                f"{self._name} computes gradients, but no torch.optim optimizer is reachable "
+                f"from it\n{describe(step_location(fn))}\na training step must close over its "
+                "model and optimizer (a global or closure variable, not an argument) and run "
+                "forward, loss.backward() and opt.step(); a step without an optimizer is an "
+                "inference step and must not call backward()"
             ) from None
         except UserValueRead as e:
             raise self._value_read(e) from None

@@ -299,6 +299,11 @@ class DistributedStep:
                                      f"{list(v.shape)}: {want}")
         for live, saved in groups:
             live.update({k: v for k, v in saved.items() if k != "params"})
+        self._put_state(values)
+
+    def _put_state(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Whole state tensors (internal names) into the running ranks' pieces, or into the
+        live model and optimizer before the mesh runs."""
         if self._workers is None:
             self._write_local(values)
             self._launch_from = None
@@ -312,11 +317,14 @@ class DistributedStep:
         self.plan                          # traces first if only example_inputs were given
         return self._traced
 
-    def _named_state(self) -> dict[str, torch.Tensor]:
-        """Every state tensor (parameters, buffers, gradients, optimizer state) by its graph
-        input name, gathered from every rank while the mesh runs."""
+    def _named_state(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Every state tensor (parameters, buffers, gradients, optimizer state; ``names``:
+        only those) by its graph input name, gathered from every rank while the mesh runs."""
         self.plan
-        return self._gather_state() if self._workers is not None else self._local_state()
+        if self._workers is not None:
+            return self._gather_state(names)
+        local = self._local_state()
+        return local if names is None else {k: local[k] for k in names if k in local}
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
         """Write the whole model and optimizer state (``state_dict()``: gathered from every
@@ -1665,29 +1673,35 @@ class DistributedStep:
                 self._tel.failure(exc, self._step_no)
             raise
 
-    def _gather_state(self) -> dict[str, torch.Tensor]:
+    def _gather_state(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         while True:
             try:
                 with self._recording_failures():
-                    return self._gather_state_once()
+                    return self._gather_state_once(names)
             except WorkerFailure as exc:
                 self._said_recovered(*self._recover(exc, self._step_no))
 
-    def _gather_state_once(self) -> dict[str, torch.Tensor]:
+    def _gather_state_once(self, names: Sequence[str] | None = None
+                           ) -> dict[str, torch.Tensor]:
         workers, plan = self._workers, self.plan
         assert workers is not None
         # under mpi rank 0 reads every rank's pieces by RMA (the same names on every rank:
         # not a pipeline's, whose stages hold different state)
-        workers.broadcast("get_state", {"rma": self.launcher == "mpi" and not self._pp})
+        header: dict[str, Any] = {"rma": self.launcher == "mpi" and not self._pp}
+        if names is not None:
+            header["names"] = sorted(names)
+        workers.broadcast("get_state", header)
         replies = workers.gather("get_state", self.timeout_s)
         held = [dict(zip(msg.header["names"], msg.tensors)) for msg in replies]
         if replies[0].header.get("ranks"):      # mpi: rank 0 read every rank's pieces by RMA
-            names, ts = replies[0].header["names"], replies[0].tensors
-            held = [dict(zip(names, ts[r * len(names):(r + 1) * len(names)]))
+            got, ts = replies[0].header["names"], replies[0].tensors
+            held = [dict(zip(got, ts[r * len(got):(r + 1) * len(got)]))
                     for r in range(workers.n)]
         if self._stages is not None:            # each tensor from its stage's ranks
             stages, owners, out = self._stages, self._owners(), {}
             for name, stage in owners.items():
+                if names is not None and name not in names:
+                    continue
                 out.update(_assemble_state(plan, [{name: held[r][name]}
                                                   for r in stages.ranks_of(stage)]))
             return out

@@ -32,6 +32,7 @@ from ..planner import Plan
 from ..telemetry import TelemetryConfig
 from ._telemetry import WorkerTelemetry, state_device, steps_timer
 from ._worker import WorkerState, register
+from . import _transfer  # noqa: F401  (registers the transfer handlers)
 
 
 @register("setup")
@@ -335,7 +336,10 @@ def _probe_links(state: WorkerState, header: dict[str, Any], tensors: list[torch
 
 @register("get_state")
 def _get_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
-    names = sorted(state.ns.state)
+    """Every piece this rank holds (``names``: only those of them)."""
+    wanted = header.get("names")
+    names = sorted(state.ns.state if wanted is None else
+                   [n for n in wanted if n in state.ns.state])
     comm = getattr(state.ns, "comm", None)
     if header.get("rma") and isinstance(comm, MPICommunicator):
         return _get_state_rma(comm, state.ns.state, names)

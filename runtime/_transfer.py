@@ -1,0 +1,600 @@
+"""State from one running mesh into another: ``meshplan.transfer`` (README, "Several meshes in
+one program").
+
+An RL system runs a generator step and a trainer step at once, each ``distribute``d on its own
+mesh and plan (and its own processes); after every update the trainer's weights go to the
+generator. ``transfer(src, dst)`` copies state tensors from the ranks of ``src`` to those of
+``dst``, resharding on the way (any layouts: a replicated generator from an FSDP trainer, a
+column-split from a row-split), without the tensors passing through the controller:
+
+- the controller plans the copies from the two plans alone (``plan_copies``): every rank's
+  piece of a tensor is a box of it (``backends.local_slices``), and each destination piece is
+  the intersections of its box with the distinct source boxes; among replicas of a source
+  piece, destination piece ``i`` reads from replica ``i mod n``, so the reads spread;
+- each source rank copies the pieces it was chosen for into one staging buffer (a
+  ``/dev/shm`` file under ``shm``, an MPI window under ``rma``), and each destination rank
+  reads only the regions it needs, straight into its new pieces (``shm``: slices of the mapped
+  file; ``rma``: one ``MPI_Get`` per region with a subarray datatype, so the region's bytes
+  and no others cross);
+- ``rma`` joins the two meshes' MPI worlds once (``MPI_Open_port`` on the source's rank 0,
+  ``MPI_Comm_accept``/``MPI_Comm_connect``, ``MPI_Intercomm_merge``; kept for later transfers
+  between the same running meshes), so it works across hosts; ``shm`` needs every rank of
+  both meshes on this host (it checks: the file carries a random token the reader must find).
+
+Which: ``rma`` when both steps run under ``launcher="mpi"``, ``shm`` when both meshes run on
+this host (local launcher, or mpi without other hosts), else ``controller`` (gathered into this
+process and sent out again, as ``state_dict()`` + ``load_state_dict()`` would; the report says
+why). A step not running yet takes the values into its live model on this process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._errors import RuntimeFailure
+from ..backends import local_slices, rank_coords
+from ._worker import WorkerState, register
+
+ALIGN = 64                  # bytes: where each piece starts in a staging buffer
+TOKEN_BYTES = 16            # a shm file's first bytes: proof the reader mapped the writer's file
+METHODS = ("shm", "rma", "controller")
+
+Box = tuple[tuple[int, int], ...]          # [start, stop) per dim, in the whole tensor
+Copy = tuple[int, Box, Box]                # source rank, region in its piece, region in ours
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferReport:
+    """What one ``transfer`` did."""
+
+    method: str                 # "shm", "rma" or "controller"
+    tensors: int                # destination state tensors written
+    nbytes: int                 # bytes the destination ranks read (their pieces' regions)
+    controller_bytes: int       # tensor bytes that passed through this process
+    seconds: float
+    why: str                    # why this method
+
+    def __str__(self) -> str:
+        if self.method == "controller":
+            return (f"transfer: {self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB, through "
+                    f"the controller ({self.controller_bytes / 2**20:.1f} MiB in and out) in "
+                    f"{self.seconds * 1e3:.1f} ms ({self.why})")
+        return (f"transfer: {self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB read by the "
+                f"destination ranks in {self.seconds * 1e3:.1f} ms by {self.method} "
+                f"({self.why})")
+
+
+# ---- the plan of the copies (pure) ---------------------------------------------------------
+
+def _volume(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def _meet(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) or not out else None
+
+
+def _within(region: Box, box: Box) -> Box:
+    return tuple((lo - s, hi - s) for (lo, hi), (s, _) in zip(region, box))
+
+
+def plan_copies(shape: Sequence[int], src: Sequence[tuple[int, Box]],
+                dst: Sequence[tuple[int, Box]]) -> dict[int, list[Copy]]:
+    """For every destination rank (``dst``: its rank and the box its piece is of the whole
+    tensor of ``shape``): the copies that make its piece, each (source rank, region of that
+    rank's piece, region of the destination piece). ``src``: every source rank's box; ranks
+    with equal boxes hold replicas, and destination piece ``i`` reads from the ``i``-th of
+    them (mod their number). Raises ``RuntimeFailure`` if the sources leave part of a
+    destination piece uncovered."""
+    holders: dict[Box, list[int]] = {}
+    for rank, box in src:
+        holders.setdefault(box, []).append(rank)
+    out: dict[int, list[Copy]] = {}
+    for i, (rank, box) in enumerate(dst):
+        copies, covered = [], 0
+        for sbox, ranks in holders.items():
+            region = _meet(sbox, box)
+            if region is None:
+                continue
+            copies.append((ranks[i % len(ranks)], _within(region, sbox), _within(region, box)))
+            covered += _volume(region)
+        if covered != _volume(box):
+            raise RuntimeFailure(
+                f"transfer: the source pieces of a tensor of shape {list(shape)} cover "
+                f"{covered} of the {_volume(box)} elements destination rank {rank} needs "
+                f"(boxes {sorted(holders)}); this is a bug in meshplan, please report it")
+        out[rank] = copies
+    return out
+
+
+# ---- the controller ------------------------------------------------------------------------
+
+def _pieces(step: Any, name: str) -> list[tuple[int, Box]]:
+    """Every rank of ``step``'s mesh that holds a piece of state ``name``, with its box (a
+    pipeline's: the ranks of the stage that holds it, under every stage's plan)."""
+    plan = step.plan
+    meta = next(n.meta for n in plan.graph.inputs if n.target == name)
+    layout, sizes = plan.input_layouts[name], plan.mesh.sizes
+    out = []
+    for rank in range(step._world()):
+        if step._stages is not None:
+            if not step._held_by(rank, [name]):
+                continue
+            inner = step._stages.inner_rank(rank)
+        else:
+            inner = rank
+        coords = rank_coords(inner, sizes)
+        box = tuple((s.start, s.stop) for s in local_slices(meta.shape, layout, sizes, coords))
+        out.append((rank, box))
+    return out
+
+
+def _model_keys(step: Any) -> dict[str, str]:
+    from ..frontend._state_dict import _model_keys as keys
+
+    return keys(step._traced_or_prepared().inventory)
+
+
+def _pairs(src: Any, dst: Any, names: Any) -> list[tuple[str, str, str]]:
+    """(source internal name, destination internal name, what the user called it) for every
+    tensor to copy; ``names`` as ``transfer`` takes it."""
+    skeys, dkeys = _model_keys(src), _model_keys(dst)
+    if names is None:
+        wanted = {k: k for k in skeys if k in dkeys}
+        if not wanted:
+            raise RuntimeFailure(
+                f"transfer({src.__name__} -> {dst.__name__}): the two steps' models share no "
+                f"state_dict key ({_some(skeys)} against {_some(dkeys)}); pass names={{source "
+                "key: destination key}}")
+    elif isinstance(names, Mapping):
+        wanted = {str(k): str(v) for k, v in names.items()}
+    elif isinstance(names, (list, tuple, set, frozenset)) and all(isinstance(n, str)
+                                                                   for n in names):
+        wanted = {n: n for n in names}
+    else:
+        raise RuntimeFailure(f"transfer(names={names!r}): pass None (every key both models "
+                             "have), a list of state_dict keys, or a dict {source key: "
+                             "destination key}")
+    pairs: dict[str, tuple[str, str, str]] = {}
+    for skey, dkey in wanted.items():
+        for key, keys, step in ((skey, skeys, src), (dkey, dkeys, dst)):
+            if key not in keys:
+                raise RuntimeFailure(
+                    f"transfer: {key!r} is not a state_dict key of {step.__name__}'s model "
+                    f"(it has {_some(keys)}); use the keys of step.state_dict()['model']")
+        sname, dname = skeys[skey], dkeys[dkey]
+        seen = pairs.get(dname)
+        if seen is not None and seen[0] != sname:     # tied on the destination only
+            raise RuntimeFailure(
+                f"transfer: {dst.__name__}'s {dkey!r} is one tensor with {seen[2]!r} (tied), "
+                f"and the source gives them different values ({skey!r}, {seen[2]!r}); map "
+                "only one of them")
+        pairs[dname] = (sname, dname, skey)
+    smeta = {n.target: n.meta for n in src.plan.graph.inputs}
+    dmeta = {n.target: n.meta for n in dst.plan.graph.inputs}
+    for sname, dname, key in pairs.values():
+        if tuple(smeta[sname].shape) != tuple(dmeta[dname].shape):
+            raise RuntimeFailure(
+                f"transfer: {key!r} has shape {list(smeta[sname].shape)} in {src.__name__} and "
+                f"{list(dmeta[dname].shape)} in {dst.__name__}; only equal shapes copy")
+    return sorted(pairs.values())
+
+
+def _some(keys: Mapping[str, str] | Sequence[str]) -> str:
+    keys = list(keys)
+    more = f", ... {len(keys) - 4} more" if len(keys) > 4 else ""
+    return "[" + ", ".join(map(repr, keys[:4])) + more + "]"
+
+
+def _on_this_host(step: Any) -> bool:
+    from ._mpi_launch import is_this_host, parse_hosts
+
+    if step.launcher == "local":
+        return True
+    if step.launcher != "mpi":
+        return False
+    hosts = parse_hosts(step.hosts)
+    return hosts is None or all(is_this_host(h) for h, _ in hosts[0])
+
+
+def _choose(src: Any, dst: Any, method: str | None) -> tuple[str, str]:
+    """(method, why)."""
+    if method is not None and method not in METHODS:
+        raise RuntimeFailure(f"transfer(method={method!r}): pass None (the fastest that "
+                             f"works), or one of {', '.join(map(repr, METHODS))}")
+    idle = [s.__name__ for s in (src, dst) if s._workers is None]
+    if idle:
+        who = f"{' and '.join(idle)} {'has' if len(idle) == 1 else 'have'} no running mesh"
+        if method not in (None, "controller"):
+            raise RuntimeFailure(f"transfer(method={method!r}): {who} (call it once first)")
+        return "controller", f"{who}: the live model on this process instead"
+    rma = src.launcher == dst.launcher == "mpi"
+    shm = _on_this_host(src) and _on_this_host(dst) and os.access("/dev/shm", os.W_OK)
+    if method == "rma" and not rma:
+        raise RuntimeFailure("transfer(method='rma'): both steps must run under "
+                             f"launcher='mpi' (they run under {src.launcher!r} and "
+                             f"{dst.launcher!r})")
+    if method == "shm" and not shm:
+        raise RuntimeFailure("transfer(method='shm'): every rank of both meshes must run on "
+                             "this host (launcher='local', or 'mpi' without other hosts)")
+    if method is not None:
+        return method, "as asked"
+    if rma:
+        return "rma", "both meshes run under launcher='mpi'"
+    if shm:
+        return "shm", "both meshes run on this host"
+    return "controller", (f"launchers {src.launcher!r} and {dst.launcher!r} with ranks on other "
+                          "hosts: one-sided transfers between them need launcher='mpi' on both")
+
+
+def transfer(src: Any, dst: Any, names: Any = None, *, method: str | None = None,
+             timeout_s: float | None = None) -> TransferReport:
+    """Copy state tensors of ``src``'s model into ``dst``'s, each step ``distribute``d on its
+    own mesh and plan: from ``src``'s ranks to ``dst``'s, resharded from one layout to the
+    other on the way, one-sidedly (module docstring). ``names``: None (every ``state_dict()``
+    key both models have), a list of keys, or ``{source key: destination key}`` (the keys of
+    ``step.state_dict()["model"]``); shapes must be equal, dtypes may differ (cast on the
+    way). ``method``: None (``rma``, else ``shm``, else ``controller``: whichever works
+    first), or one of them. Both steps must have been traced (called once, or given
+    ``example_inputs``). Returns a ``TransferReport``; a failure is one ``RuntimeFailure``."""
+    from ._distributed import DistributedStep
+
+    for what, step in (("src", src), ("dst", dst)):
+        if not isinstance(step, DistributedStep):
+            raise RuntimeFailure(f"transfer({what}=...): pass a step made by "
+                                 f"meshplan.distribute, not a {type(step).__name__}")
+    if src is dst:
+        raise RuntimeFailure(f"transfer: {src.__name__} is both the source and the destination")
+    pairs = _pairs(src, dst, names)
+    how, why = _choose(src, dst, method)
+    timeout = timeout_s if timeout_s is not None else max(src.timeout_s, dst.timeout_s)
+    t0 = time.perf_counter()
+    if how == "controller":
+        nbytes = _through_controller(src, dst, pairs)
+        through = nbytes * ((src._workers is not None) + (dst._workers is not None))
+    else:
+        nbytes = _one_sided(src, dst, pairs, how, timeout)
+        through = 0
+        if dst._ft is not None:           # every rank's snapshot is this state now
+            dst._ft.started(dst._step_no)
+    return TransferReport(how, len(pairs), nbytes, through, time.perf_counter() - t0, why)
+
+
+def _through_controller(src: Any, dst: Any, pairs: list[tuple[str, str, str]]) -> int:
+    values = src._named_state(sorted({s for s, _, _ in pairs}))
+    dmeta = {n.target: n.meta for n in dst.plan.graph.inputs}
+    moved = {d: values[s].to(getattr(torch, dmeta[d].dtype)) for s, d, _ in pairs}
+    dst._put_state(moved)
+    return sum(v.nbytes for v in moved.values())
+
+
+def _staging(pairs: list[tuple[str, str, str]], plans: dict[str, dict[int, list[Copy]]],
+             src_boxes: dict[str, dict[int, Box]], dtypes: dict[str, torch.dtype]
+             ) -> dict[int, list[list[Any]]]:
+    """Per source rank: [name, offset, shape, dtype] of each piece it stages (those some copy
+    reads from it), in one order; offsets from ``ALIGN`` (the token before)."""
+    wanted: dict[int, set[str]] = {}
+    for (sname, dname, _) in pairs:
+        for copies in plans[dname].values():
+            for rank, _, _ in copies:
+                wanted.setdefault(rank, set()).add(sname)
+    out: dict[int, list[list[Any]]] = {}
+    for rank, snames in wanted.items():
+        at, rows = ALIGN, []
+        for sname in sorted(snames):
+            box = src_boxes[sname][rank]
+            shape = [b - a for a, b in box]
+            dt = dtypes[sname]
+            rows.append([sname, at, shape, str(dt).removeprefix("torch.")])
+            at += -(-math.prod(shape) * dt.itemsize // ALIGN) * ALIGN
+        out[rank] = rows
+    return out
+
+
+def _one_sided(src: Any, dst: Any, pairs: list[tuple[str, str, str]], how: str,
+               timeout: float) -> int:
+    sdt = {n.target: getattr(torch, n.meta.dtype) for n in src.plan.graph.inputs}
+    ddt = {n.target: getattr(torch, n.meta.dtype) for n in dst.plan.graph.inputs}
+    shapes = {n.target: list(n.meta.shape) for n in dst.plan.graph.inputs}
+    plans, src_boxes, dst_boxes = {}, {}, {}
+    for sname, dname, _ in pairs:
+        spieces, dpieces = _pieces(src, sname), _pieces(dst, dname)
+        src_boxes[sname] = dict(spieces)
+        dst_boxes[dname] = dict(dpieces)
+        plans[dname] = plan_copies(shapes[dname], spieces, dpieces)
+    staged = _staging(pairs, plans, src_boxes, sdt)
+    offsets = {(rank, row[0]): row[1] for rank, rows in staged.items() for row in rows}
+    sizes = {rank: rows[-1][1] + -(-math.prod(rows[-1][2]) * sdt[rows[-1][0]].itemsize
+                                      // ALIGN) * ALIGN for rank, rows in staged.items()}
+    recipes: dict[int, list[list[Any]]] = {}
+    nbytes = 0
+    for sname, dname, _ in pairs:
+        for drank, copies in plans[dname].items():
+            box = dst_boxes[dname][drank]
+            parts = []
+            for srank, sreg, dreg in copies:
+                sbox = src_boxes[sname][srank]
+                parts.append([srank, offsets[(srank, sname)], [b - a for a, b in sbox],
+                              str(sdt[sname]).removeprefix("torch."),
+                              [list(r) for r in sreg], [list(r) for r in dreg]])
+                nbytes += _volume(sreg) * sdt[sname].itemsize
+            recipes.setdefault(drank, []).append(
+                [dname, [b - a for a, b in box], str(ddt[dname]).removeprefix("torch."), parts])
+    sw, dw = src._workers, dst._workers
+    with src._recording_failures(), dst._recording_failures():
+        if how == "shm":
+            _by_shm(sw, dw, staged, sizes, recipes, timeout)
+        else:
+            _by_rma(sw, dw, staged, sizes, recipes, timeout)
+    return nbytes
+
+
+def _by_shm(sw: Any, dw: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
+            recipes: dict[int, list[list[Any]]], timeout: float) -> None:
+    tag = secrets.token_hex(6)
+    files = {rank: (f"/dev/shm/meshplan-{sw.run_id}-r{rank}-xfer-{tag}", sizes[rank],
+                    secrets.token_hex(TOKEN_BYTES)) for rank in staged}
+    try:
+        for rank in staged:
+            path, size, token = files[rank]
+            sw.send(rank, "xfer_export", {"path": path, "size": size, "token": token,
+                                          "pieces": staged[rank]})
+        sw.gather("xfer_export", timeout, ranks=list(staged))
+        for rank in range(dw.n):
+            dw.send(rank, "xfer_import", {"files": {str(r): list(f) for r, f in files.items()},
+                                          "pieces": recipes.get(rank, [])})
+        dw.gather("xfer_import", timeout)
+    finally:
+        for path, _, _ in files.values():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+# src Workers -> {dst Workers -> the link's key}: the joined MPI worlds of two running meshes
+_LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _link(sw: Any, dw: Any, timeout: float) -> str:
+    links = _LINKS.setdefault(sw, weakref.WeakKeyDictionary())
+    key = links.get(dw)
+    if key is not None:
+        return key
+    key = f"{sw.run_id}-{dw.run_id}-{secrets.token_hex(4)}"
+    sw.send(0, "xfer_port", {"key": key})
+    port = sw.gather("xfer_port", timeout, ranks=[0])[0].header["port"]
+    for rank in range(sw.n):
+        sw.send(rank, "xfer_link", {"key": key, "port": port, "accept": True})
+    for rank in range(dw.n):
+        dw.send(rank, "xfer_link", {"key": key, "port": port, "accept": False})
+    sw.gather("xfer_link", timeout)
+    dw.gather("xfer_link", timeout)
+    links[dw] = key
+    return key
+
+
+def _by_rma(sw: Any, dw: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
+            recipes: dict[int, list[list[Any]]], timeout: float) -> None:
+    key = _link(sw, dw, timeout)
+    for rank in range(sw.n):          # every rank: the window is collective
+        sw.send(rank, "xfer_send", {"key": key, "size": sizes.get(rank, 0),
+                                    "pieces": staged.get(rank, [])})
+    for rank in range(dw.n):
+        dw.send(rank, "xfer_recv", {"key": key, "offset": sw.n,
+                                    "pieces": recipes.get(rank, [])})
+    sw.gather("xfer_send", timeout)
+    dw.gather("xfer_recv", timeout)
+
+
+# ---- the ranks -----------------------------------------------------------------------------
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise RuntimeFailure(f"transfer: unknown dtype {name!r}")
+    return dt
+
+
+def _stage_into(buf: torch.Tensor, held: Mapping[str, torch.Tensor],
+                pieces: list[list[Any]]) -> None:
+    """Copy this rank's pieces named in ``pieces`` into the byte buffer ``buf``."""
+    for name, offset, shape, dtype in pieces:
+        t = held[name]
+        if list(t.shape) != list(shape):
+            raise RuntimeFailure(f"transfer: this rank holds {name} as {list(t.shape)}, the "
+                                 f"controller planned {list(shape)}; this is a bug in meshplan")
+        dt = _dtype(dtype)
+        n = math.prod(shape) * dt.itemsize
+        buf[offset:offset + n].view(dt).view(shape).copy_(t)
+
+
+def _view(buf: torch.Tensor, offset: int, shape: list[int], dtype: str) -> torch.Tensor:
+    dt = _dtype(dtype)
+    return buf[offset:offset + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+
+
+def _slices(region: list[list[int]]) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in region)
+
+
+def _took(state: WorkerState, pieces: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from ._handlers import _state_changed
+    from ._telemetry import state_device
+
+    ns = state.ns
+    device = state_device(ns.state)
+    ns.state.update({k: v.to(device) for k, v in pieces.items()})
+    _state_changed(ns)
+    return {"rank": state.rank, "tensors": len(pieces)}
+
+
+@register("xfer_export")
+def _export(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """shm, a source rank: write the planned pieces into a new ``/dev/shm`` file."""
+    from ._handlers import _settled
+
+    _settled(state.ns)
+    path, size = str(header["path"]), int(header["size"])
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        os.pwrite(fd, bytes.fromhex(header["token"]), 0)
+    finally:
+        os.close(fd)
+    buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    _stage_into(buf, state.ns.state, header["pieces"])
+    return {"rank": state.rank}, []
+
+
+@register("xfer_import")
+def _import(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """shm, a destination rank: make its new pieces from the regions of the source files."""
+    from ._handlers import _settled
+
+    _settled(state.ns)
+    files: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, shape, dtype, parts in header["pieces"]:
+        piece = torch.empty(shape, dtype=_dtype(dtype))
+        for srank, offset, sshape, sdtype, sreg, dreg in parts:
+            if srank not in files:
+                path, size, token = header["files"][str(srank)]
+                try:
+                    buf = torch.from_file(path, shared=False, size=int(size), dtype=torch.uint8)
+                except (OSError, RuntimeError) as exc:
+                    raise RuntimeFailure(
+                        f"transfer: rank {state.rank} cannot map {path} ({exc}): it does not "
+                        "see the source mesh's /dev/shm (another host or container); use "
+                        "launcher='mpi' on both meshes (method='rma')") from None
+                if bytes(buf[:TOKEN_BYTES].numpy()) != bytes.fromhex(token):
+                    raise RuntimeFailure(
+                        f"transfer: rank {state.rank} mapped {path}, but not the source rank's "
+                        "file (another host's /dev/shm); use launcher='mpi' on both meshes")
+                files[srank] = buf
+            piece[_slices(dreg)] = _view(files[srank], offset, sshape, sdtype)[_slices(sreg)]
+        out[name] = piece
+    return _took(state, out), []
+
+
+@register("xfer_port")
+def _port(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """rma, the source's rank 0: open the port the destination's ranks connect to."""
+    comm = _mpi_comm(state)
+    port = comm._MPI.Open_port()
+    state.ns.xfer_ports = {**getattr(state.ns, "xfer_ports", {}), header["key"]: port}
+    return {"port": port}, []
+
+
+def _mpi_comm(state: WorkerState) -> Any:
+    from ..backends import MPICommunicator
+
+    comm = getattr(state.ns, "comm", None)
+    if not isinstance(comm, MPICommunicator):
+        raise RuntimeFailure(f"transfer: rank {state.rank} does not run under "
+                             "launcher='mpi' (no MPI communicator)")
+    return comm
+
+
+@register("xfer_link")
+def _link_worlds(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """rma, every rank of both meshes: join the two MPI worlds (sources first)."""
+    comm = _mpi_comm(state)
+    key, port = header["key"], header["port"]
+    if header["accept"]:
+        inter = comm.world.Accept(port if comm.rank == 0 else None, root=0)
+        merged = inter.Merge(high=False)
+        ports = getattr(state.ns, "xfer_ports", {})
+        if key in ports:
+            comm._MPI.Close_port(ports.pop(key))
+    else:
+        inter = comm.world.Connect(port, root=0)
+        merged = inter.Merge(high=True)
+    inter.Free()
+    state.ns.xfer_links = {**getattr(state.ns, "xfer_links", {}), key: merged}
+    return {"rank": state.rank, "size": merged.Get_size()}, []
+
+
+def _merged(state: WorkerState, key: str) -> Any:
+    merged = getattr(state.ns, "xfer_links", {}).get(key)
+    if merged is None:
+        raise RuntimeFailure(f"transfer: rank {state.rank} has no link {key!r} to the other "
+                             "mesh (it was restarted?)")
+    return merged
+
+
+@register("xfer_send")
+def _send(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """rma, a source rank: expose the planned pieces in a window; wait for the reads."""
+    from ._handlers import _settled
+
+    _settled(state.ns)
+    MPI = _mpi_comm(state)._MPI
+    merged = _merged(state, header["key"])
+    buf = torch.empty(max(int(header["size"]), 1), dtype=torch.uint8)
+    _stage_into(buf, state.ns.state, header["pieces"])
+    win = MPI.Win.Create(buf.numpy(), 1, comm=merged)
+    try:
+        merged.Barrier()                  # every destination rank has read what it needs
+    finally:
+        win.Free()
+    return {"rank": state.rank}, []
+
+
+@register("xfer_recv")
+def _recv(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """rma, a destination rank: read the regions it needs, one ``MPI_Get`` each."""
+    from ._handlers import _settled
+
+    _settled(state.ns)
+    MPI = _mpi_comm(state)._MPI
+    merged = _merged(state, header["key"])
+    win = MPI.Win.Create(torch.empty(1, dtype=torch.uint8).numpy(), 1, comm=merged)
+    out, held = {}, []
+    try:
+        win.Lock_all()
+        try:
+            for name, shape, dtype, parts in header["pieces"]:
+                piece = torch.empty(shape, dtype=_dtype(dtype))
+                for srank, offset, sshape, sdtype, sreg, dreg in parts:
+                    part = _get(MPI, win, srank, offset, sshape, _dtype(sdtype), sreg)
+                    held.append((piece, dreg, part))
+                out[name] = piece
+            win.Flush_all()
+        finally:
+            win.Unlock_all()
+        for piece, dreg, (part, datatype) in held:
+            piece[_slices(dreg)] = part
+            if datatype is not None:
+                datatype.Free()
+        merged.Barrier()
+    finally:
+        win.Free()
+    return _took(state, out), []
+
+
+def _get(MPI: Any, win: Any, srank: int, offset: int, sshape: list[int], dt: torch.dtype,
+         sreg: list[list[int]]) -> tuple[torch.Tensor, Any]:
+    """Start reading region ``sreg`` of source rank ``srank``'s piece (``sshape`` at byte
+    ``offset`` of its window) into a new tensor; (tensor, datatype to free)."""
+    shape = [b - a for a, b in sreg]
+    part = torch.empty(shape, dtype=dt)
+    mine = [part.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE]
+    if shape == list(sshape):         # the whole piece: contiguous bytes
+        win.Get(mine, srank, (offset, part.nbytes, MPI.BYTE))
+        return part, None
+    isz = dt.itemsize
+    datatype = MPI.BYTE.Create_subarray(list(sshape) + [isz], shape + [isz],
+                                        [a for a, _ in sreg] + [0]).Commit()
+    win.Get(mine, srank, (offset, 1, datatype))
+    return part, datatype
