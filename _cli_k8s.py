@@ -50,6 +50,8 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--controller", default=PLACEHOLDER,
                    help="the controller's channel address the pods connect to (default: a "
                    "placeholder the controller fills at launch)")
+    m.add_argument("--json", action="store_true",
+                   help="a JSON List of the objects instead of YAML (kubectl reads both)")
     m.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     m.set_defaults(func=_guarded(cmd_manifest))
     st = k_sub.add_parser("status", help="this user's meshplan Jobs and their pods")
@@ -61,6 +63,8 @@ def add_k8s_commands(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("--run", default=None, help="one run's pods (its run id)")
     lg.add_argument("--namespace", default=None, help="one namespace (default: every one)")
     lg.add_argument("--follow", "-f", action="store_true", help="until the pods end")
+    lg.add_argument("--json", action="store_true",
+                    help="one JSON object per line: namespace, pod, line")
     lg.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     lg.set_defaults(func=_guarded(cmd_logs))
     d = k_sub.add_parser("delete", help="delete what meshplan made for this user")
@@ -94,6 +98,10 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     objects = manifests(opts, world=world, run_id=secrets.token_hex(8),
                         address=args.controller, store=None,
                         controller_host=host)
+    if args.json:
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)},
+                         indent=2))
+        return 0
     sys.stdout.write(f"# meshplan: {plan.mesh} ({world} ranks) from {args.plan}; the run's "
                      "Secret (<name>-key) is made by the controller at launch\n")
     sys.stdout.write(to_yaml(objects))
@@ -130,7 +138,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     from .runtime._k8s_launch import logs_of_mine
 
-    if not logs_of_mine(args.namespace, args.run, args.follow):
+    if not logs_of_mine(args.namespace, args.run, args.follow, as_json=args.json):
         print("no meshplan pods of this user" + (f" in run {args.run}" if args.run else ""),
               file=sys.stderr)
     return 0

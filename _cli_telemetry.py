@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,16 @@ def add_telemetry_commands(sub: argparse._SubParsersAction) -> None:
     common(v)
     v.set_defaults(func=_guarded(cmd_serve))
 
+    tp = sub.add_parser("top", help="a running job's ranks, stragglers, memory and "
+                                    "collectives, refreshed (from its telemetry)")
+    tp.add_argument("--run", help="run id (default: the latest run)")
+    tp.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    tp.add_argument("--window", type=int, default=20, help="the last steps it looks at")
+    tp.add_argument("--once", action="store_true", help="print one view and exit")
+    tp.add_argument("--json", action="store_true", help="one view as JSON, then exit")
+    common(tp)
+    tp.set_defaults(func=_guarded(cmd_top))
+
     mc = sub.add_parser("mcp", help="the tools of `meshplan serve` as an MCP server on stdio "
                                     "(for agents; needs meshplan[agents])")
     mc.add_argument("--plans", help="a folder of plan files to serve")
@@ -83,7 +94,7 @@ def _quiet_store_log() -> None:
     logging.getLogger("meshplan.telemetry").setLevel(logging.ERROR)
 
 
-def _open(args: argparse.Namespace, *, must_exist: bool = True) -> Any:
+def _open(args: argparse.Namespace, *, must_exist: bool = True, quiet: bool = False) -> Any:
     from .telemetry._schema import default_db_path, segments_dir
     from .telemetry._store import Store
 
@@ -93,6 +104,8 @@ def _open(args: argparse.Namespace, *, must_exist: bool = True) -> Any:
         raise TelemetryError(f"no telemetry database at {db} and no segments at "
                              f"{segments_dir(db)}; run a step with telemetry on, or pass --db")
     store = Store.open(db)
+    if quiet:
+        return store
     if store.fallback:
         print(f"reading {store.source}", file=sys.stderr, flush=True)
     for path, why in store.skipped:
@@ -159,6 +172,34 @@ def cmd_summary(args: argparse.Namespace) -> int:
     else:
         _console().print(render_summary(d))
     return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from .telemetry._top import render_top, top
+
+    if args.interval <= 0 or args.window < 1:
+        raise TelemetryError("--interval must be above 0 and --window at least 1")
+
+    def view(quiet: bool) -> dict[str, Any]:
+        with _open(args, quiet=quiet) as store:
+            return top(store, args.run, args.window)
+
+    if args.json:
+        print(json.dumps(json_safe(view(False)), indent=2, allow_nan=False))
+        return 0
+    console = _console()
+    if args.once:
+        console.print(render_top(view(False)))
+        return 0
+    from rich.live import Live
+
+    try:
+        with Live(render_top(view(False)), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                live.update(render_top(view(True)), refresh=True)
+    except KeyboardInterrupt:
+        return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

@@ -19,10 +19,10 @@ DESCRIPTION = ("meshplan traces an ordinary PyTorch training step into one graph
                "(what, where, how to fix) and exits non-zero, without a traceback.")
 
 
-def _console() -> Any:
+def _console(stderr: bool = False) -> Any:
     from rich.console import Console
 
-    return Console(highlight=False, soft_wrap=True)
+    return Console(highlight=False, soft_wrap=True, stderr=stderr)
 
 
 def load_target(spec: str) -> tuple[Callable[..., Any], tuple]:
@@ -140,18 +140,35 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     folder = os.path.dirname(os.path.abspath(args.out or "."))
     if not os.path.isdir(folder):                     # say so before measuring, not after
         raise PlanError(f"--out {args.out}: folder {folder} does not exist; create it first")
-    console = _console()
+    console = _console(stderr=args.json)
     if args.from_telemetry:
         return _calibrate_from_telemetry(args, console)
     quick = {"sizes": QUICK_SIZES, "repeats": 2} if args.quick else {}
     console.print(f"measuring this machine with {args.world_size} gloo processes over loopback ...")
     cal = measure(args.world_size, timeout_s=args.timeout, **quick)
-    for table in calibration_tables(cal):
-        console.print(table)
+    if not args.json:
+        for table in calibration_tables(cal):
+            console.print(table)
     if args.out:
         cal.topology.save(args.out)
         console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")
+    if args.json:
+        print(json.dumps({
+            "source": "measured", "world_size": cal.world_size, "threads": cal.threads,
+            "samples": len(cal.samples), "wall_s": cal.wall_s,
+            "links": {str(getattr(k, "value", k)): _link_json(v) for k, v in cal.fits.items()},
+            "matmul_sizes": dict(cal.matmul_sizes), "phase_s": dict(cal.phase_s),
+            "topology": cal.topology.to_dict(), "out": args.out}, indent=2))
     return 0
+
+
+def _link_json(link: Any) -> dict[str, Any] | None:
+    if link is None:
+        return None
+    return {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth,
+            "wait_s": link.wait,
+            "kinds": [{"kind": k, "bandwidth_bytes_per_s": bw, "latency_s": lat}
+                      for k, bw, lat in link.kinds]}
 
 
 def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
@@ -193,6 +210,18 @@ def _calibrate_from_telemetry(args: argparse.Namespace, console: Any) -> int:
     if args.out:
         topo.save(args.out)
         console.print(f"wrote {args.out}; pass its path wherever a topology name is accepted")
+    if args.json:
+        print(json.dumps({
+            "source": "telemetry", "run": args.run, "samples": len(fit.samples),
+            "probed": fit.probed, "link": _link_json(link),
+            "compute": None if comp is None else {
+                "flops_per_s": dict(comp.flops), "memory_bytes_per_s": comp.memory_bandwidth,
+                "kernel_floor_s": comp.kernel_floor_s, "ops": comp.ops,
+                "measured_s": comp.measured_s, "roofline_s": comp.roofline_s,
+                "op_factors": dict(comp.op_factors)},
+            "measured_step_s": fit.measured_step_s, "model_step_s": fit.model_step_s,
+            "step_overhead_s": topo.step_overhead_s,
+            "topology": topo.to_dict(), "out": args.out}, indent=2))
     return 0
 
 
@@ -219,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", "-o", help="where to write the topology JSON (atomically)")
     c.add_argument("--quick", action="store_true", help="messages up to 4 MiB, 2 repeats")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds before giving up")
+    c.add_argument("--json", action="store_true",
+                   help="the fitted machine and the fits behind it as JSON (the messages go "
+                        "to stderr)")
     c.add_argument("--from-telemetry", action="store_true",
                    help="instead of measuring, fit the machine to a recorded run: links to its "
                    "collectives, compute to its op times (level ops), the step overhead")

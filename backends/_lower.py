@@ -447,7 +447,8 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
         donate: bool = False, rng: StepRNG | None = None,
         preset: Mapping[tuple[str, int, Layout | None], Tensor] | None = None,
         vote: bool = True,
-        sends: list[Any] | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
+        sends: list[Any] | None = None,
+        keep: dict[str, Any] | None = None) -> tuple[list[Tensor], dict[str, Tensor]]:
     """One step on this rank: ``state`` and ``data`` hold this rank's pieces by input name.
     Returns the results (whole, on every rank) and the new state pieces. ``observer`` sees
     each redistribution's collectives and, if it asks, each op's (and kernel call's) time
@@ -460,7 +461,9 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
     ``vote=False``: no all-or-nothing vote (a part of a step whose ranks run different
     programs, a pipeline stage's: ``_pipeline_run.py``); an op that fails raises here.
     ``sends``: ``Send`` instructions do not wait for their receiver; each one's pending send
-    is appended there, for the caller to ``wait()`` (default: each waits)."""
+    is appended there, for the caller to ``wait()`` (default: each waits). ``keep``: nodes
+    whose values (this rank's pieces, all outputs) to keep, by name: each one the program
+    computes as its own op is put there as it is made (``DistributedStep.watch``)."""
     if rng is None and program.random:
         raise LoweringError(
             f"rank {program.rank}: the program has random ops ({', '.join(program.random[:3])}"
@@ -513,6 +516,8 @@ def run(program: Program, comm: Any, state: Mapping[str, Tensor],
                     t0 = time.perf_counter() if timed else 0.0
                     env[op.name] = op(vals) if op.stream is None else op(
                         vals, op_seed(rng, op.stream))   # type: ignore[arg-type]
+                    if keep is not None and op.name in keep:
+                        keep[op.name] = env[op.name]
                     if timed:
                         observer.compute(ins.node, t0, time.perf_counter() - t0)
                 elif isinstance(ins, Free):

@@ -646,6 +646,13 @@ def _cut(plan: Plan, raw: RawProgram, ax: int) -> _Cut:
 
     def gathered(i: int) -> PlanError:
         ins = instrs[i]
+        if isinstance(ins, Reshard) and ins.consumer == "<result>":
+            return _refused(
+                f"micro-batches: the step returns {ins.ref}, a value of the whole batch (one "
+                "row per sample); the parts run one after another and hand back values "
+                "reduced over the batch, not rows of it",
+                "return a loss or another value reduced over the batch (a mean, a sum); on a "
+                "mesh with a 'pp' axis per-sample results are not built yet")
         bad = {s.kind for s in ins.steps if s.axis == ax} - {"all_reduce", *_LOCAL_KINDS}
         why, fix = _culprit(graph)
         return _refused(

@@ -83,6 +83,9 @@ DEFAULT_MAX_MESSAGE = 2 << 30    # a frame's limit: a batch slice or a state pie
 # launcher sets for each worker (the secret is not among them: it comes on the worker's stdin).
 HELLO, ERROR, PING, SHUTDOWN = "hello", "error", "ping", "shutdown"
 BEAT = "beat"
+# on a rank's side socket (``_Side``): its output lines, and its Python stacks when asked
+LOG, STACKS = "log", "stacks"
+_LOG_BATCH_BYTES = 64 << 10      # a LOG message carries at most this much text
 _BEAT_BASE = -1000     # a rank's heartbeat socket signs as _BEAT_BASE - rank (its own sequence)
 ENV_LOST_AFTER = "MESHPLAN_LOST_AFTER_S"
 DEFAULT_LOST_AFTER_S = 30.0
@@ -454,6 +457,10 @@ class ControllerChannel(_Endpoint):
         self._auth: Any = None
         self._gate: Gate | None = None
         self.last_beat: dict[int, float] = {}    # rank -> monotonic time of its last heartbeat
+        # a rank's output lines (``LOG`` from its side socket) go to ``on_log(rank, lines)``;
+        # its answer to ``ask_side(rank, STACKS)`` lands in ``side_replies``
+        self.on_log: Callable[[int, list[Any]], None] | None = None
+        self.side_replies: dict[int, dict[str, Any]] = {}
         # rank -> monotonic time the connection its newest message came on ended (it exited,
         # or closed its socket); a message from the rank, or ``forget``, clears it. Which rank
         # ended first, when a job ends every rank; on one host (``sees_drops``) also a rank
@@ -507,6 +514,11 @@ class ControllerChannel(_Endpoint):
                 raise RuntimeFailure(f"cannot send {kind!r} to rank {rank}: it is not connected") from None
             raise
 
+    def ask_side(self, rank: int, kind: str, header: dict[str, Any] | None = None) -> None:
+        """Send ``kind`` to ``rank``'s side socket (``_Side``: it answers while the rank's main
+        thread computes or waits in a collective); RuntimeFailure when it is not connected."""
+        self.send(_BEAT_BASE - rank, kind, header)
+
     def recv(self, timeout_s: float | None = None) -> tuple[int, Message]:
         """The next valid ``(rank, message)``; TimeoutError after ``timeout_s`` (None: wait)."""
         self._check_open()
@@ -522,8 +534,13 @@ class ControllerChannel(_Endpoint):
             # an identity without the run's tag fails the sender check in _accept
             got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
             if got is not None and got[0] <= _BEAT_BASE:
-                if got[1].kind == BEAT:
-                    self.last_beat[_BEAT_BASE - got[0]] = time.monotonic()
+                rank, kind = _BEAT_BASE - got[0], got[1].kind
+                if kind == BEAT:
+                    self.last_beat[rank] = time.monotonic()
+                elif kind == LOG and self.on_log is not None:
+                    self.on_log(rank, list(got[1].header.get("lines", ())))
+                elif kind == STACKS:
+                    self.side_replies[rank] = dict(got[1].header)
                 continue
             if got is not None:
                 self._on(got[0], ident.get(zmq.SRCFD))
@@ -631,13 +648,24 @@ class WorkerChannel(_Endpoint):
         ``on_lost`` when the connection to the controller has been down for ``lost_after_s``
         (ZeroMQ's own heartbeats close a connection whose peer stops answering, so a cut
         network is seen as such, not only a closed socket)."""
-        self._beats = _Heartbeat(self, lost_after_s, on_lost)
+        self.start_side(beats=True, lost_after_s=lost_after_s, on_lost=on_lost)
+
+    def start_side(self, *, beats: bool, lost_after_s: float = DEFAULT_LOST_AFTER_S,
+                   on_lost: Callable[[], None] | None = None,
+                   stacks: Callable[[], dict[str, Any]] | None = None,
+                   lines: Any = None) -> _Side:
+        """Start this rank's side thread and socket (``_Side``): heartbeats when ``beats``
+        (the controller is on another host), the output lines queued in ``lines`` (a deque
+        of ``[stream, text]``), and ``stacks()``'s answer whenever the controller asks."""
+        self._beats = _Side(self, lost_after_s, on_lost, beats=beats, stacks=stacks,
+                            lines=lines)
+        return self._beats
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close; ``linger_s`` lets queued messages (a last reply) go out first."""
         beats = getattr(self, "_beats", None)
         if beats is not None:
-            beats.stop()
+            beats.stop(drain_s=min(linger_s, 2.0))
         self._close(self._socket, linger_s)
 
     def __enter__(self) -> WorkerChannel:
@@ -647,22 +675,34 @@ class WorkerChannel(_Endpoint):
         self.close()
 
 
-class _Heartbeat(_Endpoint):
-    """A rank's heartbeat: its own DEALER (identity and signature of ``_BEAT_BASE - rank``, so
-    its sequence numbers are its own), a thread that sends ``BEAT`` and watches the socket's
-    connection events. Sends never block: beats a dead link cannot take are dropped."""
+class _Side(_Endpoint):
+    """A rank's side socket and thread: its own DEALER (identity and signature of
+    ``_BEAT_BASE - rank``, so its sequence numbers are its own) that goes on while the rank's
+    main thread computes or waits in a collective. It sends
+
+    - ``BEAT`` every ``BEAT_INTERVAL_S`` when ``beats`` (the controller is on another host),
+      and watches the connection: ``on_lost`` once it has been down for ``lost_after_s``;
+    - ``LOG``: the rank's output lines queued in ``lines`` (``[stream, text]``; the worker's
+      ``LogCapture`` fills it), soon after they are written, in batches;
+    - ``STACKS``: ``stacks()`` (its threads' Python stacks) when the controller asks.
+
+    Beats never block: beats a dead link cannot take are dropped; lines wait (up to the
+    queue's length, then the oldest go and are counted)."""
 
     def __init__(self, channel: WorkerChannel, lost_after_s: float,
-                 on_lost: Callable[[], None]) -> None:
+                 on_lost: Callable[[], None] | None, *, beats: bool = True,
+                 stacks: Callable[[], dict[str, Any]] | None = None, lines: Any = None) -> None:
         super().__init__(channel.secret, channel.run_id, _BEAT_BASE - channel.rank,
                          channel.max_message)
         self.lost_after_s, self.on_lost = lost_after_s, on_lost
+        self.beats, self.stacks, self.lines = beats, stacks, lines
         sock = self._socket = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity(self.secret, self.me))
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(BEAT_INTERVAL_S * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(lost_after_s * 500))
+        sock.setsockopt(zmq.SNDHWM, 64)
+        if beats:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, int(BEAT_INTERVAL_S * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(lost_after_s * 500))
         if channel.address.startswith("tcp://"):
             public, private = _curve_keys(self.secret, "client")
             sock.setsockopt(zmq.CURVE_SERVERKEY, _curve_keys(self.secret, "server")[0])
@@ -672,15 +712,79 @@ class _Heartbeat(_Endpoint):
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(channel.address)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="meshplan-heartbeat",
-                                        daemon=True)
+        self._send_lock = threading.Lock()
+        # a byte here wakes the thread at once (``wake``: a line was queued)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._thread = threading.Thread(target=self._run, name="meshplan-side", daemon=True)
         self._thread.start()
+
+    def wake(self) -> None:
+        """Send the queued lines now (called by whoever queues one; never blocks)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:                  # the pipe is full: a wake-up is pending anyway
+            pass
+
+    def _send(self, kind: str, header: dict[str, Any] | None) -> bool:
+        """One message, without blocking; False when the link cannot take it now."""
+        with self._send_lock:
+            try:
+                frames = self._frames(CONTROLLER, kind, header, ())
+                for i, frame in enumerate(frames):
+                    more = zmq.SNDMORE if i < len(frames) - 1 else 0
+                    self._socket.send(frame, zmq.NOBLOCK | more)
+                return True
+            except zmq.Again:
+                return False
+
+    def _send_lines(self) -> None:
+        """The queued output lines, in batches of at most ``_LOG_BATCH_BYTES``."""
+        lines = self.lines
+        while lines:
+            batch, size = [], 0
+            while lines and size < _LOG_BATCH_BYTES:
+                item = lines.popleft()
+                batch.append(item)
+                size += len(item[1]) + 8
+            if not self._send(LOG, {"lines": batch}):
+                lines.extendleft(reversed(batch))       # the link is busy: next time
+                return
 
     def _run(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
         down_since: float | None = time.monotonic()       # until the first connection
-        while not self._stop.wait(BEAT_INTERVAL_S):
+        next_beat = time.monotonic() + BEAT_INTERVAL_S
+        while not self._stop.is_set():
+            now = time.monotonic()
+            wait = max(0.0, next_beat - now)
+            if self.lines:
+                wait = min(wait, 0.02)                 # lines go out soon after they come
+            ready = dict(self._poller.poll(max(1, int(min(wait, 0.25) * 1000))))
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except OSError:
+                    pass
+            if self._socket in ready:
+                got = self._accept(self._socket.recv_multipart(copy=False), CONTROLLER)
+                if got is not None and got[1].kind == STACKS:
+                    try:
+                        answer = self.stacks() if self.stacks is not None else {}
+                    except Exception as exc:  # noqa: BLE001 - say why instead of nothing
+                        answer = {"error": f"{type(exc).__name__}: {exc}"}
+                    self._send(STACKS, answer)
+            if self.lines:
+                self._send_lines()
+            if time.monotonic() < next_beat:
+                continue
+            next_beat += BEAT_INTERVAL_S
+            if not self.beats:
+                continue
             while self._monitor.poll(0):
                 event = recv_monitor_message(self._monitor)["event"]
                 if event == zmq.EVENT_DISCONNECTED:
@@ -688,20 +792,21 @@ class _Heartbeat(_Endpoint):
                 elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
                     down_since = None
             if down_since is not None and time.monotonic() - down_since >= self.lost_after_s:
-                self.on_lost()
+                if self.on_lost is not None:
+                    self.on_lost()
                 return
-            try:
-                frames = self._frames(CONTROLLER, BEAT, None, ())
-                for i, frame in enumerate(frames):
-                    more = zmq.SNDMORE if i < len(frames) - 1 else 0
-                    self._socket.send(frame, zmq.NOBLOCK | more)
-            except zmq.Again:
-                pass
+            self._send(BEAT, None)
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop the thread; ``drain_s``: first give the queued lines that long to go out."""
+        deadline = time.monotonic() + drain_s
+        while self.lines and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
-        self._close(self._socket, 0.0)
+        self._close(self._socket, drain_s)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)

@@ -45,7 +45,9 @@ from ._files import FILES_PLUGIN
 from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher, K8sPods
 from . import _zygote
-from ._launch import STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers
+from ._launch import (STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers,
+                      install_stack_signal)
+from ._logs import Stacks
 from ._keepers import KEEPER_PLUGIN, MeshSnapshots
 from ._mpi_launch import MPILauncher, host_slots, is_this_host, parse_hosts
 from ._recovery import RECOVERABLE, Recovery, Remembered, smaller_meshes
@@ -199,6 +201,10 @@ class DistributedStep:
         self._launch_from: tuple[str, list[str], bool | None, tuple] | None = None
         # distribute(calibrate=): mesh steps left before the cost model is fitted to them
         self._calibrate_left = _calibration_steps(calibrate, self.telemetry, plan)
+        self._watched: set[str] = set()     # plan nodes whose values the ranks keep (watch)
+        # the mesh's state differs from the live model on this process (steps ran on it since
+        # the last sync()): after shutdown() that state is gone (transfer refuses to read it)
+        self._local_stale = False
         self._resume_step = 0               # the step number a re-launch continues from
         self.calibration: RunCalibration | None = None
         if checkpoint is not None:
@@ -239,6 +245,7 @@ class DistributedStep:
             check_indices(first.checks, dict(zip(names, traced.data_tensors(*args, **kwargs))),
                           self.__name__)
         out = self._step(self._variant(args, kwargs), args, kwargs)
+        self._local_stale = True
         if self._calibrate_left:
             self._calibrate_left -= 1
             if not self._calibrate_left:
@@ -310,6 +317,7 @@ class DistributedStep:
             return
         with self._recording_failures():
             self._send_state("set_state", values, lambda rank, names: {"names": names})
+        self._local_stale = True
         if self._ft is not None:          # every rank's snapshot is this state now
             self._ft.started(self._step_no)
 
@@ -364,6 +372,7 @@ class DistributedStep:
         """Write the mesh's state back into the live model and optimizer on the controller."""
         if self._workers is not None:
             self._write_local(self._gather_state())
+            self._local_stale = False
 
     @property
     def run_id(self) -> str | None:
@@ -421,6 +430,42 @@ class DistributedStep:
                            ", ".join(f"rank {r}" for r in missing), timeout_s)
         return QueryResult(table, tuple(missing),
                            {r: f"{h.get('type')}: {h.get('message')}" for r, h in errors.items()})
+
+    def watch(self, *nodes: str) -> None:
+        """From the next step on, every rank keeps its pieces of these plan nodes' values
+        from the last step, for ``inspect``; ``watch()`` with none stops (README, "Live
+        debugging")."""
+        from ._inspect import watch
+
+        watch(self, nodes)
+
+    def inspect(self, name: str, rank: int | None = None, *, index: int = 0) -> torch.Tensor:
+        """A tensor the ranks hold now: a state tensor (a ``state_dict()`` key of the model,
+        or an internal name such as an optimizer state's) or a watched node's value in the
+        last step (output ``index``); with ``rank``, that rank's piece as it holds it, else
+        the whole tensor (``runtime/_inspect.py``)."""
+        from ._inspect import inspect
+
+        return inspect(self, name, rank, index)
+
+    def stacks(self, timeout_s: float = 3.0) -> Stacks:
+        """Every rank's Python stacks now, as ``{rank: {"text", "frame", "doing"}}`` (``str()``
+        prints them, ranks in the same place together); a run with telemetry also stores them
+        (table ``stacks``, reason ``request``). Each rank's side thread answers, also while
+        the rank computes or waits in a collective; one that does not within ``timeout_s``
+        (stopped, gone, stuck in C code holding Python's lock) is left out. Without a call:
+        ``kill -USR1 <this process>`` prints them while a call waits for the ranks, and a
+        call whose ranks time out stores them before it fails (README, "Live debugging")."""
+        workers = self._workers
+        if workers is None:
+            raise RuntimeFailure(f"{self.__name__}: no mesh is running; call the step first")
+        got = Stacks(workers.stacks(timeout_s), n=workers.n, label=self.__name__)
+        self._record_stacks(got, "request")
+        return got
+
+    def _record_stacks(self, stacks: Mapping[int, Mapping[str, Any]], reason: str) -> None:
+        if self._tel is not None and stacks:
+            self._tel.stacks(stacks, self._step_no or None, reason)
 
     def flush_telemetry(self, timeout_s: float = 30.0) -> None:
         """Make every rank (and the controller) write its pending telemetry rows now (and
@@ -854,6 +899,12 @@ class DistributedStep:
                                                   env={"MESHPLAN_WORKER_PLUGINS": plugins})
         workers.stopped_s = self.hang_s
         workers.keep_on_failure = self._ft is not None    # _recover decides what to stop
+        workers.logs.label = self.__name__                # "[train r0-3] <line>"
+        if self._watched:
+            workers.broadcast("watch", {"nodes": sorted(self._watched)})
+            workers.gather("watch", self.timeout_s)
+        workers.on_stacks = self._record_stacks
+        install_stack_signal()
         ckpt: list[dict[str, Any]] = [{}] * world
         if self._launch_from is not None and not restore:
             path, in_file, push, stamp = self._launch_from

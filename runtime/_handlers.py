@@ -285,8 +285,14 @@ def _step(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
         # update it instead of copying
         runner = (run_microbatched if isinstance(program, MicrobatchProgram)
                   else run_pipeline if isinstance(program, StageProgram) else run)
+        watched = getattr(ns, "watch", None)
+        extra: dict[str, Any] = {}
+        if watched and runner is run:     # DistributedStep.watch: the nodes' values kept
+            extra["keep"] = dict.fromkeys(watched)
         results, new_state = runner(program, ns.comm, ns.state, data, observer=tel,
-                                    donate=True, rng=rng)
+                                    donate=True, rng=rng, **extra)
+        if "keep" in extra:
+            ns.kept = {k: v for k, v in extra["keep"].items() if v is not None}
     except Exception as exc:
         if tel is not None and not isinstance(exc, StepAborted):   # the failing rank records it
             tel.failure(exc, traceback.format_exc())
@@ -380,6 +386,27 @@ def _share_state(state: WorkerState, header: dict[str, Any], tensors: list[torch
     ns.state.update({k: v.to(device) for k, v in got.items()})
     _state_changed(ns)
     return {"rank": state.rank, "fetched": len(got)}, []
+
+
+@register("watch")
+def _watch(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """Keep the values of ``nodes`` (this rank's pieces) from each step on (none: stop)."""
+    state.ns.watch = set(header.get("nodes") or ())
+    state.ns.kept = {}
+    return {}, []
+
+
+@register("inspect")
+def _inspect(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """This rank's piece of output ``index`` of a watched node, as the last step made it."""
+    node, index = str(header["node"]), int(header.get("index", 0))
+    kept = getattr(state.ns, "kept", {})
+    if node not in kept:
+        return {"held": False}, []
+    value = kept[node][index]
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value)
+    return {"held": True}, [value.detach().cpu()]
 
 
 @register("set_state")

@@ -38,6 +38,7 @@ through a port-forward from a laptop.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -965,10 +966,11 @@ def status_of_mine(namespace: str | None = None) -> list[dict[str, Any]]:
 
 
 def logs_of_mine(namespace: str | None = None, run: str | None = None,
-                 follow: bool = False, out: Any = None) -> int:
+                 follow: bool = False, out: Any = None, *, as_json: bool = False) -> int:
     """Write the logs of this user's meshplan pods (of run ``run`` only, when given) to
-    ``out`` (stdout), each line prefixed with its pod; ``follow``: until the pods end.
-    Returns how many pods there were."""
+    ``out`` (stdout), each line prefixed with its pod (``as_json``: one JSON object per line,
+    ``{"namespace", "pod", "line"}``); ``follow``: until the pods end. Returns how many pods
+    there were."""
     core, _, _ = _clients()
     out = out or sys.stdout
     selector = _mine()
@@ -983,11 +985,18 @@ def logs_of_mine(namespace: str | None = None, run: str | None = None,
             out.write(text)
 
     def copy(ns: str, name: str) -> None:
+        def line(text: str) -> None:
+            write(json.dumps({"namespace": ns, "pod": name, "line": text.rstrip("\n")}) + "\n")
+
         try:
-            _copy_log(core, ns, name, f"[{name}] ", follow, write)
+            _copy_log(core, ns, name, "" if as_json else f"[{name}] ", follow,
+                      line if as_json else write)
         except Exception as exc:  # noqa: BLE001 - a pod gone, a log not there yet
             with lock:
-                out.write(f"[{name}] (no log: {getattr(exc, 'reason', exc)})\n")
+                why = getattr(exc, "reason", exc)
+                out.write(json.dumps({"namespace": ns, "pod": name, "line": None,
+                                      "error": f"no log: {why}"}) + "\n" if as_json
+                          else f"[{name}] (no log: {why})\n")
 
     threads = [threading.Thread(target=copy, args=pod, daemon=True) for pod in pods]
     for t in threads:

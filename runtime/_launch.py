@@ -9,6 +9,7 @@ raises :class:`WorkerFailure`; nothing is left running, even when the controller
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ import torch
 from .._errors import RuntimeFailure
 from . import _channel as P  # the protocol: message kinds, environment names
 from ._channel import ControllerChannel, Message, Secret
+from ._logs import ENV_LOGS, LogLines, stacks_text
 
 __all__ = ["LocalLauncher", "StepFailed", "WorkerFailure", "Workers"]
 
@@ -254,8 +256,33 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 _DEATH_GRACE_S = 0.2
+STACKS_ON_HANG_S = 3.0     # how long a timeout waits for every rank's stacks before it fails
+# set by SIGUSR1 (``install_stack_signal``): the next poll of a wait dumps every rank's stacks
+_DUMP_ASKED = threading.Event()
+
+
+def install_stack_signal() -> bool:
+    """``kill -USR1 <controller pid>``: the controller prints every rank's Python stacks (and
+    a run with telemetry stores them) at its next poll while it waits for the ranks. Only
+    from the main thread, and only where SIGUSR1 has no handler yet; returns whether it is
+    installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None, _on_usr1):
+        return False
+    signal.signal(signal.SIGUSR1, _on_usr1)
+    return True
+
+
+def _on_usr1(signum: int, frame: Any) -> None:  # noqa: ARG001
+    _DUMP_ASKED.set()
 _PEER_LOST = ("reset by peer", "connection closed", "broken pipe", "connection refused",
               "end of file", "timed out", "timeout")
+
+
+def _stop_group(group: _Group, logs: LogLines) -> None:
+    group.stop()
+    logs.close()
 
 
 class Workers:
@@ -286,7 +313,15 @@ class Workers:
         # or stops them all (``distribute(fault_tolerance=True)``)
         self.keep_on_failure = False
         self._stopped_checked = 0.0
-        self._finalizer = weakref.finalize(self, group.stop)
+        # the ranks' output, rank-prefixed and collapsed (runtime/_logs.py); ``label`` names
+        # the mesh in each line
+        self.logs = LogLines(self.n)
+        self.channel.on_log = self.logs.add
+        # messages that came while ``stacks`` waited for the side sockets: the next reads
+        self._held: collections.deque[tuple[int, Message]] = collections.deque()
+        # where the stacks a hang or SIGUSR1 brings go (``DistributedStep`` records them)
+        self.on_stacks: Callable[[dict[int, dict[str, Any]], str], None] | None = None
+        self._finalizer = weakref.finalize(self, _stop_group, group, self.logs)
 
     @property
     def closed(self) -> bool:
@@ -352,12 +387,14 @@ class Workers:
         while len(got) < self.n:
             wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             try:
-                rank, message = self.channel.recv(wait)
+                rank, message = self._recv(wait)
             except TimeoutError:
                 pass
             else:
                 if not self._is_late(rank, message):
                     self._take(rank, message, kind_expected, got)
+            if _DUMP_ASKED.is_set():
+                self._dump_on_signal()
             self._check_exits(kind_expected)
             self._check_dropped(kind_expected, got)
             self._check_stopped(kind_expected, got)
@@ -384,7 +421,7 @@ class Workers:
         errors: dict[int, dict[str, Any]] = {}
         while len(got) + len(errors) < self.n and (left := deadline - time.monotonic()) > 0:
             try:
-                rank, message = self.channel.recv(min(_POLL_S, left))
+                rank, message = self._recv(min(_POLL_S, left))
             except TimeoutError:
                 pass
             else:
@@ -400,6 +437,58 @@ class Workers:
         for rank in missing:
             self._late.setdefault(rank, []).append(kind_expected)
         return got, errors, missing
+
+    def _recv(self, timeout_s: float | None) -> tuple[int, Message]:
+        """The next message: one ``stacks`` held back first, else the channel's."""
+        if self._held:
+            return self._held.popleft()
+        return self.channel.recv(timeout_s)
+
+    def stacks(self, timeout_s: float = 3.0, ranks: Sequence[int] | None = None
+               ) -> dict[int, dict[str, Any]]:
+        """Every rank's Python stacks now (``runtime/_logs.python_stacks``: ``text``,
+        ``frame``, ``doing``), asked of its side thread, which answers while the rank computes
+        or waits in a collective (not while it is stopped, or stuck in C code that holds
+        Python's lock). Ranks that do not answer within ``timeout_s`` are left out. Replies
+        that come meanwhile are kept for the next read."""
+        if self.closed:
+            return {}
+        self.channel.side_replies.clear()
+        asked = []
+        for rank in range(self.n) if ranks is None else ranks:
+            try:
+                self.channel.ask_side(rank, P.STACKS)
+                asked.append(rank)
+            except RuntimeFailure:        # its side socket is not connected (gone)
+                pass
+        deadline = time.monotonic() + timeout_s
+        while any(r not in self.channel.side_replies for r in asked) and \
+                (left := deadline - time.monotonic()) > 0:
+            try:
+                self._held.append(self.channel.recv(min(_POLL_S, left)))
+            except TimeoutError:
+                pass
+        return {r: self.channel.side_replies[r] for r in asked
+                if r in self.channel.side_replies}
+
+    def drain(self, timeout_s: float = 0.0) -> None:
+        """Read what the ranks' side sockets sent (their output lines) for ``timeout_s``;
+        replies that come meanwhile are kept for the next read."""
+        deadline = time.monotonic() + timeout_s
+        while not self.closed:
+            try:
+                self._held.append(self.channel.recv(max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                break
+
+    def _dump_on_signal(self) -> None:
+        """SIGUSR1 to the controller (``install_stack_signal``): every rank's stacks, printed
+        and handed to ``on_stacks``."""
+        _DUMP_ASKED.clear()
+        got = self.stacks()
+        print(stacks_text(got, self.n, self.logs.label), file=sys.stderr, flush=True)
+        if self.on_stacks is not None:
+            self.on_stacks(got, "signal")
 
     def _is_late(self, rank: int, message: Message) -> bool:
         """Is this the reply to a request ``gather_some`` gave up on? (Then drop it.)"""
@@ -424,7 +513,15 @@ class Workers:
                     pass
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self._group.running():
-            time.sleep(0.02)
+            try:                  # the ranks' last output lines come as they exit
+                self.channel.recv(0.02)
+            except (TimeoutError, RuntimeFailure):
+                time.sleep(0.02)
+        try:
+            while True:
+                self.channel.recv(0.05)
+        except (TimeoutError, RuntimeFailure):
+            pass
         self._finalizer()       # stop(): terminate/kill stragglers, close pipes and channel
 
     # -- replacing failed ranks (distribute(fault_tolerance=True)) -------------------------
@@ -447,6 +544,7 @@ class Workers:
             return
         self._finalizer.detach()
         self._group.stop(grace_s)
+        self.logs.close()
 
     def kill(self, ranks: Sequence[int]) -> None:
         """SIGKILL ``ranks`` (stopped ones too) and reap them."""
@@ -478,7 +576,7 @@ class Workers:
             if left <= 0 or any(self._group.procs[r].poll() is not None for r in waiting):
                 return False
             try:
-                rank, message = self.channel.recv(min(_POLL_S, left))
+                rank, message = self._recv(min(_POLL_S, left))
             except TimeoutError:
                 continue
             if message.kind == P.PING and message.header.get("sync") == nonce:
@@ -680,7 +778,7 @@ class Workers:
         deadline = time.monotonic() + _DRAIN_S
         while (left := deadline - time.monotonic()) > 0:
             try:
-                rank, message = self.channel.recv(left)
+                rank, message = self._recv(left)
             except TimeoutError:
                 return
             if message.kind == P.ERROR and rank in exited:
@@ -746,11 +844,18 @@ class Workers:
     def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
         missing = [r for r in range(self.n) if r not in got]
         states = [f"rank {r}: {self._state(r)}" for r in missing]
-        self._fail(WorkerFailure(
+        # where the ranks are: the ones that did not answer, and the others (waiting)
+        stacks = self.stacks(timeout_s=STACKS_ON_HANG_S)
+        where = "".join(f"\n  rank {r} was in {stacks[r].get('frame') or '?'} "
+                        f"({stacks[r].get('doing') or '?'})" for r in missing if r in stacks)
+        failure = WorkerFailure(
             f"{_ranks(missing)} did not answer {kind!r} within {timeout_s} s"
-            f" ({len(got)} of {self.n} answered; {', '.join(states)})\n"
-            f"  all {self.n} workers were stopped; if the work is just slow, raise timeout_s",
-            reason="timeout", ranks=missing, kind=kind))
+            f" ({len(got)} of {self.n} answered; {', '.join(states)}){where}\n"
+            f"  all {self.n} workers were stopped; if the work is just slow, raise timeout_s"
+            + ("; every rank's stacks are in telemetry's stacks table" if stacks else ""),
+            reason="timeout", ranks=missing, kind=kind)
+        failure.stacks = stacks
+        self._fail(failure)
 
     def _check_stopped(self, kind: str, got: dict[int, Message]) -> None:
         """Fail at once, naming it, when an awaited rank has been stopped (SIGSTOP or SIGTSTP:
@@ -831,6 +936,8 @@ class LocalLauncher:
         out.update({str(k): str(v) for k, v in (env or {}).items()})
         if "OMP_NUM_THREADS" not in out:       # n workers share this machine's cores
             out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+        if self.log_dir is not None:       # the files keep every line of every rank
+            out.setdefault(ENV_LOGS, "off")
         main_thread = threading.current_thread() is threading.main_thread()
         out.update({
             P.ENV_WORLD_SIZE: str(n), P.ENV_ADDRESS: address, P.ENV_RUN_ID: run_id,

@@ -18,7 +18,7 @@ does:
 - **Several hosts** (``hosts=``, ``host_slots``): ``-hosts a:k,b:k``, consecutive ranks on one
   host; the control channel on TCP with CURVE at this machine's address toward the hosts; a
   rank on another host watches no controller pid (it is another machine's) and beats instead
-  (``_channel._Heartbeat``), and the controller judges it by its beats, not by a local pid.
+  (``_channel._Side``), and the controller judges it by its beats, not by a local pid.
 - **Orphans.** The controller does not hold the workers' stdin, so the stdin-EOF guard of
   ``_worker`` is replaced by a watcher thread that polls the controller's pid (twice a second)
   and exits the worker when it is gone; on Linux ``PR_SET_PDEATHSIG`` additionally kills each

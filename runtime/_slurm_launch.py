@@ -29,7 +29,7 @@ failures) does not change. What does:
   one-sided transfers belong to ``launcher="mpi"``.
 - **Failures.** ``--kill-on-bad-exit``: a rank that exits non-zero ends the step, and srun's own
   line (``srun: error: NODE: task K: Exited with exit code C``) tells which task ended first
-  and on which node. Ranks on other nodes beat (``_channel._Heartbeat``): a node whose beats
+  and on which node. Ranks on other nodes beat (``_channel._Side``): a node whose beats
   stop is named within ``$MESHPLAN_LOST_AFTER_S``.
 """
 

@@ -79,6 +79,18 @@ class ControllerTelemetry:
         for rank in ranks:
             self.rec.add("failures", (now_us(), step, kind, str(exc), getattr(exc, "where", None),
                                       tb), rank=rank)
+        stacks = getattr(exc, "stacks", None)
+        if stacks:                        # where every rank was when it failed (a timeout)
+            self.stacks(stacks, step, kind)
+        self.rec.flush()
+
+    def stacks(self, stacks: Mapping[int, Mapping[str, Any]], step: int | None,
+               reason: str) -> None:
+        """Every rank's stacks (``Workers.stacks``), one row per rank that answered."""
+        t = now_us()
+        for rank, got in sorted(stacks.items()):
+            self.rec.add("stacks", (t, step, reason, got.get("doing"), got.get("frame"),
+                                    got.get("text")), rank=rank)
         self.rec.flush()
 
     def snapshot_lost(self, rank: int, step: int, why: str) -> None:

@@ -42,6 +42,7 @@ import torch
 
 from .._errors import RuntimeFailure
 from ..backends import local_slices, rank_coords
+from ._launch import WorkerFailure
 from ._worker import WorkerState, register
 
 ALIGN = 64                  # bytes: where each piece starts in a staging buffer
@@ -155,7 +156,7 @@ def _pairs(src: Any, dst: Any, names: Any) -> list[tuple[str, str, str]]:
             raise RuntimeFailure(
                 f"transfer({src.__name__} -> {dst.__name__}): the two steps' models share no "
                 f"state_dict key ({_some(skeys)} against {_some(dkeys)}); pass names={{source "
-                "key: destination key}}")
+                "key: destination key}")
     elif isinstance(names, Mapping):
         wanted = {str(k): str(v) for k, v in names.items()}
     elif isinstance(names, (list, tuple, set, frozenset)) and all(isinstance(n, str)
@@ -166,7 +167,12 @@ def _pairs(src: Any, dst: Any, names: Any) -> list[tuple[str, str, str]]:
                              "have), a list of state_dict keys, or a dict {source key: "
                              "destination key}")
     pairs: dict[str, tuple[str, str, str]] = {}
+    into: dict[str, str] = {}
     for skey, dkey in wanted.items():
+        if dkey in into:
+            raise RuntimeFailure(f"transfer(names=...): {into[dkey]!r} and {skey!r} both go to "
+                                 f"{dst.__name__}'s {dkey!r}; map one source key to it")
+        into[dkey] = skey
         for key, keys, step in ((skey, skeys, src), (dkey, dkeys, dst)):
             if key not in keys:
                 raise RuntimeFailure(
@@ -255,6 +261,15 @@ def transfer(src: Any, dst: Any, names: Any = None, *, method: str | None = None
                                  f"meshplan.distribute, not a {type(step).__name__}")
     if src is dst:
         raise RuntimeFailure(f"transfer: {src.__name__} is both the source and the destination")
+    for step in (src, dst):
+        if step._traced is None and step.example_inputs is None:
+            raise RuntimeFailure(f"transfer: {step.__name__} has no plan yet: call it once, or "
+                                 "pass example_inputs= to distribute")
+    if src._workers is None and src._local_stale:
+        raise RuntimeFailure(
+            f"transfer: {src.__name__}'s mesh was shut down, and what it trained there was not "
+            f"written back (its live model on this process is from before); call "
+            f"{src.__name__}.sync() before shutdown(), or transfer while it runs")
     pairs = _pairs(src, dst, names)
     how, why = _choose(src, dst, method)
     timeout = timeout_s if timeout_s is not None else max(src.timeout_s, dst.timeout_s)
@@ -263,11 +278,38 @@ def transfer(src: Any, dst: Any, names: Any = None, *, method: str | None = None
         nbytes = _through_controller(src, dst, pairs)
         through = nbytes * ((src._workers is not None) + (dst._workers is not None))
     else:
-        nbytes = _one_sided(src, dst, pairs, how, timeout)
+        while True:
+            try:
+                nbytes = _one_sided(src, dst, pairs, how, timeout)
+                break
+            except WorkerFailure as exc:
+                _recovered_or_raise(exc)
         through = 0
+        dst._local_stale = True
         if dst._ft is not None:           # every rank's snapshot is this state now
             dst._ft.started(dst._step_no)
     return TransferReport(how, len(pairs), nbytes, through, time.perf_counter() - t0, why)
+
+
+def _recovered_or_raise(exc: WorkerFailure) -> None:
+    """A rank of one of the meshes failed during the transfer (``_gather`` names which):
+    under fault tolerance its mesh is brought back to its snapshots (the transfer then runs
+    again); without, the failure stands (its workers are stopped)."""
+    step = getattr(exc, "meshplan_step", None)
+    if step is None or step._ft is None or step._workers is None or step._workers.closed:
+        raise exc
+    step._said_recovered(*step._recover(exc, step._step_no))
+
+
+def _gather(step: Any, kind: str, timeout: float, ranks: list[int] | None = None) -> Any:
+    """``step``'s ranks' replies; a failure says whose mesh it is (``_recovered_or_raise``)
+    and is recorded in its telemetry."""
+    try:
+        with step._recording_failures():
+            return step._workers.gather(kind, timeout, ranks=ranks)
+    except WorkerFailure as exc:
+        exc.meshplan_step = step
+        raise
 
 
 def _through_controller(src: Any, dst: Any, pairs: list[tuple[str, str, str]]) -> int:
@@ -330,17 +372,16 @@ def _one_sided(src: Any, dst: Any, pairs: list[tuple[str, str, str]], how: str,
                 nbytes += _volume(sreg) * sdt[sname].itemsize
             recipes.setdefault(drank, []).append(
                 [dname, [b - a for a, b in box], str(ddt[dname]).removeprefix("torch."), parts])
-    sw, dw = src._workers, dst._workers
-    with src._recording_failures(), dst._recording_failures():
-        if how == "shm":
-            _by_shm(sw, dw, staged, sizes, recipes, timeout)
-        else:
-            _by_rma(sw, dw, staged, sizes, recipes, timeout)
+    if how == "shm":
+        _by_shm(src, dst, staged, sizes, recipes, timeout)
+    else:
+        _by_rma(src, dst, staged, sizes, recipes, timeout)
     return nbytes
 
 
-def _by_shm(sw: Any, dw: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
+def _by_shm(src: Any, dst: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
             recipes: dict[int, list[list[Any]]], timeout: float) -> None:
+    sw, dw = src._workers, dst._workers
     tag = secrets.token_hex(6)
     files = {rank: (f"/dev/shm/meshplan-{sw.run_id}-r{rank}-xfer-{tag}", sizes[rank],
                     secrets.token_hex(TOKEN_BYTES)) for rank in staged}
@@ -349,11 +390,11 @@ def _by_shm(sw: Any, dw: Any, staged: dict[int, list[list[Any]]], sizes: dict[in
             path, size, token = files[rank]
             sw.send(rank, "xfer_export", {"path": path, "size": size, "token": token,
                                           "pieces": staged[rank]})
-        sw.gather("xfer_export", timeout, ranks=list(staged))
+        _gather(src, "xfer_export", timeout, list(staged))
         for rank in range(dw.n):
             dw.send(rank, "xfer_import", {"files": {str(r): list(f) for r, f in files.items()},
                                           "pieces": recipes.get(rank, [])})
-        dw.gather("xfer_import", timeout)
+        _gather(dst, "xfer_import", timeout)
     finally:
         for path, _, _ in files.values():
             try:
@@ -366,35 +407,37 @@ def _by_shm(sw: Any, dw: Any, staged: dict[int, list[list[Any]]], sizes: dict[in
 _LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _link(sw: Any, dw: Any, timeout: float) -> str:
+def _link(src: Any, dst: Any, timeout: float) -> str:
+    sw, dw = src._workers, dst._workers
     links = _LINKS.setdefault(sw, weakref.WeakKeyDictionary())
     key = links.get(dw)
     if key is not None:
         return key
     key = f"{sw.run_id}-{dw.run_id}-{secrets.token_hex(4)}"
     sw.send(0, "xfer_port", {"key": key})
-    port = sw.gather("xfer_port", timeout, ranks=[0])[0].header["port"]
+    port = _gather(src, "xfer_port", timeout, [0])[0].header["port"]
     for rank in range(sw.n):
         sw.send(rank, "xfer_link", {"key": key, "port": port, "accept": True})
     for rank in range(dw.n):
         dw.send(rank, "xfer_link", {"key": key, "port": port, "accept": False})
-    sw.gather("xfer_link", timeout)
-    dw.gather("xfer_link", timeout)
+    _gather(src, "xfer_link", timeout)
+    _gather(dst, "xfer_link", timeout)
     links[dw] = key
     return key
 
 
-def _by_rma(sw: Any, dw: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
+def _by_rma(src: Any, dst: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
             recipes: dict[int, list[list[Any]]], timeout: float) -> None:
-    key = _link(sw, dw, timeout)
+    sw, dw = src._workers, dst._workers
+    key = _link(src, dst, timeout)
     for rank in range(sw.n):          # every rank: the window is collective
         sw.send(rank, "xfer_send", {"key": key, "size": sizes.get(rank, 0),
                                     "pieces": staged.get(rank, [])})
     for rank in range(dw.n):
         dw.send(rank, "xfer_recv", {"key": key, "offset": sw.n,
                                     "pieces": recipes.get(rank, [])})
-    sw.gather("xfer_send", timeout)
-    dw.gather("xfer_recv", timeout)
+    _gather(src, "xfer_send", timeout)
+    _gather(dst, "xfer_recv", timeout)
 
 
 # ---- the ranks -----------------------------------------------------------------------------

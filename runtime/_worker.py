@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ._logs import ENV_LOGS, LogCapture, python_stacks
 from ._channel import (
     ENV_ADDRESS,
     ENV_PARENT_PID,
@@ -80,6 +81,7 @@ class WorkerState:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ), repr=False)
     ns: SimpleNamespace = field(default_factory=SimpleNamespace, repr=False)
     stopping: bool = False
+    doing: str = "starting"       # what the rank serves now (its stacks say it)
 
 
 Handler = Callable[[WorkerState, dict[str, Any], list[torch.Tensor]],
@@ -156,7 +158,10 @@ def handle(state: WorkerState, message: Message) -> tuple[str, dict[str, Any], l
 def serve(state: WorkerState, channel: WorkerChannel) -> None:
     """Answer messages until a ``shutdown``."""
     while not state.stopping:
+        state.doing = "waiting for the controller"
         message = channel.recv()
+        step = message.header.get("step") if isinstance(message.header, dict) else None
+        state.doing = f"{message.kind!r}" + (f" of step {step}" if step is not None else "")
         kind, header, tensors = handle(state, message)
         try:
             channel.send(kind, header, tensors)
@@ -346,26 +351,43 @@ def main() -> int:
         print(f"meshplan worker: bad start ({exc!r}); start workers with a meshplan launcher",
               file=sys.stderr)
         return EXIT_BAD_START
+    # a k8s pod: its log keeps them (``kubectl logs``), which the controller streams itself
+    mode = env.get(ENV_LOGS) or ("off" if env.get("MESHPLAN_K8S") == "1" else "stream")
+    capture = LogCapture(tee=mode == "tee") if mode in ("stream", "tee") else None
+    # the controller prefixes streamed lines with the rank itself
     logging.basicConfig(level=logging.WARNING,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+                        format=("%(levelname)s %(name)s: %(message)s" if capture else
+                                f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
     port = env.get("MASTER_PORT")
     state = WorkerState(rank, world_size, run_id, env.get("MASTER_ADDR"),
                         int(port) if port else None, store_prefix(secret))
     channel = WorkerChannel(address, secret, run_id, rank)
+    # on another host than the controller: no pid or stdin to watch; the heartbeat tells the
+    # controller this host is alive, and this rank that the controller still is. On every
+    # host: the rank's output lines, and its stacks when asked (runtime/_logs.py)
+    side = channel.start_side(beats=controller_elsewhere(env), lost_after_s=lost_after_s(env),
+                              on_lost=_controller_lost,
+                              stacks=lambda: python_stacks(lambda: state.doing),
+                              lines=capture.lines if capture is not None else None)
+    if capture is not None:
+        capture.wake = side.wake
     try:
         _load_plugins(env.get(ENV_PLUGINS, ""))
     except Exception as exc:  # noqa: BLE001 - reported to the controller instead of a hello
         channel.send(ERROR, error_reply(exc, HELLO))
-        channel.close(linger_s=5.0)
+        _close(channel, capture)
         return 1
     channel.send(HELLO, {"rank": rank, "pid": state.pid, "hostname": state.hostname})
-    if controller_elsewhere(env):
-        # on another host than the controller: no pid or stdin to watch; the heartbeat tells
-        # the controller this host is alive, and this rank that the controller still is
-        channel.start_heartbeat(lost_after_s(env), _controller_lost)
     serve(state, channel)
-    channel.close(linger_s=5.0)
+    _close(channel, capture)
     return 0
+
+
+def _close(channel: WorkerChannel, capture: LogCapture | None) -> None:
+    """The last lines go out, then the last reply (``linger_s``)."""
+    if capture is not None:
+        capture.close()
+    channel.close(linger_s=5.0)
 
 
 def _controller_lost() -> None:

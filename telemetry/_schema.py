@@ -53,6 +53,9 @@ TABLES: dict[str, pa.Schema] = {
         ("kind", _s), ("restart", _i32), ("restored_step", _i64), ("replayed", _i32),
         ("recover_us", _i64), ("mesh", _s), ("world_size", _i32), ("strategy", _s),
         ("est_step_us", _f64)),
+    "stacks": _schema(
+        ("run_id", _s), ("rank", _i32), ("time_us", _i64), ("step", _i64), ("reason", _s),
+        ("doing", _s), ("frame", _s), ("stack", _s)),
     "plan_nodes": _schema(
         ("run_id", _s), ("node", _s), ("target", _s), ("kind", _s), ("phase", _s),
         ("module", _s), ("source", _s), ("inputs", _s), ("outputs", _s),
@@ -104,7 +107,7 @@ class Level(enum.IntEnum):
     """What a run records. Each level includes the ones before it."""
 
     OFF = 0
-    STEPS = 1          # runs, ranks, steps, memory, failures, recoveries, plan_nodes,
+    STEPS = 1          # runs, ranks, steps, memory, failures, recoveries, stacks, plan_nodes,
                        # plan_collectives, link_probes
     COLLECTIVES = 2    # + one row per collective call (the default)
     OPS = 3            # + per-node op timings on sampled steps

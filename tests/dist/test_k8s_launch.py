@@ -298,6 +298,10 @@ def test_kubectl_sees_and_deletes_what_the_launcher_made(cluster, tmp_path, monk
         buf = io.StringIO()                      # meshplan k8s logs --run RUN
         assert logs_of_mine(run=run, out=buf) == 2
         assert f"[{first}] rank 1 up" in buf.getvalue(), buf.getvalue()
+        buf = io.StringIO()                      # meshplan k8s logs --run RUN --json
+        assert logs_of_mine(run=run, out=buf, as_json=True) == 2
+        lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+        assert {"namespace": "default", "pod": first, "line": "rank 1 up"} in lines, lines
         kubectl("delete", "job", jobs[0]["metadata"]["name"], "--cascade=background")
         deadline = time.monotonic() + 20
         while cluster.live() and time.monotonic() < deadline:

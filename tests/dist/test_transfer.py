@@ -128,6 +128,10 @@ def test_transfers_between_meshes_of_other_layouts_and_sizes_copy_exactly():
         # resharding happened: a row split into a column split and FSDP's rows into others
         assert ("(Shard(dim=0),)", "(Shard(dim=1),)") in layouts
         assert ("(Replicate(), Shard(dim=1))", "(Shard(dim=0),)") in layouts
+        # a source shut down without sync(): what it trained is gone, and transfer says so
+        srcs[0].shutdown()
+        with pytest.raises(RuntimeFailure, match="mesh was shut down, and what it trained"):
+            meshplan.transfer(srcs[0], dst)
     finally:
         for step in steps:
             step.shutdown()
@@ -152,6 +156,9 @@ def test_a_step_not_running_takes_the_values_through_the_controller():
     with pytest.raises(RuntimeFailure, match=r"has shape \[16\] in .* and \[64, 16\]"):
         meshplan.transfer(src, dst, names={"transformer.h.0.ln_1.weight": "transformer.h.0."
                                            "mlp.c_fc.weight"})
+    with pytest.raises(RuntimeFailure, match="both go to"):
+        meshplan.transfer(src, dst, names={"transformer.h.0.ln_1.weight": "lm_head.weight",
+                                           "transformer.h.1.ln_1.weight": "lm_head.weight"})
     with pytest.raises(RuntimeFailure, match="no running mesh"):
         meshplan.transfer(src, dst, method="shm")
     with pytest.raises(RuntimeFailure, match="pass a step made by meshplan.distribute"):

@@ -8,6 +8,8 @@ NVLink, and far outside the jitter's effect on a median.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from meshplan._errors import PlanError
@@ -198,6 +200,15 @@ def test_the_cli_says_what_it_fitted_and_writes_a_loadable_machine(tmp_path, cap
     fitted = get_topology(str(out))
     assert fitted.name == "cpu+run-run1"
     assert fitted.step_overhead_s == pytest.approx(0.010, rel=0.05)
+    # --json: the same fit, machine-readable on stdout (the messages on stderr)
+    assert cli.main(["calibrate", "--from-telemetry", "--db", str(db), "--json"]) == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)
+    assert got["source"] == "telemetry" and got["link"] is None
+    assert got["compute"]["flops_per_s"]["float32"] == pytest.approx(37e9, rel=0.05)
+    assert got["step_overhead_s"] == pytest.approx(0.010, rel=0.05)
+    assert got["topology"]["name"] == "cpu+run-run1"
+    assert "compute fitted to" in captured.err
 
 
 # ---- links per collective kind, probes, what the link is not fitted to ----------------------

@@ -9,6 +9,8 @@ the Job's ``JOB_COMPLETION_INDEX``, the Secret's file) against a real controller
 
 from __future__ import annotations
 
+import json
+
 import copy
 import os
 import signal
@@ -162,6 +164,13 @@ def test_meshplan_k8s_manifest_prints_yaml_that_validates(tmp_path, capsys) -> N
     for d in docs:
         _validate(d)
     assert docs[0]["spec"]["completions"] == 2
+    assert cli.main(["k8s", "manifest", str(path), "--image", "img:1", "--pods", "2",
+                     "--node-selector", "pool=cpu", "--shm", "8Gi", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["kind"] == "List" and [d["kind"] for d in listed["items"]] == ["Job", "Service"]
+    job = listed["items"][0]["spec"]                 # the same Job (another run id)
+    assert job["completions"] == 2
+    assert job["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
     assert cli.main(["k8s", "manifest", str(path), "--image", "img:1", "--pods", "3"]) == 1
     assert "equal 4" in capsys.readouterr().err
 

@@ -1,0 +1,133 @@
+"""Looking at a running mesh (README, "Live debugging"): every rank's output on the
+controller, rank-prefixed and collapsed (``runtime/_logs.py``); every rank's Python stacks on
+request and on a hang, stored in telemetry; ``inspect`` of a sharded tensor equal to the
+gathered value, and of a watched node's value equal to what one process computes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import meshplan
+from meshplan.telemetry import Store
+
+_HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def plugins(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(_HERE), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("MESHPLAN_WORKER_PLUGINS", "_say,_faults")
+    monkeypatch.setenv("MESHPLAN_TEST_FAULTS", "[]")
+    return tmp_path
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return model, train
+
+
+@pytest.mark.timeout(120)
+def test_the_output_of_four_ranks_is_prefixed_and_collapsed(plugins, capfd):
+    _, train = _mlp_step()
+    step = meshplan.distribute(train, mesh={"dp": 4}, telemetry=False)
+    x = torch.randn(8, 8)
+    with step:
+        step(x)
+        capfd.readouterr()
+        step._workers.broadcast("say")
+        step._workers.gather("say", 30)
+        step._workers.drain(1.0)    # they come while the controller reads: here, for 1 s
+        out, err = capfd.readouterr()
+    lines = out.splitlines()
+    assert lines.count("[train r0-3] the same line on every rank") == 2, out
+    assert "[train r1,3] a line of the odd ranks" in lines, out
+    for r in range(4):
+        assert lines.count(f"[train r{r}] a line of rank {r} alone") == 1, out
+    assert "[train r0-3] a warning on every rank" in err.splitlines(), err
+    assert not [ln for ln in lines if "a line" in ln and not ln.startswith("[train r")]
+
+
+@pytest.mark.timeout(120)
+def test_stacks_on_request_and_on_a_hang_are_stored_and_top_shows_the_run(plugins, capsys):
+    marker = plugins / "fired"
+    os.environ["MESHPLAN_TEST_FAULTS"] = json.dumps(
+        [{"rank": 1, "step": 4, "at": "forward", "how": "hang", "marker": str(marker)}])
+    _, train = _mlp_step()
+    db = plugins / "t.duckdb"
+    step = meshplan.distribute(train, mesh={"dp": 4}, telemetry=str(db), hang_s=2.0)
+    x = torch.randn(8, 8)
+    with step:
+        step(x)
+        got = step.stacks()
+        assert sorted(got) == [0, 1, 2, 3]
+        assert {s["doing"] for s in got.values()} == {"waiting for the controller"}
+        assert "--- r0-3: waiting for the controller" in str(got)
+        for _ in range(5):          # a hang at step 4 (after 3 timed steps: the deadline is
+            step(x)                 # then hang_s): found, the mesh brought back
+        assert step.restarts == 1
+        run = step.run_id
+    with Store.open(db) as store:
+        rows = store.sql("SELECT rank, reason, doing, frame, stack FROM stacks WHERE run_id = ? "
+                         "ORDER BY reason, rank", [run]).to_pylist()
+    request = [r for r in rows if r["reason"] == "request"]
+    hang = [r for r in rows if r["reason"] == "timeout"]
+    assert [r["rank"] for r in request] == [0, 1, 2, 3]
+    assert [r["rank"] for r in hang] == [0, 1, 2, 3]
+    stuck = hang[1]
+    assert re.search(r"_faults\.py:\d+ in _fire", stuck["frame"]), stuck["frame"]
+    assert stuck["doing"] == "'step' of step 4"
+    assert "Thread MainThread (main)" in stuck["stack"]
+    # meshplan top: the run at a glance, from the same store
+    from meshplan.cli import main
+
+    assert main(["top", "--db", str(db), "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["run_id"] == run and view["latest_step"] == 5 and view["recoveries"] == 1
+    assert [r["rank"] for r in view["ranks"]] == [0, 1, 2, 3]
+    assert all(r["behind"] == 0 and r["peak_bytes"] > 0 for r in view["ranks"])
+    assert {s["reason"] for s in view["stacks"]} == {"timeout"}
+    assert view["collectives"][0]["kind"] == "all_reduce"
+    assert main(["top", "--db", str(db), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert f"run {run}" in out and "latest step 5" in out and "timeout" in out
+
+
+@pytest.mark.timeout(120)
+def test_inspect_a_sharded_tensor_and_a_watched_value():
+    model, train = _mlp_step()
+    x = torch.randn(8, 8)
+    step = meshplan.distribute(train, mesh={"dp": 2}, strategy="fsdp", telemetry=False)
+    with step:
+        step(x)
+        whole = step.state_dict()["model"]
+        pieces = [step.inspect("0.weight", rank=r) for r in range(2)]
+        assert [tuple(p.shape) for p in pieces] == [(8, 8), (8, 8)]        # FSDP's rows
+        assert torch.equal(torch.cat(pieces), whole["0.weight"])
+        assert torch.equal(step.inspect("0.weight"), whole["0.weight"])
+        node = next(n.name for n in step.plan.graph.nodes if n.target.startswith("aten.addmm"))
+        with pytest.raises(meshplan.RuntimeFailure, match="is not watched"):
+            step.inspect(node)
+        step.watch(node)
+        step(x)
+        want = x @ whole["0.weight"].T + whole["0.bias"]      # the first layer, before step 2
+        torch.testing.assert_close(step.inspect(node), want, rtol=1e-5, atol=1e-6)
+        with pytest.raises(meshplan.RuntimeFailure, match="neither a state tensor"):
+            step.inspect("0.wieght")
