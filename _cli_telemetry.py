@@ -191,6 +191,14 @@ def cmd_top(args: argparse.Namespace) -> int:
     if args.once:
         console.print(render_top(view(False)))
         return 0
+    if not console.is_terminal:      # a file or a pipe: one view after another
+        try:
+            while True:
+                console.print(render_top(view(True)))
+                console.file.flush()
+                time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
     from rich.live import Live
 
     try:

@@ -46,8 +46,8 @@ from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher, K8sPods
 from . import _zygote
 from ._launch import (STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers,
-                      install_stack_signal)
-from ._logs import Stacks
+                      install_stack_signal, where_lines)
+from ._logs import Stacks, launching
 from ._keepers import KEEPER_PLUGIN, MeshSnapshots
 from ._mpi_launch import MPILauncher, host_slots, is_this_host, parse_hosts
 from ._recovery import RECOVERABLE, Recovery, Remembered, smaller_meshes
@@ -432,9 +432,9 @@ class DistributedStep:
                            {r: f"{h.get('type')}: {h.get('message')}" for r, h in errors.items()})
 
     def watch(self, *nodes: str) -> None:
-        """From the next step on, every rank keeps its pieces of these plan nodes' values
-        from the last step, for ``inspect``; ``watch()`` with none stops (README, "Live
-        debugging")."""
+        """From the next step on, every rank also keeps its pieces of these plan nodes'
+        values from the last step, for ``inspect``; ``watch()`` with none stops watching
+        every node (README, "Live debugging")."""
         from ._inspect import watch
 
         watch(self, nodes)
@@ -464,8 +464,12 @@ class DistributedStep:
         return got
 
     def _record_stacks(self, stacks: Mapping[int, Mapping[str, Any]], reason: str) -> None:
+        """Into telemetry, with the step in flight (a signal comes during a call) or, for a
+        request between calls, the last step done (None before the first)."""
         if self._tel is not None and stacks:
-            self._tel.stacks(stacks, self._step_no or None, reason)
+            step = self._step_no if reason != "request" else (self._step_no - 1 if
+                                                               self._step_no else None)
+            self._tel.stacks(stacks, step, reason)
 
     def flush_telemetry(self, timeout_s: float = 30.0) -> None:
         """Make every rank (and the controller) write its pending telemetry rows now (and
@@ -895,8 +899,9 @@ class DistributedStep:
                     else LocalLauncher(fork=self.device == "cpu"))
         plugins = ",".join(filter(None, (_HANDLERS, FILES_PLUGIN,
                                          os.environ.get("MESHPLAN_WORKER_PLUGINS"))))
-        self._workers = workers = launcher.launch(world,
-                                                  env={"MESHPLAN_WORKER_PLUGINS": plugins})
+        with launching(self.__name__):        # the ranks' first lines carry its name too
+            self._workers = workers = launcher.launch(
+                world, env={"MESHPLAN_WORKER_PLUGINS": plugins})
         workers.stopped_s = self.hang_s
         workers.keep_on_failure = self._ft is not None    # _recover decides what to stop
         workers.logs.label = self.__name__                # "[train r0-3] <line>"
@@ -1168,7 +1173,8 @@ class DistributedStep:
                     "smaller mesh)") from failure
             ft.restarts += 1
             logger.warning("meshplan: %s: %s; %s from its in-memory snapshots (restart %d of "
-                           "at most %d)", self.__name__, str(failure).splitlines()[0],
+                           "at most %d)", self.__name__,
+                           str(failure).splitlines()[0] + where_lines(failure),
                            "starting the mesh again in the pods (the Job makes a pod in "
                            "place of the lost one)," if moving and self._pods is not None else
                            "moving the mesh to the hosts left, a spare host taking the "
@@ -1539,8 +1545,12 @@ class DistributedStep:
             try:
                 with self._recording_failures():
                     self._send_step(variant, header, batch)
+                    limit = self.timeout_s if ft is None else ft.deadline(self.timeout_s)
                     replies = self._workers.gather(
-                        "step", self.timeout_s if ft is None else ft.deadline(self.timeout_s))
+                        "step", limit, advice=None if limit >= self.timeout_s else (
+                            f"fault tolerance's step deadline ({limit:.1f} s: ten times the "
+                            f"usual step, at least hang_s={self.hang_s:g}) passed; if the "
+                            "step is just slow, raise hang_s"))
                 break
             except WorkerFailure as exc:
                 recovered = self._recover(exc, self._step_no)

@@ -38,11 +38,16 @@ def _state_name(step: Any, name: str) -> str | None:
 
 
 def _node(step: Any, name: str) -> Any:
+    from ..frontend._state_dict import _model_keys
+
     graph = step.plan.graph
     for node in graph.nodes:
         if node.name == name:
             return node
-    near = difflib.get_close_matches(name, [n.name for n in graph.nodes], n=3)
+    keys = list(_model_keys(step._traced_or_prepared().inventory))
+    internal = [n.target for n in graph.inputs if n.meta.role in STATE_ROLES]
+    near = difflib.get_close_matches(name, [*keys, *internal, *(n.name for n in graph.nodes)],
+                                     n=3)
     hint = f" (close: {', '.join(near)})" if near else ""
     raise RuntimeFailure(
         f"{step.__name__}: {name!r} is neither a state tensor (a key of state_dict()['model'] "
@@ -61,19 +66,24 @@ def _check_nodes_runnable(step: Any, what: str) -> None:
 
 
 def watch(step: Any, nodes: Sequence[str]) -> None:
-    """From the next step on, every rank keeps its pieces of ``nodes``' values (the last
-    step's); ``watch()`` with none stops."""
+    """From the next step on, every rank also keeps its pieces of ``nodes``' values (the
+    last step's); ``watch()`` with none stops watching every node."""
     names = list(nodes)
     if names:
         _check_nodes_runnable(step, "watching nodes")
     for name in names:
-        _node(step, name)
+        node = _node(step, name)
+        if node.kind.value == "input":
+            raise RuntimeFailure(
+                f"{step.__name__}: {name!r} is an input of the step, not a value it computes: "
+                "inspect a state tensor by its name (a state_dict() key) without watching it; "
+                "the batch is the caller's")
         kernel = _in_kernel(step, name)
         if kernel:
             raise RuntimeFailure(
                 f"{step.__name__}: node {name!r} runs inside the fused kernel {kernel}, which "
                 "does not make it on its own; watch a node outside it, or pass kernels=False")
-    step._watched = set(names)
+    step._watched = step._watched | set(names) if names else set()
     if step._workers is not None:
         step._workers.broadcast("watch", {"nodes": sorted(step._watched)})
         step._workers.gather("watch", step.timeout_s)
@@ -111,6 +121,7 @@ def inspect(step: Any, name: str, rank: int | None = None, index: int = 0) -> to
         reply = workers.gather("get_state", step.timeout_s, ranks=[rank])[0]
         return reply.tensors[0]
     node = _node(step, name)
+    _check_nodes_runnable(step, "inspecting a node's value")
     if name not in getattr(step, "_watched", set()):
         raise RuntimeFailure(
             f"{step.__name__}: node {name!r} is not watched: a step frees its values as it "

@@ -257,6 +257,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 _DEATH_GRACE_S = 0.2
 STACKS_ON_HANG_S = 3.0     # how long a timeout waits for every rank's stacks before it fails
+STACKS_LEAD_S = 1.0        # how long before a wait's deadline they are taken
 # set by SIGUSR1 (``install_stack_signal``): the next poll of a wait dumps every rank's stacks
 _DUMP_ASKED = threading.Event()
 
@@ -276,8 +277,21 @@ def install_stack_signal() -> bool:
 
 def _on_usr1(signum: int, frame: Any) -> None:  # noqa: ARG001
     _DUMP_ASKED.set()
+
+
+# an error with these words says a peer went away: the exit of the peer is waited for longer
+# ("died": the shared-memory group's word for a member whose process is gone)
 _PEER_LOST = ("reset by peer", "connection closed", "broken pipe", "connection refused",
-              "end of file", "timed out", "timeout")
+              "end of file", "timed out", "timeout", "died")
+
+
+def where_lines(failure: BaseException) -> str:
+    """``"\n  rank R was in FILE:LINE in FN (what it served)"`` for each failed rank whose
+    stacks the failure carries (a timeout's), else ``""``."""
+    stacks = getattr(failure, "stacks", None) or {}
+    return "".join(f"\n  rank {r} was in {stacks[r].get('frame') or '?'} "
+                   f"({stacks[r].get('doing') or '?'})"
+                   for r in getattr(failure, "ranks", ()) if r in stacks)
 
 
 def _stop_group(group: _Group, logs: LogLines) -> None:
@@ -319,6 +333,7 @@ class Workers:
         self.channel.on_log = self.logs.add
         # messages that came while ``stacks`` waited for the side sockets: the next reads
         self._held: collections.deque[tuple[int, Message]] = collections.deque()
+        self._early_stacks: dict[int, dict[str, Any]] | None = None
         # where the stacks a hang or SIGUSR1 brings go (``DistributedStep`` records them)
         self.on_stacks: Callable[[dict[int, dict[str, Any]], str], None] | None = None
         self._finalizer = weakref.finalize(self, _stop_group, group, self.logs)
@@ -367,7 +382,8 @@ class Workers:
             self.send(rank, kind, header, () if tensors_per_rank is None else tensors_per_rank[rank])
 
     def gather(self, kind_expected: str, timeout_s: float | None = None,
-               ranks: Sequence[int] | None = None) -> list[Message]:
+               ranks: Sequence[int] | None = None, *, advice: str | None = None
+               ) -> list[Message]:
         """One ``kind_expected`` reply per rank (of ``ranks`` when given), ordered by rank.
 
         Raises WorkerFailure (after stopping all workers) when a rank replies ``error``, a worker
@@ -378,6 +394,11 @@ class Workers:
         self._check_open()
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
+        # the stacks a timeout reports are taken STACKS_LEAD_S before it: by then the ranks'
+        # own collectives (whose limit is the same timeout_s) have not yet given up
+        self._early_stacks = None
+        early = None if timeout_s is None or timeout_s < 2 * STACKS_LEAD_S else \
+            deadline - STACKS_LEAD_S
         got: dict[int, Message] = {}
         if ranks is not None:       # the others count as answered: nothing is asked of them
             got = {r: Message(kind_expected, {}, []) for r in range(self.n) if r not in ranks}
@@ -399,8 +420,11 @@ class Workers:
             self._check_dropped(kind_expected, got)
             self._check_stopped(kind_expected, got)
             self._check_lost(kind_expected, got, started)
+            if early is not None and time.monotonic() >= early and len(got) < self.n:
+                early = None
+                self._early_stacks = self.stacks(timeout_s=STACKS_LEAD_S / 2)
             if deadline is not None and time.monotonic() >= deadline and len(got) < self.n:
-                self._timeout(kind_expected, timeout_s, got)
+                self._timeout(kind_expected, timeout_s, got, advice)
         failed = {r: m.header for r, m in got.items() if m.kind == P.ERROR}
         if failed:
             raise self._not_applied(failed, kind_expected)
@@ -841,20 +865,21 @@ class Workers:
                 f"waited for its {kind!r} reply, which it can no longer send\n  all {self.n} "
                 "workers were stopped", reason="dropped", ranks=[rank], kind=kind))
 
-    def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message]) -> None:
+    def _timeout(self, kind: str, timeout_s: float | None, got: dict[int, Message],
+                 advice: str | None = None) -> None:
         missing = [r for r in range(self.n) if r not in got]
         states = [f"rank {r}: {self._state(r)}" for r in missing]
         # where the ranks are: the ones that did not answer, and the others (waiting)
-        stacks = self.stacks(timeout_s=STACKS_ON_HANG_S)
-        where = "".join(f"\n  rank {r} was in {stacks[r].get('frame') or '?'} "
-                        f"({stacks[r].get('doing') or '?'})" for r in missing if r in stacks)
+        stacks = self._early_stacks or self.stacks(timeout_s=STACKS_ON_HANG_S)
         failure = WorkerFailure(
-            f"{_ranks(missing)} did not answer {kind!r} within {timeout_s} s"
-            f" ({len(got)} of {self.n} answered; {', '.join(states)}){where}\n"
-            f"  all {self.n} workers were stopped; if the work is just slow, raise timeout_s"
-            + ("; every rank's stacks are in telemetry's stacks table" if stacks else ""),
+            f"{_ranks(missing)} did not answer {kind!r} within {timeout_s:g} s"
+            f" ({len(got)} of {self.n} answered; {', '.join(states)})",
             reason="timeout", ranks=missing, kind=kind)
         failure.stacks = stacks
+        failure.args = (str(failure) + where_lines(failure) + f"\n  all {self.n} workers were "
+                        f"stopped; {advice or 'if the work is just slow, raise timeout_s'}"
+                        + ("; with telemetry on, every rank's stacks are in its stacks table"
+                           if stacks else ""),)
         self._fail(failure)
 
     def _check_stopped(self, kind: str, got: dict[int, Message]) -> None:

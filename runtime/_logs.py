@@ -24,20 +24,21 @@ thread first), its innermost frame, and what the rank was serving.
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
 ENV_LOGS = "MESHPLAN_WORKER_LOGS"
 LOG_MODES = ("stream", "tee", "off")
 MAX_LINE = 4096                 # characters of one line that travel; the rest is cut
 MAX_QUEUED = 20_000             # lines a rank keeps while the controller does not read them
-WINDOW_S = 0.3                  # how long the controller waits for other ranks' same line
+WINDOW_S = 0.5                  # how long the controller waits for other ranks' same line
 
 
 def ranks_text(ranks: Iterable[int]) -> str:
@@ -187,17 +188,35 @@ class Stacks(dict):
         return stacks_text(dict(self), self.n, self.label)
 
 
+_LAUNCHING: list[str] = []          # the name of the step whose mesh is being launched
+
+
+@contextlib.contextmanager
+def launching(label: str) -> Iterator[None]:
+    """Workers made inside are labelled ``label`` from their first line on."""
+    _LAUNCHING.append(label)
+    try:
+        yield
+    finally:
+        _LAUNCHING.pop()
+
+
 class LogLines:
     """The controller's printer of one mesh's lines (module docstring). ``add`` is called
     from the thread that reads the channel; a timer thread prints what waited ``window_s``."""
 
-    def __init__(self, n: int, label: str = "", *, window_s: float = WINDOW_S,
+    def __init__(self, n: int, label: str | None = None, *, window_s: float = WINDOW_S,
                  out: TextIO | None = None, err: TextIO | None = None) -> None:
+        if label is None:
+            label = _LAUNCHING[-1] if _LAUNCHING else ""
         self.n, self.label, self.window_s = n, label, window_s
         self._out, self._err = out, err
-        # (stream, text) -> its open groups, oldest first: [time of the first, ranks]; a
-        # rank's k-th copy of a line joins the k-th group that lacks it
+        # (stream, text) -> its open groups, oldest first: [time of the first, ranks, key];
+        # a rank's k-th copy of a line joins the k-th group that lacks it. ``_order``: every
+        # open group in the order they began
         self._pending: dict[tuple[str, str], list[list[Any]]] = {}
+        self._order: collections.deque[list[Any]] = collections.deque()
+        self._queues: dict[int, collections.deque[list[Any]]] = {}   # per rank, its groups
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
@@ -205,8 +224,8 @@ class LogLines:
 
     def add(self, rank: int, lines: list[Any]) -> None:
         now = time.monotonic()
-        done = []
         with self._lock:
+            mine = self._queues.setdefault(rank, collections.deque())
             for item in lines:
                 if not isinstance(item, (list, tuple)) or len(item) != 2:
                     continue
@@ -214,15 +233,12 @@ class LogLines:
                 groups = self._pending.setdefault(key, [])
                 group = next((g for g in groups if rank not in g[1]), None)
                 if group is None:
-                    group = [now, set()]
+                    group = [now, set(), key, False]      # the last: printed
                     groups.append(group)
+                    self._order.append(group)
                 group[1].add(rank)
-                if len(group[1]) >= self.n:
-                    groups.remove(group)
-                    done.append((key, group[1]))
-                    if not groups:
-                        del self._pending[key]
-            self._print(done)
+                mine.append(group)
+            self._print_due(now, self.window_s)
             waiting = bool(self._pending)
         if waiting and self._timer is None:
             self._timer = threading.Thread(target=self._tick, name="meshplan-logs",
@@ -234,19 +250,53 @@ class LogLines:
             self.flush(older_than_s=self.window_s)
 
     def flush(self, older_than_s: float = 0.0) -> None:
-        """Print the lines that waited at least ``older_than_s`` (all of them: 0), in the
-        order they first came."""
-        now = time.monotonic()
+        """Print the lines that waited at least ``older_than_s`` (all of them: 0)."""
         with self._lock:
-            due = []
-            for key, groups in list(self._pending.items()):
-                for group in [g for g in groups if now - g[0] >= older_than_s]:
-                    groups.remove(group)
-                    due.append((group[0], key, group[1]))
-                if not groups:
-                    del self._pending[key]
-            due.sort(key=lambda d: d[0])
-            self._print([(key, ranks) for _, key, ranks in due])
+            self._print_due(time.monotonic(), older_than_s)
+
+    def _print_due(self, now: float, older_than_s: float) -> None:
+        """Print every group that is complete (every rank sent its line) or waited
+        ``older_than_s``, oldest first, each after the earlier lines of its ranks (which
+        then go out as they are): every rank's lines keep their order."""
+        done: list[tuple[tuple[str, str], set[int]]] = []
+        for group in list(self._order):
+            if not group[3] and (len(group[1]) >= self.n or now - group[0] >= older_than_s):
+                self._emit(group, done)
+        while self._order and self._order[0][3]:
+            self._order.popleft()
+        self._print(done)
+
+    def _emit(self, target: list[Any], done: list[tuple[tuple[str, str], set[int]]]) -> None:
+        """Print ``target`` after the earlier lines of each of its ranks (iteratively: a rank
+        may have many). Ranks that wrote the same lines in different orders make a cycle;
+        there the line waited for goes first, and only those ranks' order gives."""
+        stack, visiting = [target], {id(target)}
+        while stack:
+            group = stack[-1]
+            blocker = None
+            for rank in sorted(group[1]):
+                head = self._queues[rank][0]
+                if head is not group and id(head) not in visiting:
+                    blocker = head
+                    break
+            if blocker is not None:
+                stack.append(blocker)
+                visiting.add(id(blocker))
+                continue
+            stack.pop()
+            visiting.discard(id(group))
+            for rank in group[1]:
+                queue = self._queues[rank]
+                if queue[0] is group:
+                    queue.popleft()
+                else:                                  # a cycle: out of its place
+                    queue.remove(group)
+            group[3] = True
+            groups = self._pending[group[2]]
+            groups.remove(group)
+            if not groups:
+                del self._pending[group[2]]
+            done.append((group[2], group[1]))
 
     def _print(self, groups: list[tuple[tuple[str, str], set[int]]]) -> None:
         name = f"{self.label} " if self.label else ""

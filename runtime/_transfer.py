@@ -564,6 +564,7 @@ def _link_worlds(state: WorkerState, header: dict[str, Any], tensors: list[torch
         inter = comm.world.Connect(port, root=0)
         merged = inter.Merge(high=True)
     inter.Free()
+    merged.Set_errhandler(comm._MPI.ERRORS_RETURN)
     state.ns.xfer_links = {**getattr(state.ns, "xfer_links", {}), key: merged}
     return {"rank": state.rank, "size": merged.Get_size()}, []
 
@@ -587,6 +588,7 @@ def _send(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     buf = torch.empty(max(int(header["size"]), 1), dtype=torch.uint8)
     _stage_into(buf, state.ns.state, header["pieces"])
     win = MPI.Win.Create(buf.numpy(), 1, comm=merged)
+    win.Set_errhandler(MPI.ERRORS_RETURN)     # a peer's failure raises here, not aborts
     try:
         merged.Barrier()                  # every destination rank has read what it needs
     finally:
@@ -603,6 +605,7 @@ def _recv(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor
     MPI = _mpi_comm(state)._MPI
     merged = _merged(state, header["key"])
     win = MPI.Win.Create(torch.empty(1, dtype=torch.uint8).numpy(), 1, comm=merged)
+    win.Set_errhandler(MPI.ERRORS_RETURN)
     out, held = {}, []
     try:
         win.Lock_all()

@@ -92,7 +92,9 @@ _HANDLERS: dict[str, Handler] = {}
 def register(kind: str) -> Callable[[Handler], Handler]:
     """Decorator: ``fn`` answers messages of ``kind``. Registering a kind twice is an error."""
     if not isinstance(kind, str) or not kind or kind in (HELLO, ERROR):
-        raise ValueError(f"cannot register a handler for kind {kind!r}")
+        raise ValueError(f"cannot register a handler for kind {kind!r}"
+                         + (": the protocol's own kind; use another name"
+                            if kind in (HELLO, ERROR) else ""))
 
     def deco(fn: Handler) -> Handler:
         if kind in _HANDLERS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -52,9 +53,16 @@ def test_the_output_of_four_ranks_is_prefixed_and_collapsed(plugins, capfd):
     with step:
         step(x)
         capfd.readouterr()
+        # every rank's copy of a line is waited for up to the window (0.5 s by default); a
+        # loaded CI machine may start a rank's side thread later than that
+        step._workers.logs.window_s = 10.0
         step._workers.broadcast("say")
         step._workers.gather("say", 30)
-        step._workers.drain(1.0)    # they come while the controller reads: here, for 1 s
+        logs = step._workers.logs
+        deadline = time.monotonic() + 30
+        while logs.printed < 8 and time.monotonic() < deadline:
+            step._workers.drain(0.2)    # they come while the controller reads
+        logs.flush()
         out, err = capfd.readouterr()
     lines = out.splitlines()
     assert lines.count("[train r0-3] the same line on every rank") == 2, out

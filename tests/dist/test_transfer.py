@@ -23,19 +23,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-
-import rl_grpo  # noqa: E402
-from gpt import GPT, GPTConfig  # noqa: E402
-
-import meshplan  # noqa: E402
-from meshplan import RuntimeFailure  # noqa: E402
+import meshplan
+from meshplan import RuntimeFailure
+from meshplan.examples import rl_grpo
+from meshplan.examples.gpt import GPT, GPTConfig
 
 STEPS = 3
 
