@@ -687,7 +687,7 @@ class _Side(_Endpoint):
     - ``STACKS``: ``stacks()`` (its threads' Python stacks) when the controller asks.
 
     Beats never block: beats a dead link cannot take are dropped; lines wait (up to the
-    queue's length, then the oldest go and are counted)."""
+    queue's length, ``_logs.MAX_QUEUED``; then the oldest go)."""
 
     def __init__(self, channel: WorkerChannel, lost_after_s: float,
                  on_lost: Callable[[], None] | None, *, beats: bool = True,

@@ -165,6 +165,7 @@ def serve(state: WorkerState, channel: WorkerChannel) -> None:
         step = message.header.get("step") if isinstance(message.header, dict) else None
         state.doing = f"{message.kind!r}" + (f" of step {step}" if step is not None else "")
         kind, header, tensors = handle(state, message)
+        state.doing = "waiting for the controller"    # before the reply: it may be asked next
         try:
             channel.send(kind, header, tensors)
         except Exception as exc:  # noqa: BLE001 - e.g. a reply header that is not JSON-able
