@@ -803,6 +803,7 @@ class _Side(_Endpoint):
         while self.lines and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stop.set()
+        self.wake()                      # out of its poll now, not at the next beat
         if self._thread is not threading.current_thread():
             self._thread.join(5.0)
         self._socket.disable_monitor()

@@ -480,6 +480,9 @@ class Workers:
         self.channel.side_replies.clear()
         asked = []
         for rank in range(self.n) if ranks is None else ranks:
+            proc = self._group.procs[rank]
+            if proc.poll() is not None or _is_stopped(proc):    # it cannot answer
+                continue
             try:
                 self.channel.ask_side(rank, P.STACKS)
                 asked.append(rank)
@@ -541,9 +544,9 @@ class Workers:
                 self.channel.recv(0.02)
             except (TimeoutError, RuntimeFailure):
                 time.sleep(0.02)
-        try:
+        try:                      # what they sent before they ended is here already
             while True:
-                self.channel.recv(0.05)
+                self.channel.recv(0.001)
         except (TimeoutError, RuntimeFailure):
             pass
         self._finalizer()       # stop(): terminate/kill stragglers, close pipes and channel
@@ -870,7 +873,8 @@ class Workers:
         missing = [r for r in range(self.n) if r not in got]
         states = [f"rank {r}: {self._state(r)}" for r in missing]
         # where the ranks are: the ones that did not answer, and the others (waiting)
-        stacks = self._early_stacks or self.stacks(timeout_s=STACKS_ON_HANG_S)
+        stacks = (self._early_stacks if self._early_stacks is not None
+                  else self.stacks(timeout_s=STACKS_ON_HANG_S))
         failure = WorkerFailure(
             f"{_ranks(missing)} did not answer {kind!r} within {timeout_s:g} s"
             f" ({len(got)} of {self.n} answered; {', '.join(states)})",

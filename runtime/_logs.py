@@ -216,7 +216,8 @@ class LogLines:
         # open group in the order they began
         self._pending: dict[tuple[str, str], list[list[Any]]] = {}
         self._order: collections.deque[list[Any]] = collections.deque()
-        self._queues: dict[int, collections.deque[list[Any]]] = {}   # per rank, its groups
+        # per (rank, stream): its groups in the order its lines came
+        self._queues: dict[tuple[int, str], collections.deque[list[Any]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
@@ -225,7 +226,6 @@ class LogLines:
     def add(self, rank: int, lines: list[Any]) -> None:
         now = time.monotonic()
         with self._lock:
-            mine = self._queues.setdefault(rank, collections.deque())
             for item in lines:
                 if not isinstance(item, (list, tuple)) or len(item) != 2:
                     continue
@@ -237,7 +237,9 @@ class LogLines:
                     groups.append(group)
                     self._order.append(group)
                 group[1].add(rank)
-                mine.append(group)
+                # a rank's lines keep their order within each stream (stdout and stderr
+                # are read apart: no order between them)
+                self._queues.setdefault((rank, key[0]), collections.deque()).append(group)
             self._print_due(now, self.window_s)
             waiting = bool(self._pending)
         if waiting and self._timer is None:
@@ -256,8 +258,8 @@ class LogLines:
 
     def _print_due(self, now: float, older_than_s: float) -> None:
         """Print every group that is complete (every rank sent its line) or waited
-        ``older_than_s``, oldest first, each after the earlier lines of its ranks (which
-        then go out as they are): every rank's lines keep their order."""
+        ``older_than_s``, oldest first, each after the earlier lines of its ranks in its
+        stream (which then go out as they are): every rank's lines keep their order."""
         done: list[tuple[tuple[str, str], set[int]]] = []
         for group in list(self._order):
             if not group[3] and (len(group[1]) >= self.n or now - group[0] >= older_than_s):
@@ -274,8 +276,9 @@ class LogLines:
         while stack:
             group = stack[-1]
             blocker = None
+            stream = group[2][0]
             for rank in sorted(group[1]):
-                head = self._queues[rank][0]
+                head = self._queues[(rank, stream)][0]
                 if head is not group and id(head) not in visiting:
                     blocker = head
                     break
@@ -286,7 +289,7 @@ class LogLines:
             stack.pop()
             visiting.discard(id(group))
             for rank in group[1]:
-                queue = self._queues[rank]
+                queue = self._queues[(rank, group[2][0])]
                 if queue[0] is group:
                     queue.popleft()
                 else:                                  # a cycle: out of its place

@@ -53,8 +53,8 @@ def test_the_output_of_four_ranks_is_prefixed_and_collapsed(plugins, capfd):
     with step:
         step(x)
         capfd.readouterr()
-        # every rank's copy of a line is waited for up to the window (0.5 s by default); on
-        # a loaded CI machine a rank's lines came 10 s after the others'
+        # every rank's copy of a line is waited for up to the window (0.5 s by default): a
+        # loaded CI machine may run a rank's side thread much later than the others'
         step._workers.logs.window_s = 60.0
         step._workers.broadcast("say")
         step._workers.gather("say", 30)
