@@ -207,6 +207,8 @@ class DistributedStep:
         self._local_stale = False
         self._resume_step = 0               # the step number a re-launch continues from
         self.calibration: RunCalibration | None = None
+        if isinstance(plan, PipelinePlan):   # its options against these, before any trace
+            self._check_pipeline_options(plan)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint)
 
@@ -642,6 +644,24 @@ class DistributedStep:
     def _given_pipeline(self, graph: Any, pplan: PipelinePlan) -> None:
         """``plan=`` a pipeline plan (``PipelinePlan`` or its file): run it as compiled, once
         it is known to fit this step, this mesh and what the ranks run."""
+        self._check_pipeline_options(pplan)
+        try:
+            pplan.inner.check_compatible(graph=graph)
+        except PlanError as e:
+            raise RuntimeFailure(
+                f"{self.__name__}: the pipeline plan given: {e} (this plan's options: --mesh "
+                f"{_mesh_text(dict(pplan.mesh.axes))} --schedule {pplan.schedule} "
+                f"--microbatches {pplan.microbatches})") from None
+        try:
+            lower_pipeline(Stages.of(pplan), 0, kernels=False,   # what the ranks would
+                           free_early=False)                 # refuse, here
+        except LoweringError as e:
+            raise RuntimeFailure(f"{self.__name__}: the pipeline plan given: {e}") from None
+        self._use_pipeline(pplan, f"{pplan.schedule}, as compiled (plan=), ")
+
+    def _check_pipeline_options(self, pplan: PipelinePlan) -> None:
+        """A pipeline plan given for another mesh, schedule or micro-batch count than asked
+        is refused at ``distribute``, before the step is traced."""
         named = _mesh_text(self.mesh)
         problems = []
         if dict(pplan.mesh.axes) != dict(self.mesh):
@@ -658,19 +678,6 @@ class DistributedStep:
             raise RuntimeFailure(f"{self.__name__}: distribute(plan=...) on mesh {named}: "
                                  f"{'; '.join(problems)}: compile it again for this mesh and "
                                  "these options, or drop plan= (distribute plans the stages)")
-        try:
-            pplan.inner.check_compatible(graph=graph)
-        except PlanError as e:
-            raise RuntimeFailure(
-                f"{self.__name__}: the pipeline plan given: {e} (this plan's options: --mesh "
-                f"{_mesh_text(dict(pplan.mesh.axes))} --schedule {pplan.schedule} "
-                f"--microbatches {pplan.microbatches})") from None
-        try:
-            lower_pipeline(Stages.of(pplan), 0, kernels=False,   # what the ranks would
-                           free_early=False)                 # refuse, here
-        except LoweringError as e:
-            raise RuntimeFailure(f"{self.__name__}: the pipeline plan given: {e}") from None
-        self._use_pipeline(pplan, f"{pplan.schedule}, as compiled (plan=), ")
 
     def _use_pipeline(self, pplan: PipelinePlan, chosen: str) -> None:
         self._pipeline, self._stages = pplan, Stages.of(pplan)
