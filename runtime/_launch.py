@@ -288,10 +288,12 @@ _PEER_LOST = ("reset by peer", "connection closed", "broken pipe", "connection r
 def where_lines(failure: BaseException) -> str:
     """``"\n  rank R was in FILE:LINE in FN (what it served)"`` for each failed rank whose
     stacks the failure carries (a timeout's), else ``""``."""
-    stacks = getattr(failure, "stacks", None) or {}
+    return _where(getattr(failure, "stacks", None) or {}, getattr(failure, "ranks", ()))
+
+
+def _where(stacks: Mapping[int, Mapping[str, Any]], ranks: Sequence[int]) -> str:
     return "".join(f"\n  rank {r} was in {stacks[r].get('frame') or '?'} "
-                   f"({stacks[r].get('doing') or '?'})"
-                   for r in getattr(failure, "ranks", ()) if r in stacks)
+                   f"({stacks[r].get('doing') or '?'})" for r in ranks if r in stacks)
 
 
 def _stop_group(group: _Group, logs: LogLines) -> None:
@@ -877,13 +879,13 @@ class Workers:
                   else self.stacks(timeout_s=STACKS_ON_HANG_S))
         failure = WorkerFailure(
             f"{_ranks(missing)} did not answer {kind!r} within {timeout_s:g} s"
-            f" ({len(got)} of {self.n} answered; {', '.join(states)})",
+            f" ({len(got)} of {self.n} answered; {', '.join(states)})"
+            + _where(stacks, missing) + f"\n  all {self.n} workers were stopped; "
+            f"{advice or 'if the work is just slow, raise timeout_s'}"
+            + ("; with telemetry on, every rank's stacks are in its stacks table"
+               if stacks else ""),
             reason="timeout", ranks=missing, kind=kind)
         failure.stacks = stacks
-        failure.args = (str(failure) + where_lines(failure) + f"\n  all {self.n} workers were "
-                        f"stopped; {advice or 'if the work is just slow, raise timeout_s'}"
-                        + ("; with telemetry on, every rank's stacks are in its stacks table"
-                           if stacks else ""),)
         self._fail(failure)
 
     def _check_stopped(self, kind: str, got: dict[int, Message]) -> None:

@@ -322,15 +322,17 @@ def _through_controller(src: Any, dst: Any, pairs: list[tuple[str, str, str]]) -
 
 def _staging(pairs: list[tuple[str, str, str]], plans: dict[str, dict[int, list[Copy]]],
              src_boxes: dict[str, dict[int, Box]], dtypes: dict[str, torch.dtype]
-             ) -> dict[int, list[list[Any]]]:
+             ) -> tuple[dict[int, list[list[Any]]], dict[int, int]]:
     """Per source rank: [name, offset, shape, dtype] of each piece it stages (those some copy
-    reads from it), in one order; offsets from ``ALIGN`` (the token before)."""
+    reads from it), in one order, offsets from ``ALIGN`` (the token before); and the bytes
+    of its staging buffer."""
     wanted: dict[int, set[str]] = {}
     for (sname, dname, _) in pairs:
         for copies in plans[dname].values():
             for rank, _, _ in copies:
                 wanted.setdefault(rank, set()).add(sname)
     out: dict[int, list[list[Any]]] = {}
+    sizes: dict[int, int] = {}
     for rank, snames in wanted.items():
         at, rows = ALIGN, []
         for sname in sorted(snames):
@@ -339,8 +341,8 @@ def _staging(pairs: list[tuple[str, str, str]], plans: dict[str, dict[int, list[
             dt = dtypes[sname]
             rows.append([sname, at, shape, str(dt).removeprefix("torch.")])
             at += -(-math.prod(shape) * dt.itemsize // ALIGN) * ALIGN
-        out[rank] = rows
-    return out
+        out[rank], sizes[rank] = rows, at
+    return out, sizes
 
 
 def _one_sided(src: Any, dst: Any, pairs: list[tuple[str, str, str]], how: str,
@@ -354,10 +356,8 @@ def _one_sided(src: Any, dst: Any, pairs: list[tuple[str, str, str]], how: str,
         src_boxes[sname] = dict(spieces)
         dst_boxes[dname] = dict(dpieces)
         plans[dname] = plan_copies(shapes[dname], spieces, dpieces)
-    staged = _staging(pairs, plans, src_boxes, sdt)
+    staged, sizes = _staging(pairs, plans, src_boxes, sdt)
     offsets = {(rank, row[0]): row[1] for rank, rows in staged.items() for row in rows}
-    sizes = {rank: rows[-1][1] + -(-math.prod(rows[-1][2]) * sdt[rows[-1][0]].itemsize
-                                      // ALIGN) * ALIGN for rank, rows in staged.items()}
     recipes: dict[int, list[list[Any]]] = {}
     nbytes = 0
     for sname, dname, _ in pairs:
