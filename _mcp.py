@@ -10,7 +10,9 @@ answers as the HTTP API, ``_serve.py``, whose ``Service`` does the work):
 - ``schema()``: the tables, their columns and types, the views;
 - ``query(sql, max_rows=1000, timeout_s=30)``: one read-only statement (writes and file
   access refused, rows capped, interrupted at the timeout);
-- ``runs()``: the runs with their steps, failures and recoveries;
+- ``query``'s ``live_<table>``: what the running ranks hold now (``_serve.py``);
+- ``runs()``: the runs with their steps, failures and recoveries, and which run now;
+- ``stacks(run_id, timeout_s=3)``: a running run's Python stacks, every rank's;
 - ``plans()``, ``plan_show(name)``, ``plan_explain(name, node=None)``: the plan files of
   ``--plans DIR``.
 
@@ -26,7 +28,8 @@ from typing import Any
 
 from ._errors import TelemetryError
 from ._serve import (DEFAULT_ROWS, DEFAULT_TIMEOUT_S, ApiError, Service, _query_args,
-                     plans_folder, schema, skill)
+                     _seconds, plans_folder, schema, skill)
+from .runtime._live import DEFAULT_ASK_S
 
 
 def build(service: Service) -> Any:
@@ -55,17 +58,26 @@ def build(service: Service) -> Any:
 
     @server.tool(description="One read-only SQL statement (SELECT, WITH, DESCRIBE, SHOW, "
                              "SUMMARIZE, EXPLAIN) over the telemetry store: its columns, at "
-                             "most max_rows rows, and whether more were left out.")
-    def query(sql: str, max_rows: int = DEFAULT_ROWS,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+                             "most max_rows rows, and whether more were left out. live_<table> "
+                             "(live_steps, ...) reads what the running ranks hold now.")
+    def query(sql: str, max_rows: int = DEFAULT_ROWS, timeout_s: float = DEFAULT_TIMEOUT_S,
+              live_timeout_s: float = DEFAULT_ASK_S) -> dict[str, Any]:
         args = answer(_query_args, json.dumps({"sql": sql, "max_rows": max_rows,
-                                               "timeout_s": timeout_s}).encode())
+                                               "timeout_s": timeout_s,
+                                               "live_timeout_s": live_timeout_s}).encode())
         return answer(lambda: service.query(**args))
 
     @server.tool(description="Every recorded run: its mesh, strategy, steps, failures and "
-                             "recoveries, and whether its last failure was recovered from.")
+                             "recoveries, whether its last failure was recovered from, and "
+                             "whether it runs now (live).")
     def runs() -> dict[str, Any]:
         return answer(service.runs)
+
+    @server.tool(description="A running run's Python stacks, every rank's, now (for a run "
+                             "that seems stuck; 'doing' says what each rank was asked to do).")
+    def stacks(run_id: str, timeout_s: float = DEFAULT_ASK_S) -> dict[str, Any]:
+        return answer(lambda: service.stacks(
+            run_id, _seconds({"timeout_s": str(timeout_s)}, "timeout_s")))
 
     @server.tool(description="The plan files served (meshplan mcp --plans DIR).")
     def plans() -> dict[str, Any]:

@@ -9,15 +9,21 @@ else one generated and printed at start); a missing or wrong one is a 401. The A
 - ``GET /SKILL.md``: how to use the data (schema first, then example queries), for an agent.
 - ``GET /v1/openapi.json``: this API as an OpenAPI 3.1 document.
 - ``GET /v1/schema``: every table and view with its columns and types.
-- ``POST /v1/query`` ``{"sql": ..., "max_rows": 1000, "timeout_s": 30}``: one statement
-  (``SELECT``, ``WITH``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``, ``EXPLAIN``) over the store.
+- ``POST /v1/query`` ``{"sql": ..., "max_rows": 1000, "timeout_s": 30, "live_timeout_s": 3}``:
+  one statement (``SELECT``, ``WITH``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``, ``EXPLAIN``) over
+  the store and the live workers: ``live_<table>`` (``live_steps``, ``live_collectives``, ...)
+  is every running rank's recent rows of ``<table>`` held in its memory now (flushed or not),
+  asked of the ranks of every run whose controller runs on this host (``runtime/_live.py``)
+  within ``live_timeout_s``; the answer's ``live`` says which runs and ranks answered.
   Anything that writes (``INSERT``, ``CREATE``, ``COPY``, ``ATTACH``, ``SET``, ...) is refused
   before it runs (403), and the connection cannot read or write files, attach databases or load
   extensions (``telemetry/_sandbox.py``: ``read_csv``, ``COPY ... TO`` are DuckDB's own permission errors,
   also 403). At most ``max_rows`` rows come back (``truncated`` says when there were more); a
   query still running at ``timeout_s`` is interrupted (408).
-- ``GET /v1/runs``: every recorded run with its steps, failures, recoveries and whether its
-  last failure was recovered from.
+- ``GET /v1/runs``: every recorded run with its steps, failures, recoveries, whether its
+  last failure was recovered from, and whether it runs now (``live``).
+- ``GET /v1/runs/RUN_ID/stacks[?timeout_s=3]``: a running run's Python stacks, every rank's,
+  now (its ranks' side threads answer while they compute or wait; 404 when it does not run).
 - ``GET /v1/plans``, ``GET /v1/plans/NAME``, ``GET /v1/plans/NAME/explain[?node=N]``: the plan
   files (``.plan``, ``.json``) of ``--plans DIR`` (no other path is read), shown and explained
   as ``meshplan plan show --json`` / ``plan explain --json`` print them.
@@ -29,16 +35,19 @@ Errors are JSON: ``{"error": {"type": ..., "message": ...}}`` with ``type`` one 
 
 The store is opened once (``Store.open``: when a running job's controller holds the database,
 its finished segments are read directly instead) and new segments are ingested at most every
-``REFRESH_S`` seconds before a query. Queries run one at a time. Live workers are not reached: a running job's rows
-appear as its segments land. No TLS: bind to loopback (the default) or put it behind a proxy
-that terminates TLS.
+``REFRESH_S`` seconds before a query: a running job's rows appear in its tables as its ranks
+flush them (every 2 s), and in the ``live_`` tables at once. Queries run one at a time. Live
+workers are reached where their controller runs on this host. No TLS: bind to loopback (the
+default) or put it behind a proxy that terminates TLS.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -49,6 +58,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ._errors import MeshplanError, TelemetryError
+from .runtime._live import DEFAULT_ASK_S, MAX_ASK_S, LiveClient, LiveError
 from .telemetry._schema import TABLES, VIEWS
 
 DEFAULT_PORT = 8765
@@ -60,6 +70,7 @@ MAX_BODY = 1 << 20                 # bytes of a request body
 REFRESH_S = 5.0
 PLAN_SUFFIXES = (".plan", ".json")
 _READ_ONLY = ("SELECT", "EXPLAIN")         # DuckDB's statement types a query may be
+LIVE_PREFIX = "live_"                      # live_<table>: the running ranks' rows
 
 
 class ApiError(Exception):
@@ -106,6 +117,8 @@ class Service:
             if path == "/v1/plans":
                 return _json({"plans": [p.name for p in self._plan_files()]})
             parts = path.split("/")
+            if len(parts) == 5 and parts[:3] == ["", "v1", "runs"] and parts[4] == "stacks":
+                return _json(self.stacks(unquote(parts[3]), _seconds(query, "timeout_s")))
             if len(parts) in (4, 5) and parts[:3] == ["", "v1", "plans"]:
                 name = unquote(parts[3])
                 if len(parts) == 4:
@@ -134,15 +147,77 @@ class Service:
             raise ApiError(405, "method_not_allowed", f"{method} {path}: use {want}")
 
     def query(self, sql: str, max_rows: int = DEFAULT_ROWS,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+              timeout_s: float = DEFAULT_TIMEOUT_S,
+              live_timeout_s: float = DEFAULT_ASK_S) -> dict[str, Any]:
         """One read-only statement: its columns, at most ``max_rows`` rows, and whether more
-        were left out."""
+        were left out; with ``live_`` tables, also which runs and ranks gave their rows."""
         _check_read_only(sql)
         self._refresh()
+        live = _live_tables(sql)
+        fetched, report = self._live_rows(sorted(live.values()), live_timeout_s) \
+            if live else ({}, None)
         # one query at a time on the store's own connection: a cursor would not see the
         # datasets a store reading segments registered on it (they are per connection)
         with self._lock:
-            return self._run(sql, max_rows, timeout_s)
+            con = self.store._con
+            for name, table in live.items():
+                con.register(name, fetched[table])
+            try:
+                answer = self._run(sql, max_rows, timeout_s)
+            finally:
+                for name in live:
+                    con.unregister(name)
+        if report is not None:
+            answer["live"] = report
+        return answer
+
+    def _live_rows(self, tables: list[str], timeout_s: float
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Every live run's ranks' recent rows of ``tables``, put together per table, and
+        what answered: ``{"runs": [{"run_id", "answered", "missing", "errors"}],
+        "unreachable": [{"run_id", "why"}]}``."""
+        import pyarrow as pa
+
+        parts: dict[str, list[Any]] = {t: [] for t in tables}
+        runs, unreachable = [], []
+        for client in LiveClient.find(self.store.segments):
+            try:
+                got, meta = client.rows(tables, timeout_s)
+            except LiveError as e:
+                if e.status:          # a controller that ended is no news: it is not live
+                    unreachable.append({"run_id": client.run_id, "why": str(e)})
+                continue
+            runs.append(meta)
+            for table in tables:
+                parts[table].append(got[table])
+        return ({t: pa.concat_tables(parts[t], promote_options="permissive") if parts[t]
+                 else TABLES[t].empty_table() for t in tables},
+                {"runs": runs, "unreachable": unreachable})
+
+    def live_runs(self) -> dict[str, LiveClient]:
+        """The runs whose controller answers on this host now, with running ranks."""
+        live = {}
+        for client in LiveClient.find(self.store.segments):
+            try:
+                if client.status().get("running"):
+                    live[client.run_id] = client
+            except (LiveError, ValueError):
+                pass
+        return live
+
+    def stacks(self, run_id: str, timeout_s: float | None) -> dict[str, Any]:
+        client = self.live_runs().get(run_id)
+        if client is None:
+            raise ApiError(404, "not_found", f"run {run_id!r} is not running with its "
+                                             "controller on this host (GET /v1/runs: live)")
+        try:
+            got = client.stacks(DEFAULT_ASK_S if timeout_s is None else timeout_s)
+        except LiveError as e:
+            raise ApiError(404 if e.status in (0, 503) else 500,
+                           "not_found" if e.status in (0, 503) else "internal", str(e)) from None
+        return {"run_id": run_id, "stacks": got,
+                "missing": [r for r in range(client.status().get("world") or 0)
+                            if str(r) not in got]}
 
     def _run(self, sql: str, max_rows: int, timeout_s: float) -> dict[str, Any]:
         import duckdb
@@ -181,9 +256,11 @@ class Service:
         got = self.query(_RUNS_SQL, max_rows=MAX_ROWS)
         names = [c["name"] for c in got["columns"]]
         runs = [dict(zip(names, r)) for r in got["rows"]]
+        live = self.live_runs()
         for r in runs:
             r["recovered"] = bool(r["failures"] == 0 or (r["last_recovery_us"] or -1) >=
                                   (r["last_failure_us"] or 0))
+            r["live"] = r["run_id"] in live
         return {"runs": runs}
 
     def plan_show(self, name: str) -> dict[str, Any]:
@@ -250,6 +327,30 @@ def _check_read_only(sql: str) -> None:
                                        "WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN)")
 
 
+def _live_tables(sql: str) -> dict[str, str]:
+    """The ``live_<table>`` names in ``sql``: ``{name: table}``. Read from the
+    text (DuckDB's ``get_table_names`` binds, and fails on a join ``USING`` a column of a
+    table that is not there yet); a name that only appears in a string costs a fetch."""
+    return {m.group(0).lower(): m.group(1).lower() for m in _LIVE_NAME.finditer(sql)
+            if m.group(1).lower() in TABLES}
+
+
+_LIVE_NAME = re.compile(rf"\b{LIVE_PREFIX}([A-Za-z_]\w*)\b", re.IGNORECASE)
+
+
+def _seconds(query: dict[str, str], name: str) -> float | None:
+    if name not in query:
+        return None
+    try:
+        value = float(query[name])
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_ASK_S:
+        raise ApiError(400, "bad_request", f"{name}={query[name]!r}: give seconds in (0, "
+                                           f"{MAX_ASK_S:g}]")
+    return value
+
+
 def _query_args(body: bytes) -> dict[str, Any]:
     try:
         args = json.loads(body or b"null")
@@ -258,17 +359,22 @@ def _query_args(body: bytes) -> dict[str, Any]:
     if not isinstance(args, dict) or not isinstance(args.get("sql"), str):
         raise ApiError(400, "bad_request", 'send {"sql": "SELECT ...", "max_rows": 1000, '
                                            '"timeout_s": 30} (max_rows and timeout_s optional)')
-    extra = set(args) - {"sql", "max_rows", "timeout_s"}
+    extra = set(args) - {"sql", "max_rows", "timeout_s", "live_timeout_s"}
     if extra:
         raise ApiError(400, "bad_request", f"unknown fields {sorted(extra)}: the body takes "
-                                           "sql, max_rows and timeout_s")
+                                           "sql, max_rows, timeout_s and live_timeout_s")
     rows, timeout = args.get("max_rows", DEFAULT_ROWS), args.get("timeout_s", DEFAULT_TIMEOUT_S)
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
         raise ApiError(400, "bad_request", f"max_rows={rows!r}: give an int from 1 to {MAX_ROWS}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
             not 0 < timeout <= 600:
         raise ApiError(400, "bad_request", f"timeout_s={timeout!r}: give seconds in (0, 600]")
-    return {"sql": args["sql"], "max_rows": rows, "timeout_s": float(timeout)}
+    live = args.get("live_timeout_s", DEFAULT_ASK_S)
+    if isinstance(live, bool) or not isinstance(live, (int, float)) or not 0 < live <= MAX_ASK_S:
+        raise ApiError(400, "bad_request", f"live_timeout_s={live!r}: give seconds in (0, "
+                                           f"{MAX_ASK_S:g}]")
+    return {"sql": args["sql"], "max_rows": rows, "timeout_s": float(timeout),
+            "live_timeout_s": float(live)}
 
 
 def _plan_call(fn: Any, path: Path) -> dict[str, Any]:
@@ -312,6 +418,15 @@ into a SQL store (DuckDB). This server answers read-only questions about it. Sen
    statement. Filter by `run_id` (most tables hold every run). Times are microseconds
    (`*_us`), sizes bytes.
 
+## Live runs
+A run whose controller runs on this host now is `"live": true` in `/v1/runs`. Its ranks'
+rows reach the tables within a few seconds; for what they hold this very moment, read
+`live_<table>` (`live_steps`, `live_collectives`, `live_memory`, ...: the same columns, the
+last rows each running rank keeps in memory, of every live run). The answer's `live` names
+the runs and ranks that answered (`missing`: a rank that did not within `live_timeout_s`,
+default 3 s: stopped, or stuck in C code). `GET /v1/runs/RUN_ID/stacks` gives every rank's
+Python stacks now, for a run that seems stuck (`doing` says what the rank was asked to do).
+
 ## Tables
 {tables}
 
@@ -329,6 +444,9 @@ Views:
   WHERE run_id = '...' ORDER BY measured_us - predicted_us DESC LIMIT 10`
 - Why a run failed: `SELECT rank, step, kind, error, source FROM failures WHERE run_id = '...'`
 - Peak memory per rank: `SELECT rank, max(peak_bytes) FROM memory GROUP BY rank`
+- Where each rank of the running jobs is now, and its last step's time:
+  `SELECT run_id, rank, max(step) AS step, arg_max(dur_us, step) AS last_us FROM live_steps
+  GROUP BY ALL ORDER BY step, last_us DESC`
 
 ## Errors
 JSON `{{"error": {{"type": ..., "message": ...}}}}`: `bad_sql` (fix the statement; the message
@@ -354,12 +472,18 @@ def openapi() -> dict[str, Any]:
                       "max_rows": {"type": "integer", "minimum": 1, "maximum": MAX_ROWS,
                                    "default": DEFAULT_ROWS},
                       "timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 600,
-                                    "default": DEFAULT_TIMEOUT_S}}}
+                                    "default": DEFAULT_TIMEOUT_S},
+                      "live_timeout_s": {"type": "number", "exclusiveMinimum": 0,
+                                         "maximum": MAX_ASK_S, "default": DEFAULT_ASK_S,
+                                         "description": "how long the ranks of live runs "
+                                                        "have to give the live_ tables' rows"}}}
     query_out = {"type": "object", "properties": {
         "columns": {"type": "array", "items": {"type": "object", "properties": {
             "name": {"type": "string"}, "type": {"type": "string"}}}},
         "rows": {"type": "array", "items": {"type": "array"}},
-        "row_count": {"type": "integer"}, "truncated": {"type": "boolean"}}}
+        "row_count": {"type": "integer"}, "truncated": {"type": "boolean"},
+        "live": {"type": "object", "description": "with live_ tables: the runs and ranks "
+                                                  "that answered"}}}
 
     def get(summary: str, **extra: Any) -> dict[str, Any]:
         return {"get": {"summary": summary, "responses": {"200": ok_json, **errors}, **extra}}
@@ -375,9 +499,17 @@ def openapi() -> dict[str, Any]:
                 **errors}}},
             "/v1/openapi.json": get("This document"),
             "/v1/schema": get("Tables, columns, types and views"),
-            "/v1/runs": get("Recorded runs with steps, failures and recoveries"),
+            "/v1/runs": get("Recorded runs with steps, failures, recoveries and whether "
+                            "each runs now (live)"),
+            "/v1/runs/{run_id}/stacks": get("A running run's Python stacks, every rank's, now",
+                                            parameters=[
+                {"name": "run_id", "in": "path", "required": True,
+                 "schema": {"type": "string"}},
+                {"name": "timeout_s", "in": "query", "required": False,
+                 "schema": {"type": "number", "default": DEFAULT_ASK_S}}]),
             "/v1/query": {"post": {
-                "summary": "One read-only SQL statement over the store",
+                "summary": "One read-only SQL statement over the store and the live "
+                           "workers (live_<table>)",
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": query_body}}},
                 "responses": {"200": {"description": "rows", "content": {"application/json": {

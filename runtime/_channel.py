@@ -39,6 +39,7 @@ the receiver drop a peer that sends one anyway before it holds the bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -51,7 +52,8 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -73,6 +75,8 @@ CONTROLLER = -1                  # the sender/receiver id of the controller in a
 _NOT_A_RANK = -2                 # a socket identity that is not a rank
 _MAC_SIZE = hashlib.sha256().digest_size
 _POLL_SLICE_S = 0.5              # recv(None) wakes this often; it never returns without a message
+_SHARED_SLICE_S = 0.01           # a read's poll while another thread waits for the socket
+_ASK_SLICE_S = 0.05              # ``ask_sides``'s polls (the stepping thread may want to send)
 HANDSHAKE_S = 5.0                # a TCP peer that has not authenticated by then is dropped
 _LOG_FIRST, _LOG_EVERY_S = 5, 10.0   # rejection lines: the first few, then one per interval
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -83,8 +87,10 @@ DEFAULT_MAX_MESSAGE = 2 << 30    # a frame's limit: a batch slice or a state pie
 # launcher sets for each worker (the secret is not among them: it comes on the worker's stdin).
 HELLO, ERROR, PING, SHUTDOWN = "hello", "error", "ping", "shutdown"
 BEAT = "beat"
-# on a rank's side socket (``_Side``): its output lines, and its Python stacks when asked
-LOG, STACKS = "log", "stacks"
+# on a rank's side socket (``_Side``): its output lines, and, when asked, its Python stacks
+# and its recent telemetry rows (``ROWS``: for ``meshplan serve``, runtime/_live.py)
+LOG, STACKS, ROWS = "log", "stacks", "rows"
+_SIDE_ASKS = (STACKS, ROWS)
 _LOG_BATCH_BYTES = 64 << 10      # a LOG message carries at most this much text
 _BEAT_BASE = -1000     # a rank's heartbeat socket signs as _BEAT_BASE - rank (its own sequence)
 ENV_LOST_AFTER = "MESHPLAN_LOST_AFTER_S"
@@ -438,7 +444,10 @@ class ControllerChannel(_Endpoint):
     ``host`` is loopback (the default), else on a random TCP port of ``host`` with CURVE
     (``transport="tcp"`` forces TCP on loopback too).
 
-    Not thread-safe: use it from one thread at a time.
+    One thread (the one that runs the steps) sends and receives; another may ask the ranks'
+    side sockets at the same time (``ask_sides``: ``meshplan serve``'s live rows and stacks).
+    The socket is used under a lock, by whichever thread reads next: what it reads for the
+    other (a reply for the stepping thread, a side answer) is left where the other looks.
     """
 
     def __init__(self, secret: Secret, run_id: str, host: str = "127.0.0.1",
@@ -458,9 +467,17 @@ class ControllerChannel(_Endpoint):
         self._gate: Gate | None = None
         self.last_beat: dict[int, float] = {}    # rank -> monotonic time of its last heartbeat
         # a rank's output lines (``LOG`` from its side socket) go to ``on_log(rank, lines)``;
-        # its answer to ``ask_side(rank, STACKS)`` lands in ``side_replies``
+        # its answers to ``ask_sides`` land in ``_answers[request id]``
         self.on_log: Callable[[int, list[Any]], None] | None = None
-        self.side_replies: dict[int, dict[str, Any]] = {}
+        self._answers: dict[int, dict[int, Message]] = {}
+        self._asks = 0
+        # the socket's users (module docstring): the holder of ``_lock`` reads; a reply read
+        # for the stepping thread by another waits in ``_inbox``; ``_waiting`` counts the
+        # threads that want the lock (the reader polls in short slices then)
+        self._lock = threading.Lock()
+        self._inbox: deque[tuple[int, Message]] = deque()
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
         # rank -> monotonic time the connection its newest message came on ended (it exited,
         # or closed its socket); a message from the rank, or ``forget``, clears it. Which rank
         # ended first, when a job ends every rank; on one host (``sees_drops``) also a rank
@@ -506,45 +523,117 @@ class ControllerChannel(_Endpoint):
     def send(self, rank: int, kind: str, header: dict[str, Any] | None = None,
              tensors: Sequence[torch.Tensor] = ()) -> None:
         self._check_open()
-        frames = self._frames(rank, kind, header, tensors)
         try:
-            _send(self._socket, [identity(self.secret, rank), *frames])
+            with self._locked():     # sequence numbers grow in the order messages leave
+                frames = self._frames(rank, kind, header, tensors)
+                _send(self._socket, [identity(self.secret, rank), *frames])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 raise RuntimeFailure(f"cannot send {kind!r} to rank {rank}: it is not connected") from None
             raise
 
-    def ask_side(self, rank: int, kind: str, header: dict[str, Any] | None = None) -> None:
-        """Send ``kind`` to ``rank``'s side socket (``_Side``: it answers while the rank's main
-        thread computes or waits in a collective); RuntimeFailure when it is not connected."""
-        self.send(_BEAT_BASE - rank, kind, header)
+    def ask_sides(self, ranks: Sequence[int], kind: str, header: dict[str, Any] | None = None,
+                  timeout_s: float = 3.0) -> dict[int, Message]:
+        """Ask ``ranks``' side sockets (``_Side``: they answer while the rank's main thread
+        computes or waits in a collective) and return the answers that come within
+        ``timeout_s``, by rank; a rank not connected is skipped. Any thread may ask (the
+        class docstring); replies for the stepping thread read meanwhile stay for its
+        ``recv``."""
+        if kind not in _SIDE_ASKS:
+            raise ValueError(f"a side socket answers {_SIDE_ASKS}, not {kind!r}")
+        with self._locked():
+            self._asks += 1
+            req = self._asks
+            self._answers[req] = {}
+        asked = []
+        try:
+            for rank in ranks:
+                try:
+                    self.send(_BEAT_BASE - rank, kind, {**(header or {}), "req": req})
+                    asked.append(rank)
+                except RuntimeFailure:       # its side socket is not connected (gone)
+                    pass
+            deadline = time.monotonic() + timeout_s
+            answers = self._answers[req]
+            while any(r not in answers for r in asked) and time.monotonic() < deadline:
+                got = self._read(min(deadline, time.monotonic() + _ASK_SLICE_S))
+                if got is not None:
+                    self._inbox.append(got)
+        finally:
+            answers = self._answers.pop(req)
+        return dict(answers)
 
     def recv(self, timeout_s: float | None = None) -> tuple[int, Message]:
         """The next valid ``(rank, message)``; TimeoutError after ``timeout_s`` (None: wait)."""
         self._check_open()
         deadline = self._deadline(timeout_s)
         while True:
-            self.poll_connections()
-            if not self._poll(self._socket, deadline):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no message from any worker within {timeout_s} s")
-                continue
-            self.poll_connections()      # an end queued before this message's connection began
-            ident, *frames = self._socket.recv_multipart(copy=False)
-            # an identity without the run's tag fails the sender check in _accept
-            got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
-            if got is not None and got[0] <= _BEAT_BASE:
-                rank, kind = _BEAT_BASE - got[0], got[1].kind
-                if kind == BEAT:
-                    self.last_beat[rank] = time.monotonic()
-                elif kind == LOG and self.on_log is not None:
-                    self.on_log(rank, list(got[1].header.get("lines", ())))
-                elif kind == STACKS:
-                    self.side_replies[rank] = dict(got[1].header)
-                continue
+            if self._inbox:
+                return self._inbox.popleft()
+            got = self._read(deadline)
             if got is not None:
-                self._on(got[0], ident.get(zmq.SRCFD))
                 return got
+            if deadline is not None and time.monotonic() >= deadline and not self._inbox:
+                raise TimeoutError(f"no message from any worker within {timeout_s} s")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The socket's lock, taken soon also while another thread reads (it polls in
+        short slices while another waits)."""
+        self._want(1)
+        self._lock.acquire()
+        self._want(-1)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _want(self, n: int) -> None:
+        with self._waiting_lock:
+            self._waiting += n
+
+    def _read(self, deadline: float | None) -> tuple[int, Message] | None:
+        """At most one message for the stepping thread, read within one poll slice (side
+        messages are handled on the way); None when there was none, or another thread
+        reads now (it leaves replies in ``_inbox``)."""
+        wait = _POLL_SLICE_S if deadline is None else max(0.0, deadline - time.monotonic())
+        self._want(1)
+        took = self._lock.acquire(timeout=min(wait, _SHARED_SLICE_S) if wait > 0 else 0)
+        self._want(-1)
+        if not took:
+            return None
+        try:
+            self._check_open()
+            while True:
+                self._poll_connections()
+                if self._waiting:           # another thread wants the socket: short turns
+                    deadline = min(deadline or math.inf, time.monotonic() + _SHARED_SLICE_S)
+                if not self._poll(self._socket, deadline):
+                    return None
+                self._poll_connections()  # an end queued before this message's connection began
+                ident, *frames = self._socket.recv_multipart(copy=False)
+                # an identity without the run's tag fails the sender check in _accept
+                got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
+                if got is not None and got[0] <= _BEAT_BASE:
+                    self._side_message(_BEAT_BASE - got[0], got[1])
+                    continue
+                if got is not None:
+                    self._on(got[0], ident.get(zmq.SRCFD))
+                    return got
+        finally:
+            self._lock.release()
+            if self._waiting:
+                time.sleep(0.0005)           # let the waiting thread take the lock
+
+    def _side_message(self, rank: int, message: Message) -> None:
+        if message.kind == BEAT:
+            self.last_beat[rank] = time.monotonic()
+        elif message.kind == LOG and self.on_log is not None:
+            self.on_log(rank, list(message.header.get("lines", ())))
+        elif message.kind in _SIDE_ASKS:
+            answers = self._answers.get(message.header.get("req"))
+            if answers is not None:          # else asked by a request given up on
+                answers[rank] = message
 
     def _on(self, rank: int, fd: int) -> None:
         """``rank``'s newest message came on connection ``fd``."""
@@ -569,6 +658,12 @@ class ControllerChannel(_Endpoint):
         thread passes them on by itself)."""
         if self._monitor is None or self._closed:
             return
+        with self._locked():
+            self._poll_connections()
+
+    def _poll_connections(self) -> None:
+        if self._monitor is None or self._closed:
+            return
         from zmq.utils.monitor import recv_monitor_message
 
         while self._monitor.poll(0):
@@ -586,12 +681,13 @@ class ControllerChannel(_Endpoint):
     def close(self) -> None:
         if self._gate is not None:
             self._gate.stop()
-        if self._monitor is not None and not self._closed:
-            self._socket.disable_monitor()
-            self._monitor.close(linger=0)
-        if self._auth is not None and not self._closed:
-            self._auth.stop()
-        self._close(self._socket, 0)
+        with self._locked():              # not while another thread reads
+            if self._monitor is not None and not self._closed:
+                self._socket.disable_monitor()
+                self._monitor.close(linger=0)
+            if self._auth is not None and not self._closed:
+                self._auth.stop()
+            self._close(self._socket, 0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -653,12 +749,14 @@ class WorkerChannel(_Endpoint):
     def start_side(self, *, beats: bool, lost_after_s: float = DEFAULT_LOST_AFTER_S,
                    on_lost: Callable[[], None] | None = None,
                    stacks: Callable[[], dict[str, Any]] | None = None,
-                   lines: Any = None) -> _Side:
+                   rows: Callable[[list[str]], tuple[dict[str, Any], list[torch.Tensor]]]
+                   | None = None, lines: Any = None) -> _Side:
         """Start this rank's side thread and socket (``_Side``): heartbeats when ``beats``
         (the controller is on another host), the output lines queued in ``lines`` (a deque
-        of ``[stream, text]``), and ``stacks()``'s answer whenever the controller asks."""
+        of ``[stream, text]``), and ``stacks()``'s and ``rows(tables)``'s answers whenever
+        the controller asks."""
         self._beats = _Side(self, lost_after_s, on_lost, beats=beats, stacks=stacks,
-                            lines=lines)
+                            rows=rows, lines=lines)
         return self._beats
 
     def close(self, linger_s: float = 0.0) -> None:
@@ -684,18 +782,22 @@ class _Side(_Endpoint):
       and watches the connection: ``on_lost`` once it has been down for ``lost_after_s``;
     - ``LOG``: the rank's output lines queued in ``lines`` (``[stream, text]``; the worker's
       ``LogCapture`` fills it), soon after they are written, in batches;
-    - ``STACKS``: ``stacks()`` (its threads' Python stacks) when the controller asks.
+    - ``STACKS``: ``stacks()`` (its threads' Python stacks) when the controller asks;
+    - ``ROWS``: ``rows(tables)`` (its recent telemetry rows: a header and one tensor per
+      table) when the controller asks.
 
     Beats never block: beats a dead link cannot take are dropped; lines wait (up to the
     queue's length, ``_logs.MAX_QUEUED``; then the oldest go)."""
 
     def __init__(self, channel: WorkerChannel, lost_after_s: float,
                  on_lost: Callable[[], None] | None, *, beats: bool = True,
-                 stacks: Callable[[], dict[str, Any]] | None = None, lines: Any = None) -> None:
+                 stacks: Callable[[], dict[str, Any]] | None = None,
+                 rows: Callable[[list[str]], tuple[dict[str, Any], list[torch.Tensor]]]
+                 | None = None, lines: Any = None) -> None:
         super().__init__(channel.secret, channel.run_id, _BEAT_BASE - channel.rank,
                          channel.max_message)
         self.lost_after_s, self.on_lost = lost_after_s, on_lost
-        self.beats, self.stacks, self.lines = beats, stacks, lines
+        self.beats, self.stacks, self.rows, self.lines = beats, stacks, rows, lines
         sock = self._socket = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity(self.secret, self.me))
         sock.setsockopt(zmq.LINGER, 0)
@@ -729,11 +831,12 @@ class _Side(_Endpoint):
         except OSError:                  # the pipe is full: a wake-up is pending anyway
             pass
 
-    def _send(self, kind: str, header: dict[str, Any] | None) -> bool:
+    def _send(self, kind: str, header: dict[str, Any] | None,
+              tensors: Sequence[torch.Tensor] = ()) -> bool:
         """One message, without blocking; False when the link cannot take it now."""
         with self._send_lock:
             try:
-                frames = self._frames(CONTROLLER, kind, header, ())
+                frames = self._frames(CONTROLLER, kind, header, tensors)
                 for i, frame in enumerate(frames):
                     more = zmq.SNDMORE if i < len(frames) - 1 else 0
                     self._socket.send(frame, zmq.NOBLOCK | more)
@@ -772,12 +875,8 @@ class _Side(_Endpoint):
                     pass
             if self._socket in ready:
                 got = self._accept(self._socket.recv_multipart(copy=False), CONTROLLER)
-                if got is not None and got[1].kind == STACKS:
-                    try:
-                        answer = self.stacks() if self.stacks is not None else {}
-                    except Exception as exc:  # noqa: BLE001 - say why instead of nothing
-                        answer = {"error": f"{type(exc).__name__}: {exc}"}
-                    self._send(STACKS, answer)
+                if got is not None and got[1].kind in _SIDE_ASKS:
+                    self._answer(got[1])
             if self.lines:
                 self._send_lines()
             if time.monotonic() < next_beat:
@@ -796,6 +895,25 @@ class _Side(_Endpoint):
                     self.on_lost()
                 return
             self._send(BEAT, None)
+
+    def _answer(self, ask: Message) -> None:
+        """Answer ``STACKS`` or ``ROWS``, naming the request (its ``req``). An answer the
+        link cannot take at once gets a second try a little later, then is dropped (the
+        controller counts the rank as not answering)."""
+        tensors: list[torch.Tensor] = []
+        try:
+            if ask.kind == STACKS:
+                answer = self.stacks() if self.stacks is not None else {}
+            elif self.rows is None:
+                answer = {"error": "this rank records no telemetry"}
+            else:
+                answer, tensors = self.rows([str(t) for t in ask.header.get("tables", ())])
+        except Exception as exc:  # noqa: BLE001 - say why instead of nothing
+            answer, tensors = {"error": f"{type(exc).__name__}: {exc}"}, []
+        answer = {**answer, "req": ask.header.get("req")}
+        if not self._send(ask.kind, answer, tensors):
+            time.sleep(0.05)
+            self._send(ask.kind, answer, tensors)
 
     def stop(self, drain_s: float = 0.0) -> None:
         """Stop the thread; ``drain_s``: first give the queued lines that long to go out."""

@@ -22,6 +22,7 @@ import math
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ from ._checks import check_indices
 from ._files import FILES_PLUGIN
 from ._k8s import K8sOptions
 from ._k8s_launch import K8sLauncher, K8sPods
+from ._live import LiveEndpoint
 from . import _zygote
 from ._launch import (STOPPED_S, LocalLauncher, StepFailed, WorkerFailure, Workers,
                       install_stack_signal, where_lines)
@@ -186,6 +188,7 @@ class DistributedStep:
         self.last_comm: list[list[dict[str, Any]]] = []
         self.telemetry: TelemetryConfig | None = TelemetryConfig.resolve(telemetry)
         self._tel: ControllerTelemetry | None = None
+        self._live: LiveEndpoint | None = None     # for meshplan serve (runtime/_live.py)
         self._shipper: SegmentShipper | None = None
         self._step_no = 0
         if seed is not None and not isinstance(seed, int):
@@ -526,6 +529,9 @@ class DistributedStep:
         if self._pods is not None:
             self._pods.close()
             self._pods = None
+        if self._live is not None:
+            self._live.close()
+            self._live = None
         if self._tel is not None:
             run_id = self._tel.run_id
             self._tel.close()
@@ -934,6 +940,11 @@ class DistributedStep:
                 self.telemetry, workers.run_id, plan, step_name=self.__name__,
                 strategy=plan.strategy,
                 mesh=None if self._pipeline is None else self._pipeline.mesh)
+            me = weakref.ref(self)        # the endpoint's thread must not keep the step alive
+            self._live = LiveEndpoint(
+                run_id=self._tel.run_id, step=self.__name__,
+                folder=self.telemetry.segments / self._tel.run_id,
+                workers=lambda: getattr(me(), "_workers", None))
         header = self._setup_header()
         if not restore:
             self._step_no, self._resume_step = self._resume_step, 0

@@ -479,26 +479,11 @@ class Workers:
         that come meanwhile are kept for the next read."""
         if self.closed:
             return {}
-        self.channel.side_replies.clear()
-        asked = []
-        for rank in range(self.n) if ranks is None else ranks:
-            proc = self._group.procs[rank]
-            if proc.poll() is not None or _is_stopped(proc):    # it cannot answer
-                continue
-            try:
-                self.channel.ask_side(rank, P.STACKS)
-                asked.append(rank)
-            except RuntimeFailure:        # its side socket is not connected (gone)
-                pass
-        deadline = time.monotonic() + timeout_s
-        while any(r not in self.channel.side_replies for r in asked) and \
-                (left := deadline - time.monotonic()) > 0:
-            try:
-                self._held.append(self.channel.recv(min(_POLL_S, left)))
-            except TimeoutError:
-                pass
-        return {r: self.channel.side_replies[r] for r in asked
-                if r in self.channel.side_replies}
+        ranks = [r for r in (range(self.n) if ranks is None else ranks)
+                 if (proc := self._group.procs[r]).poll() is None and not _is_stopped(proc)]
+        got = self.channel.ask_sides(ranks, P.STACKS, timeout_s=timeout_s)
+        return {r: {k: v for k, v in m.header.items() if k != "req"}
+                for r, m in sorted(got.items())}
 
     def drain(self, timeout_s: float = 0.0) -> None:
         """Read what the ranks' side sockets sent (their output lines) for ``timeout_s``;

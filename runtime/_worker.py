@@ -371,6 +371,7 @@ def main() -> int:
     side = channel.start_side(beats=controller_elsewhere(env), lost_after_s=lost_after_s(env),
                               on_lost=_controller_lost,
                               stacks=lambda: python_stacks(lambda: state.doing),
+                              rows=lambda tables: recent_rows(state, tables),
                               lines=capture.lines if capture is not None else None)
     if capture is not None:
         capture.wake = side.wake
@@ -384,6 +385,32 @@ def main() -> int:
     serve(state, channel)
     _close(channel, capture)
     return 0
+
+
+def recent_rows(state: WorkerState, tables: list[str]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """This rank's recent telemetry rows of ``tables`` (flushed or not; the last
+    ``live_rows`` of each), each as an Arrow IPC stream in a uint8 tensor: the side thread's
+    answer to ``ROWS`` (``meshplan serve``'s ``live_`` tables, runtime/_live.py). Read while
+    the main thread may record: the recorder's locks keep it whole."""
+    import pyarrow as pa
+
+    from ..telemetry._schema import TABLES
+
+    tel = getattr(state.ns, "telemetry", None)
+    if tel is None:
+        return {"error": f"rank {state.rank} records no telemetry (not set up yet, or the run "
+                         "has telemetry off)"}, []
+    unknown = [t for t in tables if t not in TABLES]
+    if unknown:
+        return {"error": f"no telemetry table {unknown[0]!r}"}, []
+    out = []
+    for table in tables:
+        arrow = tel.rec.recent(table)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, arrow.schema) as writer:
+            writer.write_table(arrow)
+        out.append(torch.frombuffer(bytearray(sink.getvalue().to_pybytes()), dtype=torch.uint8))
+    return {"tables": tables}, out
 
 
 def _close(channel: WorkerChannel, capture: LogCapture | None) -> None:

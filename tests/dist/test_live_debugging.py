@@ -5,6 +5,7 @@ gathered value, and of a watched node's value equal to what one process computes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from torch import nn
 
 import meshplan
 from meshplan.telemetry import Store
+from meshplan.telemetry._schema import segments_dir
 
 _HERE = Path(__file__).parent
 
@@ -84,20 +86,38 @@ def test_stacks_on_request_and_on_a_hang_are_stored_and_top_shows_the_run(plugin
     x = torch.randn(8, 8)
     with step:
         step(x)
-        got = step.stacks()
-        assert sorted(got) == [0, 1, 2, 3]
-        assert {s["doing"] for s in got.values()} == {"waiting for the controller"}
+        for _ in range(5):     # a rank that replied may not yet be in its poll, under load
+            got = step.stacks()
+            assert sorted(got) == [0, 1, 2, 3]
+            assert {s["doing"] for s in got.values()} == {"waiting for the controller"}
+            if "--- r0-3: waiting for the controller" in str(got):
+                break
+            time.sleep(0.1)
         assert "--- r0-3: waiting for the controller" in str(got)
-        for _ in range(5):          # a hang at step 4 (after 3 timed steps: the deadline is
-            step(x)                 # then hang_s): found, the mesh brought back
-        assert step.restarts == 1
         run = step.run_id
+        with _serving(db) as api:
+            live = api.live_during(lambda: [step(x) for _ in range(5)], run)
+        # a hang at step 4 (after 3 timed steps: the deadline is then hang_s): found, the
+        # mesh brought back
+        assert step.restarts == 1
+        live_file = segments_dir(db) / run / "live.json"
+        assert live_file.stat().st_mode & 0o777 == 0o600
+    assert not live_file.exists()
+    # meshplan serve, while the steps ran: the live_ tables held every rank's rows of the
+    # steps done so far (rank 1 stopped at 3 while it hung), and its stacks showed the hang
+    first = live["rows"][0]
+    assert first["live"]["runs"][0]["answered"] == [0, 1, 2, 3], first
+    assert {(r[0], r[1]) for r in first["rows"]} == {(rank, run) for rank in range(4)}
+    assert any(st["stacks"].get("1", {}).get("doing") == "'step' of step 4" and
+               "_fire" in st["stacks"]["1"]["frame"] for st in live["stacks"]), live["stacks"]
+    assert max(r[2] for q in live["rows"] for r in q["rows"] if r[0] == 1) >= 3
+    assert live["runs_live"] and not live["wrong_token"].ok
     with Store.open(db) as store:
         rows = store.sql("SELECT rank, reason, doing, frame, stack FROM stacks WHERE run_id = ? "
                          "ORDER BY reason, rank", [run]).to_pylist()
     request = [r for r in rows if r["reason"] == "request"]
     hang = [r for r in rows if r["reason"] == "timeout"]
-    assert [r["rank"] for r in request] == [0, 1, 2, 3]
+    assert sorted({r["rank"] for r in request}) == [0, 1, 2, 3] and len(request) % 4 == 0
     assert [r["rank"] for r in hang] == [0, 1, 2, 3]
     stuck = hang[1]
     assert re.search(r"_faults\.py:\d+ in _fire", stuck["frame"]), stuck["frame"]
@@ -116,6 +136,72 @@ def test_stacks_on_request_and_on_a_hang_are_stored_and_top_shows_the_run(plugin
     assert main(["top", "--db", str(db), "--once"]) == 0
     out = capsys.readouterr().out
     assert f"run {run}" in out and "latest step 5" in out and "timeout" in out
+
+
+class _Api:
+    """``meshplan serve``'s HTTP API over ``db`` in this process (a real HTTP client)."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token = url, token
+
+    def get(self, path: str, token: str | None = None):
+        import requests
+
+        return requests.get(self.url + path, timeout=30,
+                            headers={"Authorization": f"Bearer {token or self.token}"})
+
+    def sql(self, sql: str) -> dict:
+        import requests
+
+        r = requests.post(self.url + "/v1/query", json={"sql": sql}, timeout=30,
+                          headers={"Authorization": f"Bearer {self.token}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def live_during(self, work, run: str) -> dict:
+        """What an agent sees while ``work()`` runs the steps: the live_ rows and the
+        stacks, asked again and again from another thread."""
+        import threading
+
+        seen: dict = {"rows": [], "stacks": []}
+        done = threading.Event()
+
+        def ask() -> None:
+            seen["runs_live"] = any(r["live"] for r in self.get("/v1/runs").json()["runs"]
+                                    if r["run_id"] == run)
+            while not done.is_set():
+                seen["rows"].append(self.sql(
+                    "SELECT rank, run_id, max(step) FROM live_steps GROUP BY ALL ORDER BY 1"))
+                got = self.get(f"/v1/runs/{run}/stacks?timeout_s=1")
+                if got.status_code == 200:
+                    seen["stacks"].append(got.json())
+                time.sleep(0.2)
+        seen["wrong_token"] = self.get("/v1/runs", token="wrong")
+        thread = threading.Thread(target=ask)
+        thread.start()
+        try:
+            work()
+        finally:
+            done.set()
+            thread.join(60)
+        return seen
+
+
+@contextlib.contextmanager
+def _serving(db: Path):
+    import threading
+
+    from meshplan._serve import make_server
+
+    store = Store.open(db)          # closed before the step's end ingests into the database
+    server, service = make_server(store, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield _Api(f"http://127.0.0.1:{server.server_address[1]}", service.token)
+    finally:
+        server.shutdown()
+        server.server_close()
+        store.close()
 
 
 @pytest.mark.timeout(120)

@@ -91,7 +91,7 @@ def test_every_request_needs_the_token(api) -> None:
 
 
 def test_read_only_sql_with_limits_and_typed_errors(api) -> None:
-    url, _, _ = api
+    url, _, db = api
     r = _sql(url, "SELECT rank, count(*) AS n FROM steps WHERE run_id = 'r1' GROUP BY rank "
                   "ORDER BY rank")
     assert r.status_code == 200
@@ -125,6 +125,16 @@ def test_read_only_sql_with_limits_and_typed_errors(api) -> None:
            "method_not_allowed", "use GET")
     _error(_get(url, "/v1/nothing"), 404, "not_found", "openapi.json")
     assert _sql(url, "SELECT count(*) FROM steps").json()["rows"] == [[24 + 12]]   # unchanged
+    # live_<table>: no run is live (r1's live.json is a controller's that ended)
+    stale = segments_dir(db) / "r1" / "live.json"
+    stale.write_text('{"run_id": "r1", "url": "http://127.0.0.1:9", "token": "t"}')
+    try:
+        got = _sql(url, "SELECT count(*) AS n FROM live_steps JOIN runs USING (run_id)").json()
+        assert got["rows"] == [[0]] and got["live"] == {"runs": [], "unreachable": []}
+        assert "live" not in _sql(url, "SELECT 1").json()
+        _error(_sql(url, "SELECT 1", live_timeout_s=0), 400, "bad_request", "live_timeout_s=0")
+    finally:
+        stale.unlink()
 
 
 def test_runs_plans_and_the_openapi_document(api) -> None:
@@ -133,6 +143,7 @@ def test_runs_plans_and_the_openapi_document(api) -> None:
     url, plans, _ = api
     runs = {r["run_id"]: r for r in _get(url, "/v1/runs").json()["runs"]}
     assert runs["r1"]["steps"] == 6 and runs["r1"]["failures"] == 0 and runs["r1"]["recovered"]
+    assert not runs["r1"]["live"]
     assert runs["r2"]["steps"] == 3 and runs["r2"]["failures"] == 1
     assert not runs["r2"]["recovered"] and runs["r2"]["world_size"] == 4
     assert _get(url, "/v1/plans").json() == {"plans": ["mlp.plan"]}
@@ -148,7 +159,10 @@ def test_runs_plans_and_the_openapi_document(api) -> None:
     validate(doc)
     for path, ops in doc["paths"].items():
         if "get" in ops:
-            got = _get(url, path.replace("{name}", "mlp.plan"))
+            got = _get(url, path.replace("{name}", "mlp.plan").replace("{run_id}", "r1"))
+            if path.endswith("/stacks"):      # r1 does not run now
+                _error(got, 404, "not_found", "is not running")
+                continue
             assert got.status_code in (200, 400), (path, got.text)
         assert path == "/v1/query" or "post" not in ops
     assert _get(url, "/v1/schema").json()["tables"]["runs"][0] == {"name": "run_id",
@@ -208,7 +222,8 @@ def test_the_mcp_server_answers_a_real_mcp_client(api) -> None:
 
     got = anyio.run(talk)
     assert "GET /v1/schema" in got["instructions"]
-    assert got["tools"] == ["plan_explain", "plan_show", "plans", "query", "runs", "schema"]
+    assert got["tools"] == ["plan_explain", "plan_show", "plans", "query", "runs", "schema",
+                            "stacks"]
     assert got["count"] == (False, {"columns": [{"name": "n", "type": "int64"}],
                                     "rows": [[36]], "row_count": 1, "truncated": False})
     assert got["few"][1]["row_count"] == 2 and got["few"][1]["truncated"]
