@@ -15,7 +15,10 @@ row shards into column and row splits. Each round times, on the controller:
   "optim": {}})``: every rank's pieces gathered into this process (the trainer's optimizer
   state too: ``state_dict()`` returns it), then each generator rank sent its pieces;
 - ``controller``: ``meshplan.transfer(trainer, generator, method="controller")``, the same
-  path with the model's tensors only (what a careful user's own gather would move).
+  path with the model's tensors only (what a careful user's own gather would move);
+- ``tcp``: ``meshplan.transfer(trainer, generator, method="tcp")``, the path ranks on other
+  hosts without MPI take (slurm, k8s): each generator rank reads its regions from the trainer
+  ranks over TCP, here on loopback.
 
 After the rounds the generator's weights are checked against the trainer's (bit for bit).
 Printed per launcher: the median seconds of each, the bytes the destination ranks read, the
@@ -67,7 +70,8 @@ def measure(launcher: str, cfg: GPTConfig, rounds: int) -> dict:
         trainer(x, x)
         generator(x)
         first = meshplan.transfer(trainer, generator)     # under mpi: joins the two worlds
-        times: dict[str, list[float]] = {"transfer": [], "state_dict": [], "controller": []}
+        times: dict[str, list[float]] = {"transfer": [], "state_dict": [], "controller": [],
+                                         "tcp": []}
         report = first
         for _ in range(rounds):
             t0 = time.perf_counter()
@@ -79,6 +83,9 @@ def measure(launcher: str, cfg: GPTConfig, rounds: int) -> dict:
             t0 = time.perf_counter()
             via = meshplan.transfer(trainer, generator, method="controller")
             times["controller"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            meshplan.transfer(trainer, generator, method="tcp")
+            times["tcp"].append(time.perf_counter() - t0)
         meshplan.transfer(trainer, generator)
         want, got = trainer.state_dict()["model"], generator.state_dict()["model"]
         assert all(torch.equal(want[k], got[k]) for k in want), "the weights differ"
@@ -91,6 +98,7 @@ def measure(launcher: str, cfg: GPTConfig, rounds: int) -> dict:
             "transfer_s": statistics.median(times["transfer"]),
             "state_dict_s": statistics.median(times["state_dict"]),
             "controller_s": statistics.median(times["controller"]),
+            "tcp_s": statistics.median(times["tcp"]),
             "controller_path_bytes": via.controller_bytes,
             "read_bytes": report.nbytes, "model_bytes": model_bytes,
             "controller_bytes": state_bytes + model_bytes}
@@ -116,7 +124,8 @@ def main() -> None:
               f"{r['controller_bytes'] / mib:.0f} MiB through the controller "
               f"({r['state_dict_s'] / r['transfer_s']:.1f}x) | model only through the "
               f"controller {r['controller_s']:.3f} s, {r['controller_path_bytes'] / mib:.0f} "
-              f"MiB ({r['controller_s'] / r['transfer_s']:.1f}x)  (model "
+              f"MiB ({r['controller_s'] / r['transfer_s']:.1f}x) | tcp {r['tcp_s']:.3f} s "
+              f"({r['state_dict_s'] / r['tcp_s']:.1f}x faster than state_dict)  (model "
               f"{r['model_bytes'] / mib:.0f} MiB)", flush=True)
 
 

@@ -77,6 +77,7 @@ _MAC_SIZE = hashlib.sha256().digest_size
 _POLL_SLICE_S = 0.5              # recv(None) wakes this often; it never returns without a message
 _SHARED_SLICE_S = 0.01           # a read's poll while another thread waits for the socket
 _ASK_SLICE_S = 0.05              # ``ask_sides``'s polls (the stepping thread may want to send)
+PUMP_IDLE_S = 0.25               # the pump reads once the socket was left alone this long
 HANDSHAKE_S = 5.0                # a TCP peer that has not authenticated by then is dropped
 _LOG_FIRST, _LOG_EVERY_S = 5, 10.0   # rejection lines: the first few, then one per interval
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -478,6 +479,12 @@ class ControllerChannel(_Endpoint):
         self._inbox: deque[tuple[int, Message]] = deque()
         self._waiting = 0
         self._waiting_lock = threading.Lock()
+        # the pump (``start_pump``): its thread, the pipe that wakes it, whether it polls now
+        self._last_use = time.monotonic()
+        self._pump: threading.Thread | None = None
+        self._pump_wake: tuple[int, int] = (-1, -1)
+        self._pump_stop = threading.Event()
+        self._pumping = False
         # rank -> monotonic time the connection its newest message came on ended (it exited,
         # or closed its socket); a message from the rank, or ``forget``, clears it. Which rank
         # ended first, when a job ends every rank; on one host (``sees_drops``) also a rank
@@ -579,10 +586,11 @@ class ControllerChannel(_Endpoint):
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """The socket's lock, taken soon also while another thread reads (it polls in
-        short slices while another waits)."""
+        short slices while another waits; the pump is woken)."""
         self._want(1)
         self._lock.acquire()
         self._want(-1)
+        self._last_use = time.monotonic()
         try:
             yield
         finally:
@@ -591,6 +599,11 @@ class ControllerChannel(_Endpoint):
     def _want(self, n: int) -> None:
         with self._waiting_lock:
             self._waiting += n
+        if n > 0 and self._pumping:
+            try:
+                os.write(self._pump_wake[1], b"x")
+            except OSError:              # full: a wake-up is pending anyway
+                pass
 
     def _read(self, deadline: float | None) -> tuple[int, Message] | None:
         """At most one message for the stepping thread, read within one poll slice (side
@@ -602,6 +615,7 @@ class ControllerChannel(_Endpoint):
         self._want(-1)
         if not took:
             return None
+        self._last_use = time.monotonic()
         try:
             self._check_open()
             while True:
@@ -610,20 +624,72 @@ class ControllerChannel(_Endpoint):
                     deadline = min(deadline or math.inf, time.monotonic() + _SHARED_SLICE_S)
                 if not self._poll(self._socket, deadline):
                     return None
-                self._poll_connections()  # an end queued before this message's connection began
-                ident, *frames = self._socket.recv_multipart(copy=False)
-                # an identity without the run's tag fails the sender check in _accept
-                got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
-                if got is not None and got[0] <= _BEAT_BASE:
-                    self._side_message(_BEAT_BASE - got[0], got[1])
-                    continue
+                got = self._take_one()
                 if got is not None:
-                    self._on(got[0], ident.get(zmq.SRCFD))
                     return got
         finally:
             self._lock.release()
             if self._waiting:
                 time.sleep(0.0005)           # let the waiting thread take the lock
+
+    def _take_one(self) -> tuple[int, Message] | None:
+        """Read the message that is there (the lock held): a message for the stepping
+        thread, or None after handling a side message or dropping a bad one."""
+        self._poll_connections()  # an end queued before this message's connection began
+        ident, *frames = self._socket.recv_multipart(copy=False)
+        # an identity without the run's tag fails the sender check in _accept
+        got = self._accept(frames, _rank_of(self.secret, bytes(ident.buffer)))
+        if got is not None and got[0] <= _BEAT_BASE:
+            self._side_message(_BEAT_BASE - got[0], got[1])
+            return None
+        if got is not None:
+            self._on(got[0], ident.get(zmq.SRCFD))
+        return got
+
+    def start_pump(self, idle_s: float = PUMP_IDLE_S) -> None:
+        """Read the socket from a thread of its own whenever no other thread has used it for
+        ``idle_s`` (the program runs its own code between steps): the ranks' output lines
+        are printed as they come, and their heartbeats counted; a reply read meanwhile waits
+        in ``_inbox`` for ``recv``. A thread that wants the socket wakes the pump at once."""
+        if self._pump is not None:
+            return
+        self._pump_wake = os.pipe()
+        os.set_blocking(self._pump_wake[1], False)
+        self._pump = threading.Thread(target=self._pump_loop, args=(idle_s,), daemon=True,
+                                      name="meshplan-channel-pump")
+        self._pump.start()
+
+    def _pump_loop(self, idle_s: float) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._pump_wake[0], zmq.POLLIN)
+        while not self._closed:
+            wait = idle_s - (time.monotonic() - self._last_use)
+            if wait > 0 or self._waiting:
+                self._pump_stop.wait(max(wait, 0.005))
+                continue
+            if not self._lock.acquire(timeout=0.05):
+                continue
+            try:
+                if self._closed or self._waiting:
+                    continue
+                self._pumping = True
+                if self._waiting:          # it came before it could see _pumping: no poll
+                    continue
+                ready = dict(poller.poll(int(_POLL_SLICE_S * 1000)))
+                self._pumping = False
+                if self._pump_wake[0] in ready:
+                    os.read(self._pump_wake[0], 4096)
+                while self._socket in ready and not self._waiting and not self._closed and \
+                        self._socket.poll(0, zmq.POLLIN):
+                    got = self._take_one()
+                    if got is not None:
+                        self._inbox.append(got)
+            except (zmq.ZMQError, OSError):       # closed under it: the loop ends
+                pass
+            finally:
+                self._pumping = False
+                self._lock.release()
 
     def _side_message(self, rank: int, message: Message) -> None:
         if message.kind == BEAT:
@@ -681,6 +747,7 @@ class ControllerChannel(_Endpoint):
     def close(self) -> None:
         if self._gate is not None:
             self._gate.stop()
+        self._pump_stop.set()
         with self._locked():              # not while another thread reads
             if self._monitor is not None and not self._closed:
                 self._socket.disable_monitor()
@@ -688,6 +755,12 @@ class ControllerChannel(_Endpoint):
             if self._auth is not None and not self._closed:
                 self._auth.stop()
             self._close(self._socket, 0)
+        if self._pump is not None:
+            if self._pump is not threading.current_thread():
+                self._pump.join(2.0)
+            for fd in self._pump_wake:
+                os.close(fd)
+            self._pump = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 

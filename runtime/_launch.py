@@ -333,6 +333,8 @@ class Workers:
         # the mesh in each line
         self.logs = LogLines(self.n)
         self.channel.on_log = self.logs.add
+        # between calls too (the program runs its own code): lines printed as they come
+        self.channel.start_pump()
         # messages that came while ``stacks`` waited for the side sockets: the next reads
         self._held: collections.deque[tuple[int, Message]] = collections.deque()
         self._early_stacks: dict[int, dict[str, Any]] | None = None

@@ -19,20 +19,34 @@ column-split from a row-split), without the tensors passing through the controll
 - ``rma`` joins the two meshes' MPI worlds once (``MPI_Open_port`` on the source's rank 0,
   ``MPI_Comm_accept``/``MPI_Comm_connect``, ``MPI_Intercomm_merge``; kept for later transfers
   between the same running meshes), so it works across hosts; ``shm`` needs every rank of
-  both meshes on this host (it checks: the file carries a random token the reader must find).
+  both meshes on this host (it checks: the file carries a random token the reader must find);
+- ``tcp``, for ranks on other hosts without MPI (slurm, k8s, mixed launchers): each source
+  rank stages its pieces in memory and serves reads of them from a thread on a port of its
+  own (the rank's main thread is free meanwhile); each destination rank connects to the
+  source ranks it needs, in parallel, and asks for exactly its regions, which the source cuts
+  from its pieces and sends, received straight into the destination's tensors. Connections are
+  authenticated both ways (HMAC-SHA256 challenges under a random key per transfer, sent to
+  both meshes over their control channels); the bytes then travel as gloo's do, unsigned.
 
 Which: ``rma`` when both steps run under ``launcher="mpi"``, ``shm`` when both meshes run on
-this host (local launcher, or mpi without other hosts), else ``controller`` (gathered into this
-process and sent out again, as ``state_dict()`` + ``load_state_dict()`` would; the report says
-why). A step not running yet takes the values into its live model on this process.
+this host (local launcher, or mpi without other hosts), else ``tcp``; ``controller`` (gathered
+into this process and sent out again, as ``state_dict()`` + ``load_state_dict()`` would) for a
+step that is not running, which takes the values into its live model on this process.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import hashlib
+import hmac
+import json
 import math
 import os
 import secrets
+import socket
+import struct
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -47,7 +61,8 @@ from ._worker import WorkerState, register
 
 ALIGN = 64                  # bytes: where each piece starts in a staging buffer
 TOKEN_BYTES = 16            # a shm file's first bytes: proof the reader mapped the writer's file
-METHODS = ("shm", "rma", "controller")
+METHODS = ("shm", "rma", "tcp", "controller")
+_TCP_MAX_REQUEST = 64 << 20  # bytes of one connection's list of regions (JSON)
 
 Box = tuple[tuple[int, int], ...]          # [start, stop) per dim, in the whole tensor
 Copy = tuple[int, Box, Box]                # source rank, region in its piece, region in ours
@@ -57,7 +72,7 @@ Copy = tuple[int, Box, Box]                # source rank, region in its piece, r
 class TransferReport:
     """What one ``transfer`` did."""
 
-    method: str                 # "shm", "rma" or "controller"
+    method: str                 # "shm", "rma", "tcp" or "controller"
     tensors: int                # destination state tensors written
     nbytes: int                 # bytes the destination ranks read (their pieces' regions)
     controller_bytes: int       # tensor bytes that passed through this process
@@ -239,8 +254,8 @@ def _choose(src: Any, dst: Any, method: str | None) -> tuple[str, str]:
         return "rma", "both meshes run under launcher='mpi'"
     if shm:
         return "shm", "both meshes run on this host"
-    return "controller", (f"launchers {src.launcher!r} and {dst.launcher!r} with ranks on other "
-                          "hosts: one-sided transfers between them need launcher='mpi' on both")
+    return "tcp", (f"launchers {src.launcher!r} and {dst.launcher!r}, ranks on other hosts: "
+                   "each destination rank reads its regions from the source ranks over TCP")
 
 
 def transfer(src: Any, dst: Any, names: Any = None, *, method: str | None = None,
@@ -250,8 +265,8 @@ def transfer(src: Any, dst: Any, names: Any = None, *, method: str | None = None
     other on the way, one-sidedly (module docstring). ``names``: None (every ``state_dict()``
     key both models have), a list of keys, or ``{source key: destination key}`` (the keys of
     ``step.state_dict()["model"]``); shapes must be equal, dtypes may differ (cast on the
-    way). ``method``: None (``rma``, else ``shm``, else ``controller``: whichever works
-    first), or one of them. Both steps must have been traced (called once, or given
+    way). ``method``: None (``rma``, else ``shm``, else ``tcp``: whichever works first; a
+    step not running: ``controller``), or one of them. Both steps must have been traced (called once, or given
     ``example_inputs``). Returns a ``TransferReport``; a failure is one ``RuntimeFailure``."""
     from ._distributed import DistributedStep
 
@@ -374,6 +389,8 @@ def _one_sided(src: Any, dst: Any, pairs: list[tuple[str, str, str]], how: str,
                 [dname, [b - a for a, b in box], str(ddt[dname]).removeprefix("torch."), parts])
     if how == "shm":
         _by_shm(src, dst, staged, sizes, recipes, timeout)
+    elif how == "tcp":
+        _by_tcp(src, dst, staged, sizes, recipes, timeout)
     else:
         _by_rma(src, dst, staged, sizes, recipes, timeout)
     return nbytes
@@ -438,6 +455,38 @@ def _by_rma(src: Any, dst: Any, staged: dict[int, list[list[Any]]], sizes: dict[
                                     "pieces": recipes.get(rank, [])})
     _gather(src, "xfer_send", timeout)
     _gather(dst, "xfer_recv", timeout)
+
+
+def _by_tcp(src: Any, dst: Any, staged: dict[int, list[list[Any]]], sizes: dict[int, int],
+            recipes: dict[int, list[list[Any]]], timeout: float) -> None:
+    sw, dw = src._workers, dst._workers
+    key, tag = secrets.token_hex(32), secrets.token_hex(6)
+    served: list[int] = []
+
+    def unserve() -> None:            # the source ranks stop serving, free their buffers
+        if served and not sw.closed:
+            for rank in served:
+                sw.send(rank, "xfer_unserve", {"tag": tag})
+            _gather(src, "xfer_unserve", timeout, served)
+    try:
+        for rank in staged:
+            sw.send(rank, "xfer_serve", {"tag": tag, "key": key, "size": sizes[rank],
+                                         "pieces": staged[rank], "timeout_s": timeout})
+            served.append(rank)
+        where = {rank: m.header for rank, m in
+                 zip(sorted(staged), _gather(src, "xfer_serve", timeout, sorted(staged)))}
+        for rank in range(dw.n):
+            dw.send(rank, "xfer_fetch", {"key": key, "timeout_s": timeout,
+                                         "sources": {str(r): where[r] for r in where},
+                                         "pieces": recipes.get(rank, [])})
+        _gather(dst, "xfer_fetch", timeout)
+    except BaseException:
+        try:
+            unserve()
+        except Exception:  # noqa: BLE001 - the first failure is the one to report
+            pass
+        raise
+    unserve()
 
 
 # ---- the ranks -----------------------------------------------------------------------------
@@ -644,3 +693,209 @@ def _get(MPI: Any, win: Any, srank: int, offset: int, sshape: list[int], dt: tor
                                         [a for a, _ in sreg] + [0]).Commit()
     win.Get(mine, srank, (offset, 1, datatype))
     return part, datatype
+
+
+# ---- tcp: a source rank serves its staged pieces, a destination rank reads its regions ----------
+
+def _mac(key: bytes, role: bytes, nonce: bytes) -> bytes:
+    return hmac.new(key, b"meshplan-xfer " + role + b" " + nonce, hashlib.sha256).digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        got += n
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+class _Server:
+    """A source rank's staged pieces, served from threads: per connection, the challenge both
+    ways, then one JSON list of ``[offset, shape, dtype, region]`` reads, answered in order,
+    each region's bytes after their 8-byte length."""
+
+    def __init__(self, buf: torch.Tensor, key: bytes, timeout_s: float) -> None:
+        self.buf, self.key, self.timeout_s = buf, key, timeout_s
+        self.sock = socket.create_server(("", 0), family=socket.AF_INET, backlog=128)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True,
+                                       name="meshplan-xfer-serve")
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:                   # stopped (``stop`` shuts the socket down)
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="meshplan-xfer-conn").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(self.timeout_s)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                nonce = secrets.token_bytes(16)
+                conn.sendall(nonce)
+                proof, theirs = _recv_exact(conn, 32), _recv_exact(conn, 16)
+                if not hmac.compare_digest(proof, _mac(self.key, b"reader", nonce)):
+                    return                   # not a reader of this transfer: say nothing
+                conn.sendall(_mac(self.key, b"server", theirs))
+                (size,) = struct.unpack("<Q", _recv_exact(conn, 8))
+                if size > _TCP_MAX_REQUEST:
+                    return
+                for offset, shape, dtype, region in json.loads(_recv_exact(conn, size)):
+                    part = self._region(int(offset), shape, dtype, region)
+                    conn.sendall(struct.pack("<Q", part.nbytes))
+                    conn.sendall(_bytes_of(part))
+            except (OSError, ValueError, TypeError, RuntimeFailure):
+                pass                # the reader's own error says what went wrong
+
+    def _region(self, offset: int, shape: Any, dtype: str, region: Any) -> torch.Tensor:
+        dt = _dtype(dtype)
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                and offset >= 0 and offset + math.prod(shape) * dt.itemsize <= self.buf.numel()
+                and isinstance(region, list) and len(region) == len(shape)
+                and all(0 <= a <= b <= d for (a, b), d in zip(region, shape))):
+            raise ValueError(f"a read outside the staged pieces: {offset} {shape} {region}")
+        return _view(self.buf, offset, shape, dtype)[_slices(region)]
+
+    def stop(self) -> None:
+        self.stopped.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)     # wakes the accept at once (Linux)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(2.0)
+
+
+def _addresses(state: WorkerState) -> list[str]:
+    """Where readers on other hosts may reach this rank: its address on the route to the
+    controller and to its mesh's rendezvous host (the addresses its peers use), and its
+    host name's; loopback ones left out (a reader on this host tries 127.0.0.1 first)."""
+    from ._channel import ENV_ADDRESS, address_toward
+
+    out: list[str] = []
+    ctl = state.env.get(ENV_ADDRESS, "")
+    hosts = [ctl.removeprefix("tcp://").rpartition(":")[0]] if ctl.startswith("tcp://") else []
+    hosts.append(state.master_addr or "")
+    for host in hosts:
+        try:
+            out.append(address_toward(socket.AF_INET, (socket.gethostbyname(host), 9)))
+        except OSError:
+            pass
+    try:
+        out.append(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    return [a for a in dict.fromkeys(out) if a and not a.startswith("127.")]
+
+
+@register("xfer_serve")
+def _serve_pieces(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """tcp, a source rank: stage the planned pieces in memory and serve reads of them."""
+    from ._handlers import _settled
+
+    _settled(state.ns)
+    buf = torch.empty(max(int(header["size"]), 1), dtype=torch.uint8)
+    _stage_into(buf, state.ns.state, header["pieces"])
+    server = _Server(buf, bytes.fromhex(header["key"]), float(header["timeout_s"]))
+    state.ns.xfer_servers = {**getattr(state.ns, "xfer_servers", {}), header["tag"]: server}
+    return {"host": state.hostname, "port": server.sock.getsockname()[1],
+            "addresses": _addresses(state)}, []
+
+
+@register("xfer_unserve")
+def _unserve(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    server = getattr(state.ns, "xfer_servers", {}).pop(header["tag"], None)
+    if server is not None:
+        server.stop()
+    return {}, []
+
+
+@register("xfer_fetch")
+def _fetch(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
+    """tcp, a destination rank: read its regions from the source ranks (one connection to
+    each, in parallel), each straight into a tensor, then put them in its new pieces."""
+    from ._handlers import _settled
+
+    _settled(state.ns)
+    key, timeout = bytes.fromhex(header["key"]), float(header["timeout_s"])
+    out: dict[str, torch.Tensor] = {}
+    reads: dict[int, list[tuple[list[Any], torch.Tensor]]] = {}
+    places: list[tuple[torch.Tensor, list[list[int]], torch.Tensor]] = []
+    for name, shape, dtype, parts in header["pieces"]:
+        piece = out[name] = torch.empty(shape, dtype=_dtype(dtype))
+        for srank, offset, sshape, sdtype, sreg, dreg in parts:
+            into = piece[_slices(dreg)]
+            if into.is_contiguous() and into.dtype == _dtype(sdtype):
+                part = into                     # received in place (rows, or all of it)
+            else:
+                part = torch.empty([b - a for a, b in sreg], dtype=_dtype(sdtype))
+                places.append((piece, dreg, part))
+            reads.setdefault(srank, []).append(([offset, sshape, sdtype, sreg], part))
+    if reads:
+        with concurrent.futures.ThreadPoolExecutor(min(len(reads), 16)) as pool:
+            for done in [pool.submit(_read_from, state, header["sources"][str(srank)], key,
+                                     timeout, srank, got) for srank, got in reads.items()]:
+                done.result()
+    for piece, dreg, part in places:
+        piece[_slices(dreg)] = part
+    return _took(state, out), []
+
+
+def _read_from(state: WorkerState, source: dict[str, Any], key: bytes, timeout: float,
+               srank: int, reads: list[tuple[list[Any], torch.Tensor]]) -> None:
+    """Source rank ``srank``'s regions into their tensors, over one connection."""
+    addresses = list(source["addresses"])
+    if source["host"] == state.hostname:
+        addresses.insert(0, "127.0.0.1")
+    tried = []
+    for address in addresses:
+        try:
+            conn = socket.create_connection((address, int(source["port"])),
+                                            timeout=min(timeout, 10.0))
+        except OSError as exc:
+            tried.append(f"{address}: {exc.strerror or exc}")
+            continue
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mine = secrets.token_bytes(16)
+            try:               # another service on that port may say nothing: not long
+                nonce = _recv_exact(conn, 16)
+                conn.sendall(_mac(key, b"reader", nonce) + mine)
+                proof = _recv_exact(conn, 32)
+            except OSError:
+                proof = b""
+            if not hmac.compare_digest(proof, _mac(key, b"server", mine)):
+                tried.append(f"{address}: not the source rank's server (no proof of the key)")
+                continue
+            conn.settimeout(timeout)
+            request = json.dumps([r for r, _ in reads]).encode()
+            conn.sendall(struct.pack("<Q", len(request)) + request)
+            for _, part in reads:
+                (size,) = struct.unpack("<Q", _recv_exact(conn, 8))
+                if size != part.nbytes:
+                    raise RuntimeFailure(f"transfer: source rank {srank} sent {size} bytes for "
+                                         f"a region of {part.nbytes}; this is a bug in meshplan")
+                if size:
+                    _recv_into(conn, memoryview(part.reshape(-1).view(torch.uint8).numpy()))
+            return
+    raise RuntimeFailure(
+        f"transfer: rank {state.rank} cannot reach source rank {srank} on "
+        f"{source['host']} port {source['port']} ({'; '.join(tried) or 'no address'}); the "
+        "two meshes' hosts must reach each other over TCP (or use launcher='mpi' on both, "
+        "method='rma')")

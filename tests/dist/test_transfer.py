@@ -14,7 +14,8 @@
   after 3 steps; every other parameter within 2e-7). Under the local launcher (``shm``) and
   under mpi (``rma``: the two mpiexec worlds joined).
 - Transfers between running meshes of different layouts and sizes (FSDP on 2, Megatron on
-  2x2, a 2-stage pipeline, into replicated, Megatron on 2 and FSDP on 4 ranks): the
+  2x2, a 2-stage pipeline, into replicated, Megatron on 2 and FSDP on 4 ranks), by ``shm``
+  and by ``tcp`` (the path of ranks on other hosts without MPI, here on loopback): the
   destination's state afterwards equals the source's, bit for bit (copies only).
 - A step that is not running takes the values through the controller; bad names and shapes
   are one clear error. The copy plan itself is tested exhaustively in
@@ -22,6 +23,8 @@
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -94,6 +97,7 @@ def test_transfers_between_meshes_of_other_layouts_and_sizes_copy_exactly():
             step(x)                   # the weights differ from any fresh model's
             srcs.append(step)
         dsts = []
+        fresh = _step(1, False)[0].state_dict()    # put back before each copy
         for mesh, strategy in (({"dp": 2}, "dp"), ({"tp": 2}, "megatron_tp"),
                                ({"dp": 4}, "fsdp")):
             model, fn = _step(1, False)
@@ -104,13 +108,14 @@ def test_transfers_between_meshes_of_other_layouts_and_sizes_copy_exactly():
         layouts = set()
         for src in srcs:
             want = src.state_dict()["model"]
-            for model, dst in dsts:
-                report = meshplan.transfer(src, dst)
-                assert report.method == "shm" and report.controller_bytes == 0
+            for (model, dst), method in itertools.product(dsts, ("shm", "tcp")):
+                dst.load_state_dict({"model": fresh, "optim": {}})
+                report = meshplan.transfer(src, dst, method=None if method == "shm" else method)
+                assert report.method == method and report.controller_bytes == 0
                 got = dst.state_dict()["model"]
                 assert sorted(got) == sorted(want)
                 for k in want:
-                    assert torch.equal(got[k], want[k]), (src.mesh, dst.mesh, k)
+                    assert torch.equal(got[k], want[k]), (src.mesh, dst.mesh, method, k)
                 layouts |= {(str(src.plan.input_layouts[n]), str(dst.plan.input_layouts[n]))
                             for n in dst.plan.input_layouts if n in src.plan.input_layouts}
         # the destination computes with what it got: its output is the source model's
