@@ -414,8 +414,8 @@ into a SQL store (DuckDB). This server answers read-only questions about it. Sen
 ## Work schema-first
 1. `GET /v1/schema`: the tables, their columns and types, and the views.
 2. `GET /v1/runs`: the runs recorded, newest last, with their steps and failures.
-3. `POST /v1/query` with `{{"sql": "...", "max_rows": 1000, "timeout_s": 30}}`: one read-only
-   statement. Filter by `run_id` (most tables hold every run). Times are microseconds
+3. `POST /v1/query` with `{{"sql": "...", "max_rows": 1000, "timeout_s": 30,
+   "live_timeout_s": 3}}` (all but `sql` optional): one read-only statement. Filter by `run_id` (most tables hold every run). Times are microseconds
    (`*_us`), sizes bytes.
 
 ## Live runs

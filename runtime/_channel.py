@@ -663,7 +663,7 @@ class ControllerChannel(_Endpoint):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._pump_wake[0], zmq.POLLIN)
-        while not self._closed:
+        while not self._closed and not self._pump_stop.is_set():
             wait = idle_s - (time.monotonic() - self._last_use)
             if wait > 0 or self._waiting:
                 self._pump_stop.wait(max(wait, 0.005))
@@ -687,6 +687,9 @@ class ControllerChannel(_Endpoint):
                         self._inbox.append(got)
             except (zmq.ZMQError, OSError):       # closed under it: the loop ends
                 pass
+            except Exception:      # noqa: BLE001 - the stepping thread's reads take over
+                logger.exception("control channel (run %s): the pump stopped", self.run_id)
+                return
             finally:
                 self._pumping = False
                 self._lock.release()

@@ -4,7 +4,8 @@
 A ``distribute``d step that records telemetry starts a ``LiveEndpoint`` with its ranks: an
 HTTP server on loopback (a port the system picks) in a thread of the controller, with a
 token of its own. It writes where it listens and the token to ``live.json`` in the run's
-segment folder (``<db>.segments/<run_id>/live.json``, mode 0600, written atomically) and
+segment folder (beside the database: ``t.duckdb`` -> ``t.segments/<run_id>/live.json``; mode
+0600, written atomically) and
 removes it when the ranks stop. Whoever can read that folder can read the run's telemetry
 anyway; nobody else gets the token. ``LiveClient`` is the other end (``_serve.Service``).
 

@@ -457,9 +457,17 @@ def ingest(config: TelemetryConfig | None, run_id: str | None = None) -> None:
                 logger.info("meshplan: %d telemetry rows recovered from the journals of "
                             "ranks killed before their last flush", got)
 
+    from ..telemetry._store import DatabaseLocked
+
     try:
-        with Store.open(config.db) as store:
+        with Store.open(config.db, if_locked="raise") as store:
             logger.info("meshplan: telemetry in %s", store.source)
+    except DatabaseLocked as exc:
+        logger.warning("meshplan: this run's telemetry stays in its segments (%s) for now: the "
+                       "database %s is open in another process%s (meshplan serve, top or "
+                       "telemetry sql, which load them as they read); whoever opens it next "
+                       "loads them, or run meshplan telemetry ingest", config.segments,
+                       config.db, f", PID {exc.holder}" if exc.holder else "")
     except TelemetryError as exc:
         logger.warning("meshplan: telemetry not loaded into %s yet (%s); its segments are "
                        "in %s", config.db, exc, config.segments)

@@ -80,11 +80,13 @@ class TransferReport:
     why: str                    # why this method
 
     def __str__(self) -> str:
+        from ..planner._summary import format_bytes
+
         if self.method == "controller":
-            return (f"transfer: {self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB, through "
-                    f"the controller ({self.controller_bytes / 2**20:.1f} MiB in and out) in "
+            return (f"transfer: {self.tensors} tensors, {format_bytes(self.nbytes)}, through "
+                    f"the controller ({format_bytes(self.controller_bytes)} in and out) in "
                     f"{self.seconds * 1e3:.1f} ms ({self.why})")
-        return (f"transfer: {self.tensors} tensors, {self.nbytes / 2**20:.1f} MiB read by the "
+        return (f"transfer: {self.tensors} tensors, {format_bytes(self.nbytes)} read by the "
                 f"destination ranks in {self.seconds * 1e3:.1f} ms by {self.method} "
                 f"({self.why})")
 

@@ -111,6 +111,15 @@ def _dataset(schema: pa.Schema, files: list[Path]) -> ds.Dataset:
     return ds.dataset([str(p) for p in files], schema=schema, format="parquet")
 
 
+class DatabaseLocked(TelemetryError):
+    """The database is open in another process (``holder``: its PID, when DuckDB says)."""
+
+    def __init__(self, path: Path, holder: str | None) -> None:
+        super().__init__(f"telemetry database {path} is open in another process"
+                         + (f" (PID {holder})" if holder else ""))
+        self.path, self.holder = path, holder
+
+
 class Store:
     """The telemetry tables of one database (or, when it is locked, of its segments).
 
@@ -133,10 +142,12 @@ class Store:
 
     @classmethod
     def open(cls, db_path: str | os.PathLike | None = None, *,
-             segments: str | os.PathLike | None = None, ingest: bool = True) -> Store:
+             segments: str | os.PathLike | None = None, ingest: bool = True,
+             if_locked: str = "segments") -> Store:
         """Open the database at ``db_path`` (default ``default_db_path()``), creating it and its
         folder when missing, then ingest new segments from ``segments`` (default
-        ``segments_dir(db_path)``). A database locked by another process -> read the segments."""
+        ``segments_dir(db_path)``). A database locked by another process -> read the segments
+        (``if_locked="segments"``), or ``DatabaseLocked`` (``if_locked="raise"``)."""
         path = Path(db_path) if db_path is not None else default_db_path()
         root = Path(segments) if segments is not None else segments_dir(path)
         try:
@@ -148,6 +159,9 @@ class Store:
         except duckdb.Error as e:
             msg = str(e)
             if _LOCKED.search(msg):
+                if if_locked == "raise":
+                    pid = _LOCK_PID.search(msg)
+                    raise DatabaseLocked(path, pid.group(1) if pid else None) from None
                 return cls._open_segments(path, root, msg)
             if "Corrupt database file" in msg or "does not match stored checksum" in msg:
                 raise TelemetryError(

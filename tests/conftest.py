@@ -5,11 +5,13 @@ Tests under ``tests/gpu/`` are marked ``gpu`` and tests under ``tests/dist/`` ar
 automatically. Tests marked ``gpu`` are skipped when ``torch.cuda.is_available()`` is false.
 
 ``make test`` runs the suite on two pytest-xdist workers (CI has two cores). The files of
-``tests/dist/`` that start ranks of their own (two to eight processes, sandbox hosts, a Slurm
-controller) go to one worker, one test after another: two of them at once on two cores would
-starve each other's heartbeats. Every other file (those of ``tests/dist/`` that run their
-ranks as threads of the test's process included) goes whole, its module fixtures built
-once, to whichever worker is free.
+``tests/dist/`` that start ranks of their own and time them (faults, hangs, lost hosts,
+heartbeats, sandbox hosts, a Slurm controller, pods) go to one worker, one test after another:
+two of them at once on two cores would starve each other's heartbeats. Every other file goes
+whole, its module fixtures built once, to whichever worker is free: those of ``tests/dist/``
+that run their ranks as threads of the test's process, and those whose ranks are processes
+but only compute, with generous limits (``_ALONGSIDE``: at most one of them runs beside the
+timed files; without them the timed worker was the whole suite's critical path).
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ if LoadScopeScheduling is not None:
     # tests/dist/ files whose ranks are threads of the test's process (ThreadMesh)
     _IN_PROCESS = frozenset({"tests/dist/test_lower.py", "tests/dist/test_lower_kernels.py",
                              "tests/dist/test_memory_model.py"})
+    # process ranks that only compute (no fault, hang or lost host; limits of 60 s and more)
+    _ALONGSIDE = frozenset({"tests/dist/test_transfer.py", "tests/dist/test_user_programs.py",
+                            "tests/dist/test_hf_models.py", "tests/dist/test_checkpoint.py",
+                            "tests/dist/test_microbatch.py", "tests/dist/test_pipeline_run.py"})
 
     class _OneDistWorker(LoadScopeScheduling):
         """The ``tests/dist/`` files that start processes as one unit of work, every other
@@ -111,7 +117,7 @@ if LoadScopeScheduling is not None:
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            if path.startswith("tests/dist/") and path not in _IN_PROCESS:
+            if path.startswith("tests/dist/") and path not in _IN_PROCESS | _ALONGSIDE:
                 return "tests/dist"
             return path
 

@@ -7,6 +7,7 @@ exist) go through ``cli.main`` in this process and must give ONE stderr line and
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -122,7 +123,8 @@ def test_no_database(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert not missing.exists()
 
 
-def test_locked_database_reads_the_segments(db: Path, capsys: pytest.CaptureFixture) -> None:
+def test_locked_database_reads_the_segments(db: Path, capsys: pytest.CaptureFixture,
+                                             caplog: pytest.LogCaptureFixture) -> None:
     """While another process holds the database, queries read the segments and say so on
     stderr; ingest cannot, and says who holds the lock."""
     hold = subprocess.Popen([sys.executable, "-c", "import duckdb, sys; c = duckdb.connect("
@@ -139,6 +141,14 @@ def test_locked_database_reads_the_segments(db: Path, capsys: pytest.CaptureFixt
         assert main(["telemetry", "ingest", "--db", str(db)]) == 1
         err = capsys.readouterr().err
         assert "cannot ingest" in err and f"PID {hold.pid}" in err and err.count("\n") == 1
+        # a run that ends meanwhile (its controller's last ingest) says where its rows stay
+        from meshplan.runtime._telemetry import ingest
+        from meshplan.telemetry import TelemetryConfig
+
+        with caplog.at_level(logging.WARNING):
+            ingest(TelemetryConfig(db=db))
+        assert "stays in its segments" in caplog.text and f"PID {hold.pid}" in caplog.text
+        assert "reading segments" not in caplog.text
     finally:
         hold.stdin.close()
         hold.wait(timeout=10)
