@@ -12,6 +12,7 @@ the example GPT under ``launcher="mpi"`` on ``$MESHPLAN_HOSTS``, next to one pro
     python _multihost_job.py die RESULT             (slurm: a rank is killed; see ``die``)
     python _multihost_job.py hold                   (slurm: one step, ``ready``, then sleep)
     python _multihost_job.py refused MESH SLURM RESULT  (slurm: the launch's error)
+    python _multihost_job.py transfer               (see ``transfer_between_hosts``)
 
 Prints one JSON line: the mesh's and one process's losses, the largest parameter difference
 after the steps, and the host of every rank as telemetry recorded it.
@@ -237,7 +238,37 @@ def refused(mesh: str, slurm: str, result: str) -> None:
         json.dump(out, f)
 
 
+def transfer_between_hosts() -> None:
+    """Two meshes of 2 ranks under mpi, an FSDP trainer on the first host of
+    ``$MESHPLAN_HOSTS`` and a Megatron-style one on the second, each its own mpiexec world:
+    the trainer's model copied into the other by ``method="tcp"`` (what ranks of slurm or k8s
+    use), read over the sandbox's network. Prints the report and whether every tensor
+    arrived bit for bit."""
+    import os
+
+    h0, h1 = os.environ["MESHPLAN_HOSTS"].split(",")[:2]
+    ex, other = gpt.build(seed=0), gpt.build(seed=1)
+    src = meshplan.distribute(ex.step, mesh={"dp": 2}, strategy="fsdp", launcher="mpi",
+                              hosts=f"{h0}:2", telemetry=False, timeout_s=120)
+    dst = meshplan.distribute(other.step, mesh={"tp": 2}, strategy="megatron_tp",
+                              launcher="mpi", hosts=f"{h1}:2", telemetry=False, timeout_s=120)
+    with src, dst:
+        src(*ex.batch(0))
+        dst(*other.batch(0))
+        before = dst.state_dict()["model"]
+        report = meshplan.transfer(src, dst, method="tcp")
+        want, got = src.state_dict()["model"], dst.state_dict()["model"]
+        hosts = [list(src._workers.hostnames), list(dst._workers.hostnames)]
+    print(json.dumps({"method": report.method, "controller_bytes": report.controller_bytes,
+                      "nbytes": report.nbytes, "hosts": hosts,
+                      "equal": sorted(got) == sorted(want) and
+                      all(torch.equal(got[k], want[k]) for k in want),
+                      "changed": any(not torch.equal(before[k], want[k]) for k in want)}))
+
+
 def main() -> None:
+    if sys.argv[1] == "transfer":
+        return transfer_between_hosts()
     if sys.argv[1] == "cut":
         return cut(*sys.argv[2:4])
     if sys.argv[1] == "unreachable":

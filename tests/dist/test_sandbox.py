@@ -10,6 +10,7 @@ skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -51,8 +52,9 @@ def box():
         b.down()
 
 
-def _out(b: Sandbox, cmd: list[str], host: str | None = None, **kwargs) -> str:
-    done = b.run(cmd, host=host, capture_output=True, text=True, timeout=60, **kwargs)
+def _out(b: Sandbox, cmd: list[str], host: str | None = None, timeout: float = 60,
+         **kwargs) -> str:
+    done = b.run(cmd, host=host, capture_output=True, text=True, timeout=timeout, **kwargs)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -292,6 +294,23 @@ def test_gpt_on_two_pods_on_two_hosts_equals_one_process(box, monkeypatch) -> No
     assert r["param_diff"] < 3e-5
     assert left == ""
     assert _gone(r["pids"], 10.0), "a rank or agent outlived the run"
+
+
+@needs_namespaces
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="needs MPICH's mpiexec beside this Python (pip install mpich)")
+def test_transfer_by_tcp_between_meshes_on_two_hosts(box) -> None:
+    """``meshplan.transfer(method="tcp")`` between an FSDP mesh on h0 and a Megatron-style
+    mesh on h1, each its own mpiexec world: every destination rank reads its regions from the
+    source ranks over the sandbox's network (not loopback, not MPI), bit for bit."""
+    out = _out(box, [sys.executable, str(Path(__file__).with_name("_multihost_job.py")),
+                     "transfer"], timeout=150)
+    r = json.loads(out.splitlines()[-1])
+    h0, h1 = (h.name for h in box.hosts)
+    assert r["hosts"] == [[h0, h0], [h1, h1]], r
+    assert r["method"] == "tcp" and r["controller_bytes"] == 0 and r["nbytes"] > 0, r
+    assert r["changed"] and r["equal"], r
 
 
 def _in_netns(holder: int) -> list[str]:
