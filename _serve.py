@@ -206,8 +206,17 @@ class Service:
         return live
 
     def stacks(self, run_id: str, timeout_s: float | None) -> dict[str, Any]:
-        client = self.live_runs().get(run_id)
-        if client is None:
+        world = None
+        for client in LiveClient.find(self.store.segments):
+            if client.run_id == run_id:
+                try:
+                    status = client.status()
+                except (LiveError, ValueError):
+                    continue
+                if status.get("running"):
+                    world = status.get("world") or 0
+                    break
+        if world is None:
             raise ApiError(404, "not_found", f"run {run_id!r} is not running with its "
                                              "controller on this host (GET /v1/runs: live)")
         try:
@@ -216,8 +225,7 @@ class Service:
             raise ApiError(404 if e.status in (0, 503) else 500,
                            "not_found" if e.status in (0, 503) else "internal", str(e)) from None
         return {"run_id": run_id, "stacks": got,
-                "missing": [r for r in range(client.status().get("world") or 0)
-                            if str(r) not in got]}
+                "missing": [r for r in range(world) if str(r) not in got]}
 
     def _run(self, sql: str, max_rows: int, timeout_s: float) -> dict[str, Any]:
         import duckdb

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -471,7 +472,7 @@ class ControllerChannel(_Endpoint):
         # its answers to ``ask_sides`` land in ``_answers[request id]``
         self.on_log: Callable[[int, list[Any]], None] | None = None
         self._answers: dict[int, dict[int, Message]] = {}
-        self._asks = 0
+        self._asks = itertools.count(1)         # request ids (next() is atomic)
         # the socket's users (module docstring): the holder of ``_lock`` reads; a reply read
         # for the stepping thread by another waits in ``_inbox``; ``_waiting`` counts the
         # threads that want the lock (the reader polls in short slices then)
@@ -548,10 +549,8 @@ class ControllerChannel(_Endpoint):
         ``recv``."""
         if kind not in _SIDE_ASKS:
             raise ValueError(f"a side socket answers {_SIDE_ASKS}, not {kind!r}")
-        with self._locked():
-            self._asks += 1
-            req = self._asks
-            self._answers[req] = {}
+        req = next(self._asks)
+        self._answers[req] = {}
         asked = []
         try:
             for rank in ranks:

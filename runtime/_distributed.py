@@ -413,6 +413,8 @@ class DistributedStep:
         Workers answer between steps: call it from the thread that runs the steps."""
         import pyarrow as pa
 
+        from ..telemetry._recorder import read_ipc
+
         workers = self._workers
         if workers is None:
             raise RuntimeFailure(f"{self.__name__}: no mesh is running; call the step first "
@@ -422,8 +424,7 @@ class DistributedStep:
                                  "telemetry=None (the default) or a path to distribute")
         workers.broadcast("telemetry_query", {"sql": sql})
         got, errors, missing = workers.gather_some("telemetry_query", timeout_s)
-        tables = [pa.ipc.open_stream(got[r].tensors[0].numpy().tobytes()).read_all()
-                  for r in sorted(got)]
+        tables = [read_ipc(got[r].tensors[0].numpy()) for r in sorted(got)]
         if tables:
             table = pa.concat_tables(tables, promote_options="permissive")
         else:

@@ -421,17 +421,14 @@ def _set_state(state: WorkerState, header: dict[str, Any], tensors: list[torch.T
 def _telemetry_query(state: WorkerState, header: dict[str, Any], tensors: list[torch.Tensor]):
     """Run the controller's SQL over this rank's recent events; the answer travels as an Arrow
     IPC stream in a uint8 tensor."""
-    import pyarrow as pa
+    from ..telemetry._recorder import arrow_ipc
 
     tel: WorkerTelemetry | None = getattr(state.ns, "telemetry", None)
     if tel is None:
         raise RuntimeError(f"rank {state.rank} records no telemetry (the run has telemetry off)")
     table = tel.rec.query(str(header["sql"]))
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    data = sink.getvalue().to_pybytes()
-    return {"rows": table.num_rows}, [torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+    return {"rows": table.num_rows}, [torch.frombuffer(bytearray(arrow_ipc(table)),
+                                                       dtype=torch.uint8)]
 
 
 @register("telemetry_ship")

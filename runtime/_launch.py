@@ -9,7 +9,6 @@ raises :class:`WorkerFailure`; nothing is left running, even when the controller
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -335,8 +334,6 @@ class Workers:
         self.channel.on_log = self.logs.add
         # between calls too (the program runs its own code): lines printed as they come
         self.channel.start_pump()
-        # messages that came while ``stacks`` waited for the side sockets: the next reads
-        self._held: collections.deque[tuple[int, Message]] = collections.deque()
         self._early_stacks: dict[int, dict[str, Any]] | None = None
         # where the stacks a hang or SIGUSR1 brings go (``DistributedStep`` records them)
         self.on_stacks: Callable[[dict[int, dict[str, Any]], str], None] | None = None
@@ -412,7 +409,7 @@ class Workers:
         while len(got) < self.n:
             wait = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             try:
-                rank, message = self._recv(wait)
+                rank, message = self.channel.recv(wait)
             except TimeoutError:
                 pass
             else:
@@ -449,7 +446,7 @@ class Workers:
         errors: dict[int, dict[str, Any]] = {}
         while len(got) + len(errors) < self.n and (left := deadline - time.monotonic()) > 0:
             try:
-                rank, message = self._recv(min(_POLL_S, left))
+                rank, message = self.channel.recv(min(_POLL_S, left))
             except TimeoutError:
                 pass
             else:
@@ -466,12 +463,6 @@ class Workers:
             self._late.setdefault(rank, []).append(kind_expected)
         return got, errors, missing
 
-    def _recv(self, timeout_s: float | None) -> tuple[int, Message]:
-        """The next message: one ``stacks`` held back first, else the channel's."""
-        if self._held:
-            return self._held.popleft()
-        return self.channel.recv(timeout_s)
-
     def stacks(self, timeout_s: float = 3.0, ranks: Sequence[int] | None = None
                ) -> dict[int, dict[str, Any]]:
         """Every rank's Python stacks now (``runtime/_logs.python_stacks``: ``text``,
@@ -486,16 +477,6 @@ class Workers:
         got = self.channel.ask_sides(ranks, P.STACKS, timeout_s=timeout_s)
         return {r: {k: v for k, v in m.header.items() if k != "req"}
                 for r, m in sorted(got.items())}
-
-    def drain(self, timeout_s: float = 0.0) -> None:
-        """Read what the ranks' side sockets sent (their output lines) for ``timeout_s``;
-        replies that come meanwhile are kept for the next read."""
-        deadline = time.monotonic() + timeout_s
-        while not self.closed:
-            try:
-                self._held.append(self.channel.recv(max(0.0, deadline - time.monotonic())))
-            except TimeoutError:
-                break
 
     def _dump_on_signal(self) -> None:
         """SIGUSR1 to the controller (``install_stack_signal``): every rank's stacks, printed
@@ -592,7 +573,7 @@ class Workers:
             if left <= 0 or any(self._group.procs[r].poll() is not None for r in waiting):
                 return False
             try:
-                rank, message = self._recv(min(_POLL_S, left))
+                rank, message = self.channel.recv(min(_POLL_S, left))
             except TimeoutError:
                 continue
             if message.kind == P.PING and message.header.get("sync") == nonce:
@@ -794,7 +775,7 @@ class Workers:
         deadline = time.monotonic() + _DRAIN_S
         while (left := deadline - time.monotonic()) > 0:
             try:
-                rank, message = self._recv(left)
+                rank, message = self.channel.recv(left)
             except TimeoutError:
                 return
             if message.kind == P.ERROR and rank in exited:

@@ -132,6 +132,7 @@ class LiveEndpoint:
               ) -> tuple[int, dict[str, str], bytes]:
         import pyarrow as pa
 
+        from ..telemetry._recorder import arrow_ipc, read_ipc
         from ..telemetry._schema import TABLES
 
         unknown = [t for t in tables if t not in TABLES]
@@ -148,12 +149,12 @@ class LiveEndpoint:
             if rank in errors:
                 continue
             for table, tensor in zip(tables, m.tensors):
-                parts[table].append(pa.ipc.open_stream(tensor.numpy().tobytes()).read_all())
+                parts[table].append(read_ipc(tensor.numpy()))
         body = bytearray()
         for table in tables:
             arrow = (pa.concat_tables(parts[table], promote_options="permissive")
                      if parts[table] else TABLES[table].empty_table())
-            data = _ipc(arrow)
+            data = arrow_ipc(arrow)
             body += struct.pack("<Q", len(data)) + data
         meta = {"run_id": self.run_id, "answered": sorted(r for r in got if r not in errors),
                 "missing": [r for r in range(workers.n) if r not in got],
@@ -176,15 +177,6 @@ def _remove_if_ours(path: Path, token: str) -> None:
             path.unlink()
     except (OSError, ValueError):
         pass
-
-
-def _ipc(table: Any) -> bytes:
-    import pyarrow as pa
-
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
 def _ok(body: Any) -> tuple[int, dict[str, str], bytes]:
@@ -267,14 +259,14 @@ class LiveClient:
     def rows(self, tables: list[str], timeout_s: float = DEFAULT_ASK_S
              ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``({table: pyarrow.Table}, {"answered", "missing", "errors"})``."""
-        import pyarrow as pa
+        from ..telemetry._recorder import read_ipc
 
         body, headers = self._get(f"/rows?tables={','.join(tables)}&timeout_s={timeout_s:g}",
                                   timeout_s + 5)
         out, at = {}, 0
         for table in tables:
             (size,) = struct.unpack_from("<Q", body, at)
-            out[table] = pa.ipc.open_stream(body[at + 8:at + 8 + size]).read_all()
+            out[table] = read_ipc(body[at + 8:at + 8 + size])
             at += 8 + size
         return out, json.loads(headers.get("X-Meshplan-Live") or "{}")
 

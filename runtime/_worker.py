@@ -392,8 +392,7 @@ def recent_rows(state: WorkerState, tables: list[str]) -> tuple[dict[str, Any], 
     ``live_rows`` of each), each as an Arrow IPC stream in a uint8 tensor: the side thread's
     answer to ``ROWS`` (``meshplan serve``'s ``live_`` tables, runtime/_live.py). Read while
     the main thread may record: the recorder's locks keep it whole."""
-    import pyarrow as pa
-
+    from ..telemetry._recorder import arrow_ipc
     from ..telemetry._schema import TABLES
 
     tel = getattr(state.ns, "telemetry", None)
@@ -403,14 +402,9 @@ def recent_rows(state: WorkerState, tables: list[str]) -> tuple[dict[str, Any], 
     unknown = [t for t in tables if t not in TABLES]
     if unknown:
         return {"error": f"no telemetry table {unknown[0]!r}"}, []
-    out = []
-    for table in tables:
-        arrow = tel.rec.recent(table)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, arrow.schema) as writer:
-            writer.write_table(arrow)
-        out.append(torch.frombuffer(bytearray(sink.getvalue().to_pybytes()), dtype=torch.uint8))
-    return {"tables": tables}, out
+    return {"tables": tables}, [
+        torch.frombuffer(bytearray(arrow_ipc(tel.rec.recent(t))), dtype=torch.uint8)
+        for t in tables]
 
 
 def _close(channel: WorkerChannel, capture: LogCapture | None) -> None:

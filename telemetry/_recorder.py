@@ -358,6 +358,21 @@ class Recorder:
             con.close()
 
 
+def arrow_ipc(table: pa.Table) -> bytes:
+    """``table`` as an Arrow IPC stream: how rows travel between processes (a rank's live
+    rows and query answers to the controller, the controller's to ``meshplan serve``)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def read_ipc(data: Any) -> pa.Table:
+    """The table of an Arrow IPC stream in ``data`` (bytes, or any buffer: a tensor's numpy
+    view is read without a copy)."""
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
 def _rows_to_arrow(run_id: str, table: str, rows: list) -> pa.Table:
     schema = TABLES[table]
     names = schema.names
@@ -444,4 +459,4 @@ def _close_at_exit(ref: weakref.WeakMethod) -> None:
             logger.exception("telemetry: final flush failed")
 
 
-__all__ = ["Recorder", "TelemetryConfig", "now_us", "rank_dir"]
+__all__ = ["Recorder", "TelemetryConfig", "arrow_ipc", "now_us", "rank_dir", "read_ipc"]
